@@ -1,0 +1,40 @@
+"""The ``eagle3nb`` console script. Each command lives in the module that does the work; that module
+exposes ``register_cli(subparsers)`` and keeps its top-level imports light (torch is imported lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> module with register_cli(subparsers)
+CLI_MODULES = [
+    "eagle3nb.run",        # run, status
+    "eagle3nb.toy.cli",    # toy build, toy prompts
+    "eagle3nb.serve.cli",  # serve
+    "eagle3nb.doctor",     # doctor
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3nb", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in CLI_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                continue  # command not built yet
+            raise
+        mod.register_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Typed, validated stage parameters.
+
+Each stage defines a ``StageParams`` subclass (in its own module) and registers it under its notebook
+name with ``@register("01_synth")``. A notebook's parameters cell holds plain literals; papermill injects
+values from ``params/<run>/<NN_name>.yaml``; the next cell calls ``validate("01_synth", globals())``,
+which turns every problem (unknown key, wrong type, missing path) into one error naming the key, the
+file and the fix, before any work starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import types
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from eagle3nb.paths import project_root, resolve
+
+STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
+STAGE_MODULES = {
+    "01_synth": "eagle3nb.synth",
+    "02_hidden_states": "eagle3nb.hidden",
+    "03_train": "eagle3nb.train",
+    "04_acceptance": "eagle3nb.accept",
+}
+_REGISTRY: dict[str, type["StageParams"]] = {}
+
+# Names present in a notebook's globals that are never parameters.
+_NOT_PARAMS = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+
+
+class ParamsError(ValueError):
+    """A parameter problem, phrased for the person who wrote the YAML."""
+
+
+class StageParams(BaseModel):
+    """Base of every stage's schema: unknown keys are errors; common keys every stage has."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    stage: ClassVar[str] = ""
+
+    run_name: str = "demo"
+    params_file: str | None = None
+
+    def out_dir(self, value: str | None, default_sub: str) -> Path:
+        """Resolve a stage's output folder: the given value, else ``outputs/<run_name>/<default_sub>``."""
+        return resolve(value) if value else project_root() / "outputs" / self.run_name / default_sub
+
+    def check_paths(self) -> None:
+        """Hook for schemas: raise ParamsError for paths that must exist (called by ``validate``)."""
+
+
+def register(stage: str):
+    """Class decorator: make ``validate(stage, ...)`` use this schema."""
+
+    def deco(cls: type[StageParams]) -> type[StageParams]:
+        cls.stage = stage
+        _REGISTRY[stage] = cls
+        return cls
+
+    return deco
+
+
+def schema_for(stage: str) -> type[StageParams]:
+    if stage not in STAGE_MODULES:
+        raise ParamsError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    if stage not in _REGISTRY:
+        importlib.import_module(STAGE_MODULES[stage])
+    return _REGISTRY[stage]
+
+
+def _source(values: dict[str, Any], stage: str) -> str:
+    if values.get("params_file"):
+        return str(values["params_file"])
+    if values.get("run_name"):
+        return f"params/{values['run_name']}/{stage}.yaml"
+    return "the notebook's parameters cell"
+
+
+def _fmt_loc(loc: tuple) -> str:
+    return ".".join(str(x) for x in loc)
+
+
+def from_dict(stage: str, values: dict[str, Any], source: str | None = None) -> StageParams:
+    """Validate ``values`` against the stage schema; raise ParamsError naming key, file and fix."""
+    cls = schema_for(stage)
+    src = source or _source(values, stage)
+    known = set(cls.model_fields)
+    problems: list[str] = []
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+            problems.append(f"unknown parameter {key!r} in {src}: remove it or rename it ({hint})")
+    if problems:
+        raise ParamsError("\n".join(problems))
+    try:
+        params = cls(**values)
+    except ValidationError as e:
+        for err in e.errors():
+            key = _fmt_loc(err["loc"])
+            got = err.get("input")
+            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            want = f" ({field.description})" if field is not None and field.description else ""
+            problems.append(
+                f"parameter {key!r} in {src}: {err['msg']} (got {got!r}); "
+                f"fix the value in {src}{want}"
+            )
+        raise ParamsError("\n".join(problems)) from None
+    params.check_paths()
+    return params
+
+
+def from_notebook(stage: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The parameter values in a notebook namespace: every public plain value (not modules/functions)."""
+    out = {}
+    for k, v in namespace.items():
+        if k.startswith("_") or k in _NOT_PARAMS:
+            continue
+        if isinstance(v, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)):
+            continue
+        if callable(v):
+            continue
+        out[k] = v
+    return out
+
+
+def validate(stage: str, namespace: dict[str, Any]) -> StageParams:
+    """Validate the parameters a notebook holds (its ``globals()``), as the notebook's first step."""
+    return from_dict(stage, from_notebook(stage, namespace))
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read one parameter file; malformed YAML is an error naming the file and the line."""
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ParamsError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of parameter: value, got {type(data).__name__}")
+    return data
+
+
+def run_params(run_dir: Path, stage: str) -> dict[str, Any]:
+    """A stage's raw values for a run folder: ``common.yaml`` (keys the stage knows) layered under
+    ``<stage>.yaml``. ``run_name`` defaults to the folder name and ``params_file`` to the stage file."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ParamsError(f"{run_dir}: no such parameter folder; create it or pass params/<run>/")
+    cls = schema_for(stage)
+    common = load_yaml(run_dir / "common.yaml")
+    values = {k: v for k, v in common.items() if k in cls.model_fields}
+    stage_file = run_dir / f"{stage}.yaml"
+    values.update(load_yaml(stage_file))
+    values.setdefault("run_name", run_dir.name)
+    values.setdefault("params_file", str(stage_file))
+    return values

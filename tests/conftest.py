@@ -1,0 +1,26 @@
+"""Shared fixtures: the toy world is built once per test run (and cached across runs by its settings)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _project_env(tmp_path_factory):
+    """Tests resolve relative params against the repo and keep the toy build cache in one place."""
+    os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
+    os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def toy_smoke(_project_env) -> Path:
+    """The smoke-size toy target (tokenizer + trained Llama), built once and cached."""
+    from eagle3nb.toy import build
+
+    return build(size="smoke")
