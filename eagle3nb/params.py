@@ -86,8 +86,9 @@ def _fmt_loc(loc: tuple) -> str:
     return ".".join(str(x) for x in loc)
 
 
-def from_dict(stage: str, values: dict[str, Any], source: str | None = None) -> StageParams:
-    """Validate ``values`` against the stage schema; raise ParamsError naming key, file and fix."""
+def from_dict(stage: str, values: dict[str, Any], source: str | None = None, check_paths: bool = True) -> StageParams:
+    """Validate ``values`` against the stage schema; raise ParamsError naming key, file and fix.
+    ``check_paths=False`` checks types only (for a production run prepared on another machine)."""
     cls = schema_for(stage)
     src = source or _source(values, stage)
     known = set(cls.model_fields)
@@ -112,7 +113,8 @@ def from_dict(stage: str, values: dict[str, Any], source: str | None = None) -> 
                 f"fix the value in {src}{want}"
             )
         raise ParamsError("\n".join(problems)) from None
-    params.check_paths()
+    if check_paths:
+        params.check_paths()
     return params
 
 

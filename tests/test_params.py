@@ -1,0 +1,69 @@
+"""Parameter validation: every problem names the key, the file and the fix, before any work starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3nb.params import STAGES, ParamsError, from_dict, load_yaml, run_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("run", ["demo", "smoke", "kimi-k2.5-10k"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_shipped_params_are_valid(run, stage):
+    values = run_params(ROOT / "params" / run, stage)
+    # production paths (/shared/kimi-k2.5-int4, ...) do not exist on this machine: types only there
+    params = from_dict(stage, values, check_paths=run != "kimi-k2.5-10k")
+    assert params.run_name == run
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path):
+    values = {"run_name": "x", "params_file": "params/x/01_synth.yaml", "max_sample": 10}
+    with pytest.raises(ParamsError) as e:
+        from_dict("01_synth", values)
+    msg = str(e.value)
+    assert "'max_sample'" in msg and "params/x/01_synth.yaml" in msg and "max_samples" in msg
+
+
+def test_wrong_type_names_key_and_file():
+    with pytest.raises(ParamsError) as e:
+        from_dict("01_synth", {"params_file": "p.yaml", "max_samples": "many"})
+    msg = str(e.value)
+    assert "'max_samples'" in msg and "p.yaml" in msg and "'many'" in msg
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "01_synth.yaml"
+    bad.write_text("max_samples: 10\nconcurrency: [1, 2\n")
+    with pytest.raises(ParamsError) as e:
+        load_yaml(bad)
+    assert str(bad) in str(e.value) and "line" in str(e.value)
+
+
+def test_common_yaml_is_layered_under_the_stage_file(tmp_path):
+    run = tmp_path / "myrun"
+    run.mkdir()
+    (run / "common.yaml").write_text("max_samples: 7\nconcurrency: 3\nnot_a_synth_key: 1\n")
+    (run / "01_synth.yaml").write_text("concurrency: 5\n")
+    values = run_params(run, "01_synth")
+    assert values["max_samples"] == 7 and values["concurrency"] == 5
+    assert "not_a_synth_key" not in values  # common keys apply only to stages that know them
+    assert values["run_name"] == "myrun" and values["params_file"].endswith("01_synth.yaml")
+
+
+def test_papermill_cli_rejects_an_unknown_key_before_work(tmp_path):
+    bad = tmp_path / "01_synth.yaml"
+    bad.write_text("run_name: smoke\nconcurency: 4\n")
+    out = tmp_path / "out.ipynb"
+    proc = subprocess.run(
+        [sys.executable, "-m", "papermill", str(ROOT / "notebooks" / "01_synth.ipynb"), str(out), "-f", str(bad),
+         "--cwd", str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "ParamsError" in proc.stderr and "'concurency'" in proc.stderr and "concurrency" in proc.stderr
