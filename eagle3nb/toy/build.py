@@ -1,0 +1,188 @@
+"""Build the toy target: tokenizer + a small LlamaForCausalLM trained on generated reasoning dialogues.
+
+Deterministic for a seed (fixed thread count, seeded torch and data), cached by its settings in
+``paths.cache_dir()`` (a hash of the size settings, the seed and this package's source), and written to a
+temporary folder that is renamed into place, so a killed build never leaves a half model behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+from eagle3nb import paths
+from eagle3nb.tokens import IM_END
+from eagle3nb.toy import dialogues
+from eagle3nb.toy.tokenizer import build_tokenizer
+
+# Model and training settings per size. ``threads`` is fixed so the weights are identical on any machine.
+SIZES: dict[str, dict] = {
+    "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=120, batch=32, lr=3e-3,
+                  warmup=10, threads=1),
+    "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=400, batch=32, lr=2e-3,
+                 warmup=20, threads=1),
+}
+MAX_POSITIONS = 1024
+SOURCES = ["tokenizer.py", "dialogues.py", "build.py"]
+MARKER = "toy_build.json"
+
+
+def settings_hash(size: str, seed: int) -> str:
+    """Cache key: the size settings, the seed and the source of everything that shapes the weights."""
+    h = hashlib.sha256(json.dumps({"size": SIZES[size], "seed": seed}, sort_keys=True).encode())
+    for name in SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def render(tokenizer, d: dict) -> tuple[list[int], int]:
+    """Token ids of a finished dialogue and the length of its generation prompt (loss starts there)."""
+    kw = {"thinking": d["thinking"]}
+    prompt = tokenizer.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True, **kw)
+    reply = {"role": "assistant", "content": d["answer"], "reasoning_content": d["reasoning"] if d["thinking"] else ""}
+    full = tokenizer.apply_chat_template(d["messages"] + [reply], tokenize=False, **kw)
+    assert full.startswith(prompt), "toy chat template: the finished dialogue must extend its generation prompt"
+    return tokenizer.encode(full, add_special_tokens=False), len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def batches(tokenizer, rng: random.Random, n: int, batch: int, split: str):
+    """``n`` padded batches (input_ids, labels with -100 outside the assistant reply) of fresh dialogues."""
+    import torch
+
+    for _ in range(n):
+        rows = [render(tokenizer, dialogues.dialogue(rng, split)) for _ in range(batch)]
+        T = max(len(ids) for ids, _ in rows)
+        x = torch.full((batch, T), tokenizer.pad_token_id, dtype=torch.long)
+        y = torch.full((batch, T), -100, dtype=torch.long)
+        for i, (ids, p) in enumerate(rows):
+            x[i, : len(ids)] = torch.tensor(ids)
+            y[i, p - 1 : len(ids) - 1] = torch.tensor(ids[p:])
+        yield x, y
+
+
+def make_model(tokenizer, s: dict):
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.generation_config = GenerationConfig(eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id,
+                                               bos_token_id=None, do_sample=False, max_new_tokens=128)
+    return model
+
+
+def heldout_loss(model, tokenizer, seed: int, n_batches: int = 4) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    rng = random.Random(f"heldout-loss:{seed}")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches(tokenizer, rng, n_batches, 32, "heldout"):
+            logits = model(input_ids=x).logits
+            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += int((y != -100).sum())
+    return total / count
+
+
+def generate(model, tokenizer, messages: list[dict], thinking: bool = True, max_new_tokens: int = 128) -> str:
+    """Greedy completion text (special tokens kept) of one conversation."""
+    import torch
+
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, thinking=thinking, tokenize=True,
+                                        return_dict=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
+
+
+def train(out: Path, size: str, seed: int) -> dict:
+    """Train into ``out`` (an empty folder) and return the build report."""
+    import torch
+    import torch.nn.functional as F
+
+    s = SIZES[size]
+    t0 = time.time()
+    tokenizer = build_tokenizer(dialogues.words_for_vocab())
+    torch.manual_seed(seed)
+    model = make_model(tokenizer, s)
+    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.01, betas=(0.9, 0.98))
+    rng = random.Random(f"train:{seed}")
+    model.train()
+    for step, (x, y) in enumerate(batches(tokenizer, rng, s["steps"], s["batch"], "train")):
+        lr = s["lr"] * min(1.0, (step + 1) / s["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / s["steps"]))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == s["steps"] - 1:
+            print(f"toy {size}: step {step + 1}/{s['steps']} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+    model.eval()
+    report = {"size": size, "seed": seed, "settings": s, "heldout_loss": heldout_loss(model, tokenizer, seed),
+              "train_seconds": round(time.time() - t0, 1)}
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    samples = []
+    rng = random.Random(f"samples:{seed}")
+    for category in dialogues.CATEGORIES:
+        p = next(p for p in iter(lambda: dialogues.problem(rng, "heldout"), None) if p["category"] == category)
+        msgs = [{"role": "user", "content": p["question"]}]
+        samples.append({"question": p["question"], "expected": p["answer"], "thinking": True,
+                        "output": generate(model, tokenizer, msgs)})
+    samples.append({**samples[0], "thinking": False,
+                    "output": generate(model, tokenizer, [{"role": "user", "content": samples[0]["question"]}], False)})
+    report["samples"] = samples
+    return report
+
+
+def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
+    """Build (or reuse) the toy target of ``size`` and return its folder.
+
+    ``out`` defaults to ``cache_dir()/toy-{size}-{hash}``; an existing complete build there is returned at once.
+    """
+    import torch
+
+    if size not in SIZES:
+        raise ValueError(f"unknown toy size {size!r}: use one of {sorted(SIZES)}")
+    out = Path(out) if out is not None else paths.cache_dir() / f"toy-{size}-{settings_hash(size, seed)}"
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent build of the same folder waits, then reuses it
+        if (out / MARKER).exists():
+            return out
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"{out} exists and is not a toy build: pick another --out or remove it")
+        tmp = out.parent / f".{out.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(SIZES[size]["threads"])
+        try:
+            report = train(tmp, size, seed)
+        finally:
+            torch.set_num_threads(threads)
+        (tmp / MARKER).write_text(json.dumps(report, indent=2))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    print(f"toy {size} built in {report['train_seconds']}s -> {out}")
+    print(f"held-out loss {report['heldout_loss']:.3f}")
+    for smp in report["samples"]:
+        print(f"  [{'think' if smp['thinking'] else 'no-think'}] {smp['question']!r} -> {smp['output']!r}")
+    return out

@@ -1,0 +1,36 @@
+"""``eagle3nb toy build`` and ``eagle3nb toy prompts`` (imports stay light: torch loads only when building)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _build(args: argparse.Namespace) -> int:
+    from eagle3nb.toy import build
+
+    print(build(args.out, size=args.size, seed=args.seed))
+    return 0
+
+
+def _prompts(args: argparse.Namespace) -> int:
+    from eagle3nb.toy import write_prompts
+
+    print(write_prompts(args.out, args.n, split=args.split, seed=args.seed))
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    toy = subparsers.add_parser("toy", help="the embedded toy target: build it, write prompt sets")
+    sub = toy.add_subparsers(dest="toy_command", required=True)
+    b = sub.add_parser("build", help="build (or reuse from the cache) the toy target model + tokenizer")
+    b.add_argument("--out", type=Path, default=None, help="output folder (default: the build cache)")
+    b.add_argument("--size", choices=["smoke", "demo"], default="smoke", help="smoke: ~30 s build; demo: ~3 min")
+    b.add_argument("--seed", type=int, default=0, help="training seed (same seed -> identical weights)")
+    b.set_defaults(func=_build)
+    p = sub.add_parser("prompts", help="write a toy prompt set as JSONL (01_synth's prompt format)")
+    p.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    p.add_argument("--n", type=int, required=True, help="number of prompts")
+    p.add_argument("--split", choices=["train", "heldout"], default="train", help="train or the disjoint held-out set")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.set_defaults(func=_prompts)
