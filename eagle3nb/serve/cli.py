@@ -1,0 +1,83 @@
+"""``eagle3nb serve``: the embedded OpenAI-compatible server (imports fast; the model loads in ``serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a local Hugging Face causal LM (or toy:smoke / toy:demo) "
+                                            "over an OpenAI-compatible API, like vLLM with a reasoning parser")
+    p.add_argument("--model", required=True, help="model folder in Hugging Face layout, or toy:smoke / toy:demo")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
+    p.add_argument("--reasoning-field", choices=["reasoning", "reasoning_content", "both"], default="reasoning",
+                   help="message field for the think text: new vLLM (reasoning), SGLang / old vLLM "
+                        "(reasoning_content), or both")
+    p.add_argument("--no-reasoning-parser", action="store_true",
+                   help="leave <think>...</think> inline in content, as vLLM does without --reasoning-parser")
+    p.add_argument("--api-key-env", default=None, metavar="NAME",
+                   help="require 'Authorization: Bearer KEY' with KEY read from environment variable NAME")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
+    p.add_argument("--draft", default=None, metavar="DIR", help="EAGLE-3 draft folder: decode speculatively")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="k tokens drafted per step (with --draft)")
+    p.add_argument("--hidden-states-dir", default=None, metavar="DIR",
+                   help="answer /v1/completions by writing hidden states here (vLLM extract_hidden_states)")
+    p.set_defaults(func=serve)
+
+
+def _require_module(name: str, flag: str) -> None:
+    if importlib.util.find_spec(name) is None:
+        sys.exit(f"eagle3nb serve: {flag} is not available yet in this version ({name} is missing); "
+                 f"run without {flag}.")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Check every option before loading anything, then load the model and run uvicorn until stopped."""
+    if args.max_batch_size < 1:
+        sys.exit("eagle3nb serve: --max-batch-size must be at least 1")
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            sys.exit(f"eagle3nb serve: --api-key-env {args.api_key_env}: that environment variable is unset or "
+                     f"empty; export {args.api_key_env}=<key> before starting the server")
+    if args.hidden_states_dir:
+        _require_module("eagle3nb.serve.extract", "--hidden-states-dir")
+    if args.draft:
+        _require_module("eagle3nb.serve.spec_engine", "--draft")
+        if args.num_speculative_tokens < 1:
+            sys.exit("eagle3nb serve: --num-speculative-tokens must be at least 1")
+
+    import uvicorn
+
+    from eagle3nb.serve.app import Server, create_app
+    from eagle3nb.serve.engine import Engine, Metrics, load_model
+    from eagle3nb.toy import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    name = args.served_model_name or args.model
+    model, tokenizer = load_model(str(model_dir))
+    metrics = Metrics(name)
+    decoder = None
+    if args.draft:
+        from eagle3nb.serve.spec_engine import SpecEngine
+        decoder = SpecEngine(model, tokenizer, Path(args.draft), args.num_speculative_tokens, metrics)
+    engine = Engine(model, tokenizer, model_name=name, max_batch_size=args.max_batch_size, decoder=decoder,
+                    metrics=metrics)
+    hidden_dir = Path(args.hidden_states_dir) if args.hidden_states_dir else None
+    if hidden_dir is not None:
+        hidden_dir.mkdir(parents=True, exist_ok=True)
+    server = Server(engine, model_name=name, model_dir=str(model_dir), reasoning_field=args.reasoning_field,
+                    reasoning_parser=not args.no_reasoning_parser, api_key=api_key, hidden_states_dir=hidden_dir)
+    print(f"eagle3nb serve: {name} ({model_dir}) on http://{args.host}:{args.port}/v1 "
+          f"(reasoning {'-> ' + args.reasoning_field if server.reasoning_parser else 'inline'}, "
+          f"auth {'on' if api_key else 'off'}, max batch {args.max_batch_size}"
+          f"{', draft ' + args.draft if args.draft else ''})", flush=True)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="info")
+    return 0
