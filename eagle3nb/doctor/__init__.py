@@ -1,0 +1,176 @@
+"""eagle3nb doctor: catch the known causes of a useless drafter before the long run, and explain a low
+acceptance after it.
+
+Each check is a function of one ``Context`` (a run's params and whatever artifacts exist) in
+``eagle3nb.doctor.checks`` and returns one ``CheckResult``: pass / warn / fail / skip, what was measured and,
+for anything but pass, what to do. A check that lacks what it needs says so (skip) instead of guessing.
+
+    eagle3nb doctor params/<run>/ [--stage NN] [--json] [--serving-engine vllm|sglang]
+
+In a notebook, at the start of a stage: ``eagle3nb.doctor.check_stage("01_synth", P)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+
+# Stable names: the acceptance notebook's verdict and the docs point at them.
+CHECKS = ["server", "token_stream", "thinking", "layer_ids", "shapes_vocab", "data_health", "disk", "draft_sanity"]
+
+# What is worth checking at the start of each stage (the artifacts that stage reads or writes).
+STAGE_CHECKS = {
+    "01_synth": ["server", "token_stream", "thinking", "data_health", "disk"],
+    "02_hidden_states": ["token_stream", "thinking", "data_health", "layer_ids", "shapes_vocab", "disk"],
+    "03_train": ["thinking", "data_health", "layer_ids", "shapes_vocab"],
+    "04_acceptance": ["thinking", "data_health", "layer_ids", "shapes_vocab", "draft_sanity"],
+}
+
+
+class DoctorError(RuntimeError):
+    """Raised by ``check_stage(..., strict=True)`` when a check fails."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # pass | warn | fail | skip
+    measured: str
+    fix: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        head = f"{self.status.upper():4}  {self.name:12}  {self.measured}"
+        return head if self.status == PASS or not self.fix else f"{head}\n{'':18}-> {self.fix}"
+
+
+class Report(list):
+    """The results of one check-up; shows as aligned lines (text) or a table (JupyterLab)."""
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        return [r for r in self if r.status == FAIL]
+
+    def __repr__(self) -> str:
+        return render(self)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        colors = {PASS: "#1a7f37", WARN: "#9a6700", FAIL: "#cf222e", SKIP: "#6e7781"}
+        rows = "".join(
+            f"<tr><td style='color:{colors[r.status]};font-weight:bold'>{r.status.upper()}</td>"
+            f"<td><code>{r.name}</code></td><td style='text-align:left'>{html.escape(r.measured)}</td>"
+            f"<td style='text-align:left'>{html.escape(r.fix)}</td></tr>"
+            for r in self
+        )
+        return (f"<table><tr><th>status</th><th>check</th><th>measured</th><th>what to do</th></tr>{rows}</table>"
+                f"<p>{html.escape(summary(self))}</p>")
+
+
+def summary(results: list[CheckResult]) -> str:
+    counts = {s: sum(r.status == s for r in results) for s in (PASS, WARN, FAIL, SKIP)}
+    return "doctor: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def render(results: list[CheckResult]) -> str:
+    """One line per check (plus a '-> fix' line for anything but pass), then the counts."""
+    return "\n".join([r.line() for r in results] + [summary(results)])
+
+
+def _normalize_stage(stage: str) -> str:
+    from eagle3nb.params import STAGES
+
+    for s in STAGES:
+        if stage in (s, s[:2], s.split("_", 1)[1]):
+            return s
+    raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)} (or its number)")
+
+
+def run_checks(params_dir: str | Path, stage: str | None = None, *, serving_engine: str = "vllm",
+               serving_thinking: bool | None = None, server_url: str | None = None,
+               timeout_s: float = 60.0) -> Report:
+    """Every check the run's artifacts allow (only the stage's checks when ``stage`` is given).
+
+    ``serving_engine`` is the engine that will serve the draft (layer-id convention); ``serving_thinking``
+    the thinking mode serving will ask for (default: the server's default, probed); ``server_url`` overrides
+    01_synth's ``vllm_url`` (e.g. a server the notebook already started)."""
+    from eagle3nb.doctor.context import Context
+
+    stage = _normalize_stage(stage) if stage else None
+    ctx = Context.from_run_dir(Path(params_dir), serving_engine=serving_engine, serving_thinking=serving_thinking,
+                               server_url=server_url, timeout_s=timeout_s)
+    return _run(ctx, STAGE_CHECKS[stage] if stage else CHECKS)
+
+
+def check_stage(stage: str, params: Any, *, strict: bool = False, serving_engine: str = "vllm",
+                serving_thinking: bool | None = None, server_url: str | None = None,
+                timeout_s: float = 60.0) -> Report:
+    """The check-up a notebook runs before its stage's work, from the stage's validated params ``P``
+    (the other stages' params come from the same run folder when ``P.params_file`` is in one).
+    ``strict`` raises DoctorError on any fail."""
+    from eagle3nb.doctor.context import Context
+
+    stage = _normalize_stage(stage)
+    ctx = Context.from_stage(stage, params, serving_engine=serving_engine, serving_thinking=serving_thinking,
+                             server_url=server_url, timeout_s=timeout_s)
+    report = _run(ctx, STAGE_CHECKS[stage])
+    if strict and report.failed:
+        raise DoctorError(f"{stage}: the check-up failed; fix these before the run (or pass strict=False):\n"
+                          + render(report.failed))
+    return report
+
+
+def _run(ctx, names: list[str]) -> Report:
+    from eagle3nb.doctor import checks
+
+    report = Report(ctx.params_problems())
+    ctx.use_server = "server" in names
+    with ctx:
+        for name in names:
+            report.append(checks.run_one(name, ctx, prior=list(report)))
+    return report
+
+
+def likely_causes(results: list[CheckResult]) -> list[str]:
+    """Causes of a low acceptance, likeliest first, from a check-up's results (used by draft_sanity and
+    by the acceptance notebook's verdict)."""
+    from eagle3nb.doctor.checks import rank_causes
+
+    return rank_causes(results)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    thinking = None if args.serving_thinking is None else args.serving_thinking == "on"
+    try:
+        report = run_checks(args.params_dir, args.stage, serving_engine=args.serving_engine,
+                            serving_thinking=thinking, server_url=args.server_url, timeout_s=args.timeout)
+    except ValueError as e:
+        print(f"eagle3nb doctor: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(r) for r in report], indent=2, default=str))
+    else:
+        print(render(report))
+    return 1 if report.failed else 0
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("doctor", help="check a run's setup and artifacts for the known causes of a bad drafter",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("params_dir", help="the run's parameter folder, e.g. params/demo/")
+    p.add_argument("--stage", help="only the checks for this stage (01, 02_hidden_states, ...)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--serving-engine", choices=["vllm", "sglang"], default="vllm",
+                   help="engine that will serve the draft: decides the layer-id convention (default vllm)")
+    p.add_argument("--serving-thinking", choices=["on", "off"],
+                   help="thinking mode serving will use (default: the server's default, probed)")
+    p.add_argument("--server-url", help="check this server instead of 01_synth's vllm_url")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per network probe (default 60)")
+    p.set_defaults(func=_cmd)

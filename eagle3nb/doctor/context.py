@@ -1,0 +1,277 @@
+"""What the doctor knows about a run: each stage's params and the artifacts they point at, loaded once,
+lazily, and shared by the checks. Every network call has a timeout; embedded servers it starts are stopped
+when the check-up ends."""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.params import STAGES, ParamsError, StageParams, from_dict, run_params
+from eagle3nb.paths import resolve
+
+PROBE_QUESTION = "What is 2+2?"
+# Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
+STREAM_PROBES = [PROBE_QUESTION, "How many letters are in the word apple?", "Convert 3 km to m."]
+
+
+# Prompt length assumed when projecting disk use before any sample exists.
+PROMPT_TOKENS_GUESS = 512
+
+
+class Unavailable(Exception):
+    """An artifact a check needs is missing; the message says which and how to get it (the check skips)."""
+
+
+class Context:
+    def __init__(self, params: dict[str, StageParams], problems: dict[str, str], *, serving_engine: str = "vllm",
+                 serving_thinking: bool | None = None, server_url: str | None = None, timeout_s: float = 60.0):
+        if serving_engine not in ("vllm", "sglang"):
+            raise ValueError(f"serving_engine must be vllm or sglang, got {serving_engine!r}")
+        self.params, self.problems = params, problems
+        self.serving_engine, self.serving_thinking = serving_engine, serving_thinking
+        self.server_url, self.timeout_s = server_url, timeout_s
+        self.use_server = True  # False when the check-up leaves the server out (a later stage's cell)
+        self._servers: list[Any] = []
+        self._probes: dict[tuple, dict] = {}
+
+    # -- construction -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_run_dir(cls, run_dir: Path, **kw) -> "Context":
+        """Params of every stage of ``params/<run>/`` (types only: missing artifacts are the checks' business)."""
+        if not Path(run_dir).is_dir():
+            raise ValueError(f"{run_dir}: no such parameter folder; pass params/<run>/")
+        params, problems = {}, {}
+        for stage in STAGES:
+            try:
+                params[stage] = from_dict(stage, run_params(Path(run_dir), stage), check_paths=False)
+            except ParamsError as e:
+                problems[stage] = str(e)
+        return cls(params, problems, **kw)
+
+    @classmethod
+    def from_stage(cls, stage: str, P: StageParams, **kw) -> "Context":
+        """A notebook's validated ``P`` for ``stage``, plus its siblings from P's run folder when it has one."""
+        ctx = cls({}, {}, **kw)
+        if P.params_file and (resolve(P.params_file).parent / f"{stage}.yaml").exists():
+            ctx = cls.from_run_dir(resolve(P.params_file).parent, **kw)
+        ctx.params[stage] = P
+        ctx.problems.pop(stage, None)
+        return ctx
+
+    def params_problems(self) -> list:
+        from eagle3nb.doctor import FAIL, CheckResult
+
+        return [CheckResult("params", FAIL, f"{stage}: {msg.splitlines()[0]}", "fix the parameter file named above",
+                            {"stage": stage, "error": msg}) for stage, msg in self.problems.items()]
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._servers:
+            handle.stop()
+        self._servers.clear()
+
+    # -- params -------------------------------------------------------------------------------------------
+
+    def p(self, stage: str) -> StageParams:
+        if stage not in self.params:
+            raise Unavailable(f"no valid {stage} params")
+        return self.params[stage]
+
+    def stage_dir(self, stage: str) -> Path:
+        P = self.p(stage)
+        return P.out_dir(P.output_dir, stage)
+
+    # -- the target -----------------------------------------------------------------------------------------
+
+    @cached_property
+    def model_dir(self) -> Path:
+        """The target's folder: the first model_path among the stages (they should all agree)."""
+        from eagle3nb.toy import resolve_model_path
+
+        for stage in ("01_synth", "02_hidden_states", "04_acceptance"):
+            if stage in self.params and getattr(self.params[stage], "model_path", None):
+                try:
+                    return resolve_model_path(self.params[stage].model_path)
+                except (FileNotFoundError, ValueError) as e:
+                    raise Unavailable(f"model_path of {stage}: {e}") from None
+        raise Unavailable("no model_path in the run's params")
+
+    @cached_property
+    def template(self):
+        """The target's tokenizer + chat template with 01_synth's thinking kwarg (the one 01 renders with)."""
+        from eagle3nb.synth.stream import Template
+
+        P1 = self.params.get("01_synth")
+        return Template(self.model_dir, P1.thinking if P1 else True, P1.thinking_kwarg if P1 else "thinking")
+
+    @cached_property
+    def target_dims(self) -> dict[str, int]:
+        """num_layers, hidden_size, vocab_size of the target, from its config.json (text_config for
+        multimodal wrappers such as Kimi-K2.5)."""
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        return {"num_layers": cfg["num_hidden_layers"], "hidden_size": cfg["hidden_size"],
+                "vocab_size": cfg["vocab_size"]}
+
+    # -- 01 samples -----------------------------------------------------------------------------------------
+
+    @cached_property
+    def synth_dir(self) -> Path:
+        if "02_hidden_states" in self.params:
+            return self.params["02_hidden_states"].synth_path
+        return self.stage_dir("01_synth")
+
+    @cached_property
+    def records(self) -> list[dict]:
+        """Every sample record 01_synth wrote (all statuses, every attempt)."""
+        from eagle3nb.synth.store import read_records, sample_files
+
+        if not sample_files(self.synth_dir):
+            raise Unavailable(f"no 01_synth samples in {self.synth_dir} (run 01_synth first)")
+        return list(read_records(self.synth_dir))
+
+    @cached_property
+    def samples(self) -> list[dict]:
+        """The latest record per id, every status."""
+        latest: dict[str, dict] = {}
+        for r in self.records:
+            latest[r["id"]] = r
+        return list(latest.values())
+
+    def max_length(self) -> int:
+        """Tokens per sample that reach training: the smaller of 02's and 03's max_length."""
+        lengths = [self.params[s].max_length for s in ("02_hidden_states", "03_train") if s in self.params]
+        if not lengths:
+            raise Unavailable("no valid 02_hidden_states / 03_train params: max_length unknown")
+        return min(lengths)
+
+    def projected_tokens(self) -> tuple[int, str]:
+        """Tokens 02 will store for the whole run, and how that was estimated: from 01's samples (scaled up
+        to max_samples while 01 is unfinished), else an upper bound from 01's token budget."""
+        P1, P2 = self.p("01_synth"), self.p("02_hidden_states")
+        caps = [x for x in (P1.max_samples, P2.max_samples) if x]
+        planned = min(caps) if caps else None
+        try:
+            used = [s for s in self.samples if s["status"] in P2.statuses]
+        except Unavailable:
+            used = []
+        if used:
+            lengths = [min(len(s["input_ids"]), P2.max_length) for s in used]
+            if planned and len(self.samples) < planned:
+                mean = sum(lengths) / len(lengths)
+                return int(mean * planned * len(used) / len(self.samples)), \
+                    f"{len(self.samples)}/{planned} samples done, scaled up"
+            return sum(lengths), f"{len(used)} samples"
+        if not planned:
+            raise Unavailable("no samples yet and max_samples is null: nothing to project the disk use from")
+        per = min(P2.max_length, P1.max_completion_tokens + PROMPT_TOKENS_GUESS)
+        return planned * per, f"upper bound {planned} x min(max_length, max_completion_tokens + {PROMPT_TOKENS_GUESS})"
+
+    # -- 02 hidden states -------------------------------------------------------------------------------------
+
+    @cached_property
+    def hidden_dir(self) -> Path:
+        if "03_train" in self.params and self.params["03_train"].data_dir:
+            return resolve(self.params["03_train"].data_dir)
+        return self.stage_dir("02_hidden_states")
+
+    def hidden(self, data_dir: Path | None = None):
+        """The hidden-state reader for ``data_dir`` (default: the training data)."""
+        from eagle3nb.hidden import HiddenStates
+
+        d = data_dir or self.hidden_dir
+        if not (d / "index.json").exists():
+            raise Unavailable(f"no hidden-state data in {d} (run 02_hidden_states first)")
+        return HiddenStates(d)
+
+    @cached_property
+    def eval_dir(self) -> Path:
+        """Held-out hidden states for acceptance: 04's data_dir, else the training data."""
+        if "04_acceptance" in self.params and self.params["04_acceptance"].data_dir:
+            return resolve(self.params["04_acceptance"].data_dir)
+        return self.hidden_dir
+
+    # -- drafts ---------------------------------------------------------------------------------------------
+
+    @cached_property
+    def drafts(self) -> list[tuple[str, Path]]:
+        """(label, dir) of each draft checkpoint the run uses that exists: 03's init_from, the trained draft."""
+        out = []
+        if "03_train" in self.params and self.params["03_train"].init_from:
+            out.append(("init_from", resolve(self.params["03_train"].init_from)))
+        trained = None
+        if "04_acceptance" in self.params and self.params["04_acceptance"].draft_dir:
+            trained = resolve(self.params["04_acceptance"].draft_dir)
+        elif "03_train" in self.params:
+            trained = self.stage_dir("03_train") / "draft"
+        if trained is not None:
+            out.append(("draft", trained))
+        return [(label, d) for label, d in out if (d / "config.json").exists()]
+
+    # -- the server -------------------------------------------------------------------------------------------
+
+    def server_urls(self) -> list[str]:
+        """Base URLs (ending in /v1) of the server 01_synth talks to; 'embedded' starts one for the target."""
+        if self.server_url:
+            urls = [self.server_url]
+        else:
+            urls = self.p("01_synth").urls
+        if urls == ["embedded"]:
+            from eagle3nb.serve import start_server
+
+            handle = start_server(self.model_dir)
+            self._servers.append(handle)
+            self.server_url = handle.base_url
+            urls = [handle.base_url]
+        return [u.rstrip("/") if u.rstrip("/").endswith("/v1") else u.rstrip("/") + "/v1" for u in urls]
+
+    def api_key(self) -> str:
+        return self.p("01_synth").api_key() if "01_synth" in self.params else "EMPTY"
+
+    def client(self, base_url: str):
+        import openai
+
+        return openai.OpenAI(base_url=base_url, api_key=self.api_key(), timeout=self.timeout_s, max_retries=0)
+
+    def served_model(self, base_url: str) -> tuple[str, list[str]]:
+        """(the model name to ask for, the names the server lists)."""
+        names = [m.id for m in self.client(base_url).models.list().data]
+        wanted = getattr(self.params.get("01_synth"), "served_model_name", None)
+        return (wanted or (names[0] if names else "")), names
+
+    def probe(self, base_url: str, question: str, thinking: bool | None) -> dict:
+        """One chat completion at temperature 0 (``thinking`` None: the server's default mode), with
+        ``return_token_ids``; cached. Returns the message fields, reasoning source and token ids."""
+        from eagle3nb.synth.reasoning import REASONING_FIELDS, extract, field
+
+        key = (base_url, question, thinking)
+        if key not in self._probes:
+            model, _ = self.served_model(base_url)
+            extra: dict[str, Any] = {"return_token_ids": True}
+            kwarg = getattr(self.params.get("01_synth"), "thinking_kwarg", "thinking")
+            if thinking is not None:
+                extra["chat_template_kwargs"] = {kwarg: thinking}
+            messages = [{"role": "user", "content": question}]
+            resp = self.client(base_url).chat.completions.create(
+                model=model, messages=messages, temperature=0.0, max_tokens=self.probe_max_tokens(),
+                extra_body=extra)
+            choice = resp.choices[0]
+            reasoning, content, source = extract(choice.message)
+            self._probes[key] = {
+                "fields": {f: field(choice.message, f) for f in REASONING_FIELDS}, "messages": messages, "thinking": thinking, "kwarg": kwarg, "model": model,
+                "reasoning": reasoning, "content": content, "source": source,
+                "raw_content": field(choice.message, "content"), "finish_reason": choice.finish_reason,
+                "prompt_token_ids": field(resp, "prompt_token_ids"), "token_ids": field(choice, "token_ids"),
+            }
+        return self._probes[key]
+
+    def probe_max_tokens(self) -> int:
+        """Enough for a reasoning model to answer 2+2, never more than the run's own budget."""
+        budget = getattr(self.params.get("01_synth"), "max_completion_tokens", 2048)
+        return min(2048, budget)
