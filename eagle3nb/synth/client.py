@@ -1,0 +1,169 @@
+"""Talking to the target's server: one ``openai.AsyncOpenAI`` per URL (round-robin), retries with
+exponential backoff and jitter on what a loaded server throws (429, 5xx, timeouts, dropped connections,
+cut-off JSON), and the configuration errors that no retry fixes (wrong key, wrong model name) turned into
+one clear message."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+FATAL_STATUS = {401: "the server refused the API key: set api_key_env to the NAME of the environment variable "
+                     "holding the key the server was started with (vLLM --api-key)",
+                403: "the server forbids this request: check the API key named by api_key_env",
+                404: "the server does not serve this model or path: check served_model_name and vllm_url "
+                     "(ask GET {url}/models)"}
+BACKOFF_CAP_S = 60.0
+
+
+class FatalServerError(RuntimeError):
+    """A problem every request would hit; the run stops at once with the fix."""
+
+
+def base_url(url: str) -> str:
+    """``http://host:8000`` -> ``http://host:8000/v1`` (the story passes the bare address)."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def request_seed(seed: int, sample_id: str) -> int:
+    """Each prompt's own seed: reproducible whatever order or session answers it."""
+    return (seed * 1_000_003 + zlib.crc32(sample_id.encode())) % 2**31
+
+
+@dataclass
+class Endpoint:
+    url: str
+    client: Any  # openai.AsyncOpenAI
+    model: str
+
+
+async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_name: str | None,
+                  concurrency: int) -> list[Endpoint]:
+    """A client per URL, each checked by asking ``/models`` (which also names the model when not given)."""
+    import httpx
+    import openai
+
+    out = []
+    for url in urls:
+        http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=concurrency + 8,
+                                                                  max_keepalive_connections=concurrency + 8))
+        client = openai.AsyncOpenAI(base_url=base_url(url), api_key=api_key, max_retries=0, timeout=timeout_s,
+                                    http_client=http)
+        try:
+            models = [m.id for m in (await client.models.list()).data]
+        except openai.AuthenticationError:
+            raise FatalServerError(f"{url}: {FATAL_STATUS[401]}") from None
+        except (openai.APIConnectionError, openai.APIStatusError) as e:
+            raise FatalServerError(f"cannot reach an OpenAI-compatible server at {base_url(url)} ({e}); start it "
+                                   f"(e.g. `vllm serve MODEL --reasoning-parser kimi_k2`), fix vllm_url, or use "
+                                   f"vllm_url: embedded") from None
+        if served_model_name is None and not models:
+            raise FatalServerError(f"{url}/models lists no model; set served_model_name")
+        if served_model_name is not None and models and served_model_name not in models:
+            raise FatalServerError(f"{url} serves {models}, not served_model_name {served_model_name!r}; fix "
+                                   f"served_model_name (or null to take the served one)")
+        out.append(Endpoint(url, client, served_model_name or models[0]))
+    return out
+
+
+class InFlight:
+    """Time-weighted mean of requests in flight, from the first dispatch until the work runs out."""
+
+    def __init__(self):
+        self.now = 0
+        self.area = 0.0
+        self.t0: float | None = None
+        self.t_last = 0.0
+        self.t_end: float | None = None
+
+    def change(self, delta: int) -> None:
+        t = time.monotonic()
+        if self.t0 is None:
+            self.t0 = self.t_last = t
+        if self.t_end is None:
+            self.area += self.now * (t - self.t_last)
+            self.t_last = t
+        self.now += delta
+
+    def work_ran_out(self) -> None:
+        if self.t_end is None:
+            self.change(0)
+            self.t_end = time.monotonic()
+
+    def mean(self) -> float:
+        end = self.t_end if self.t_end is not None else self.t_last
+        return self.area / (end - self.t0) if self.t0 is not None and end > self.t0 else 0.0
+
+
+def _retry_after(exc: Exception) -> float | None:
+    response = getattr(exc, "response", None)
+    try:
+        return float(response.headers.get("retry-after")) if response is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def classify(exc: BaseException) -> str:
+    """``retry`` (transient), ``fatal`` (every request would fail) or ``error`` (this request is bad)."""
+    import openai
+
+    if isinstance(exc, (openai.APIConnectionError, json.JSONDecodeError, openai.APIResponseValidationError)):
+        return "retry"  # timeouts, dropped connections, cut-off JSON
+    if isinstance(exc, openai.APIStatusError):
+        if exc.status_code in RETRY_STATUS or exc.status_code >= 500:
+            return "retry"
+        if exc.status_code in FATAL_STATUS:
+            return "fatal"
+    return "error"
+
+
+def describe(exc: BaseException) -> str:
+    status = getattr(exc, "status_code", None)
+    text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    return f"{type(exc).__name__}{f' {status}' if status else ''}: {text}"
+
+
+async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int, temperature: float, top_p: float,
+               seed: int, template_kwargs: dict[str, Any], return_token_ids: bool = True) -> Any:
+    """One chat completion, asking for the token ids too (vLLM/SGLang ``return_token_ids``)."""
+    extra: dict[str, Any] = {"chat_template_kwargs": template_kwargs}
+    if return_token_ids:
+        extra["return_token_ids"] = True
+    return await ep.client.chat.completions.create(
+        model=ep.model, messages=messages, max_completion_tokens=max_completion_tokens, temperature=temperature,
+        top_p=top_p, seed=seed, extra_body=extra)
+
+
+async def with_retries(call, *, max_retries: int, backoff_s: float, in_flight: InFlight,
+                       endpoint_for_attempt) -> tuple[Any, int, str | None]:
+    """(response, attempts, error) for ``call(endpoint)``; retries transient failures with exponential backoff
+    and jitter (honouring Retry-After), on the next endpoint each time. Fatal ones raise."""
+    last, wait_hint = None, None
+    for attempt in range(max_retries + 1):
+        ep = endpoint_for_attempt()
+        in_flight.change(+1)
+        try:
+            return await call(ep), attempt + 1, None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted by classify()
+            kind = classify(e)
+            if kind == "fatal":
+                raise FatalServerError(f"{ep.url}: {describe(e)}; "
+                                       f"{FATAL_STATUS[e.status_code].format(url=ep.client.base_url)}") from None
+            last, wait_hint = describe(e), _retry_after(e)
+            if kind == "error":
+                return None, attempt + 1, last
+        finally:
+            in_flight.change(-1)
+        if attempt < max_retries:
+            delay = random.uniform(0.5, 1.0) * min(BACKOFF_CAP_S, backoff_s * 2**attempt)
+            await asyncio.sleep(min(BACKOFF_CAP_S, max(delay, wait_hint or 0.0)))
+    return None, max_retries + 1, f"{last} (gave up after {max_retries + 1} attempts)"

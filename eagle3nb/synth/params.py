@@ -1,0 +1,99 @@
+"""The 01_synth parameters: the story's flags plus what a careful run needs. Defaults = the embedded demo."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from eagle3nb.params import ParamsError, StageParams, register
+from eagle3nb.paths import resolve
+
+STAGE = "01_synth"
+
+# Settings that change the generated data: changing one against an existing output_dir is refused.
+DATA_KEYS = ("model_path", "served_model_name", "prompts", "thinking", "thinking_kwarg", "temperature",
+             "top_p", "max_completion_tokens", "seed")
+
+
+@register(STAGE)
+class SynthParams(StageParams):
+    """Parameters of ``notebooks/01_synth.ipynb`` (see docs/ARCHITECTURE.md "01_synth output")."""
+
+    model_path: str = Field("toy:demo", description="target model folder (tokenizer + chat template), or toy:smoke / toy:demo")
+    output_dir: str | None = Field(None, description="where samples go; default outputs/<run_name>/01_synth")
+    prompts: str = Field("toy:train", description="JSONL / parquet file or HF datasets folder of prompts, or toy:train / toy:heldout")
+    max_samples: int | None = Field(300, ge=1, description="number of prompts to answer (the first ones); null = all")
+    max_completion_tokens: int = Field(256, ge=1, description="token budget per answer, reasoning included")
+    concurrency: int = Field(8, ge=1, description="requests in flight at all times while work remains")
+    vllm_url: str | list[str] = Field("embedded", description="server URL (http://host:8000, /v1 added when missing), a list served round-robin, or 'embedded'")
+    temperature: float = Field(0.7, ge=0.0, description="sampling temperature")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="nucleus sampling cutoff")
+    thinking: bool = Field(True, description="ask for reasoning (sent as chat_template_kwargs[thinking_kwarg])")
+    thinking_kwarg: str = Field("thinking", description="chat-template kwarg that switches thinking: Kimi 'thinking', Qwen 'enable_thinking'")
+    return_token_ids: bool = Field(True, description="ask the server for the exact token ids (vLLM/SGLang); false = re-render through the chat template")
+    seed: int = Field(0, description="base sampling seed; each prompt gets its own seed derived from its id")
+    max_retries: int = Field(6, ge=0, description="retries per request on 429 / 5xx / timeouts / dropped connections")
+    retry_backoff_s: float = Field(1.0, gt=0, description="first retry delay in seconds; doubles per retry (with jitter, capped at 60 s)")
+    request_timeout_s: float = Field(600.0, gt=0, description="seconds before one request counts as timed out (then retried)")
+    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key (never the key itself)")
+    served_model_name: str | None = Field(None, description="model name the server serves; null = ask /v1/models")
+    retry_errors: bool = Field(True, description="on resume, request again the ids whose last record is error or no_reasoning")
+    force: bool = Field(False, description="allow data-changing settings against an existing output_dir (mixes data)")
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _urls(cls, v: str | list[str]) -> str | list[str]:
+        urls = [v] if isinstance(v, str) else v
+        if not urls:
+            raise ValueError("give at least one URL, or 'embedded'")
+        for u in urls:
+            if u != "embedded" and not u.startswith(("http://", "https://")):
+                raise ValueError(f"{u!r} is not a URL: use http://host:port, a list of them, or 'embedded'")
+        if isinstance(v, list) and "embedded" in v and len(v) > 1:
+            raise ValueError("'embedded' cannot be mixed with other URLs")
+        return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_name(cls, v: str | None) -> str | None:
+        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("api_key_env is the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
+        return v
+
+    @property
+    def stage_dir(self) -> Path:
+        return self.out_dir(self.output_dir, STAGE)
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.vllm_url] if isinstance(self.vllm_url, str) else list(self.vllm_url)
+
+    def api_key(self) -> str:
+        """The key from the environment (``EMPTY`` when no variable is named: vLLM's default accepts anything)."""
+        if not self.api_key_env:
+            return "EMPTY"
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ParamsError(f"api_key_env names {self.api_key_env!r} but that environment variable is not set: "
+                              f"export {self.api_key_env}=<key> before starting, or set api_key_env: null")
+        return key
+
+    def data_config(self) -> dict:
+        """The data-affecting settings, as stored in run_config.json."""
+        return {k: getattr(self, k) for k in DATA_KEYS}
+
+    def check_paths(self) -> None:
+        src = self.params_file or "the notebook's parameters cell"
+        if not self.model_path.startswith("toy:") and not resolve(self.model_path).is_dir():
+            raise ParamsError(f"parameter 'model_path' in {src}: folder {resolve(self.model_path)} does not exist; "
+                              f"point it at the target's Hugging Face folder (tokenizer + chat template) or use toy:demo")
+        if not self.prompts.startswith("toy:") and not resolve(self.prompts).exists():
+            raise ParamsError(f"parameter 'prompts' in {src}: {resolve(self.prompts)} does not exist; point it at a "
+                              f"JSONL / parquet file or a datasets folder, or use toy:train")
+        if self.vllm_url == "embedded" and not self.model_path.startswith("toy:") \
+                and not (resolve(self.model_path) / "config.json").exists():
+            raise ParamsError(f"parameter 'vllm_url' in {src} is 'embedded' but {resolve(self.model_path)} has no "
+                              f"config.json to serve; give the URL of your vLLM/SGLang server instead")

@@ -1,0 +1,163 @@
+"""Prompt sets in the formats people have: JSONL or parquet rows with OpenAI ``messages``, ShareGPT
+``conversations`` (``from``/``value``) or ``prompt`` text, and local Hugging Face ``datasets`` folders.
+
+Every row becomes ``{"id", "messages", "category"}``; the messages end at the last user turn (an answer a
+dataset already carries is dropped: the target writes its own). Rows without an ``id`` get a stable one
+from their content, so a resume finds them again even if the file is re-ordered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from eagle3nb.paths import resolve
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "system": "system", "tool": "tool", "function": "tool"}
+ROLES = {"system", "user", "assistant", "tool"}
+FORMATS_HINT = ("each row needs 'messages' (OpenAI style [{role, content}]), 'conversations' "
+                "(ShareGPT [{from, value}]) or 'prompt' (text)")
+
+
+class PromptsError(ValueError):
+    """A prompt file problem, naming the file and row."""
+
+
+def _plain(value: Any) -> Any:
+    """numpy arrays / pyarrow scalars (parquet, arrow) to plain lists and dicts."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def to_messages(row: dict, where: str) -> list[dict]:
+    """OpenAI-style messages of one row, ending with a user turn."""
+    if row.get("messages") is not None:
+        raw = _plain(row["messages"])
+        msgs = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in raw]
+    elif row.get("conversations") is not None:
+        msgs = []
+        for m in _plain(row["conversations"]):
+            if not isinstance(m, dict) or "from" not in m:
+                raise PromptsError(f"{where}: 'conversations' entries need 'from' and 'value', got {m!r}")
+            role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+            if role is None:
+                raise PromptsError(f"{where}: unknown ShareGPT speaker {m['from']!r}; use one of {sorted(SHAREGPT_ROLES)}")
+            msgs.append({"role": role, "content": m.get("value")})
+    elif row.get("prompt") is not None:
+        msgs = [{"role": "user", "content": row["prompt"]}]
+    else:
+        raise PromptsError(f"{where}: no prompt found (keys: {sorted(row)}); {FORMATS_HINT}")
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise PromptsError(f"{where}: bad message {m!r}; each needs a role in {sorted(ROLES)} and text content")
+    while msgs and msgs[-1]["role"] == "assistant":
+        msgs.pop()
+    if not msgs or msgs[-1]["role"] != "user":
+        raise PromptsError(f"{where}: the conversation has no user turn to answer; drop the row or add one")
+    return msgs
+
+
+def _rows_jsonl(path: Path) -> Iterator[tuple[dict, str]]:
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise PromptsError(f"{path} line {n}: not valid JSON ({e}); fix or remove the line") from None
+            if not isinstance(row, dict):
+                raise PromptsError(f"{path} line {n}: expected a JSON object; {FORMATS_HINT}")
+            yield row, f"{path} line {n}"
+
+
+def _rows_table(table: Any, name: str) -> Iterator[tuple[dict, str]]:
+    for n, row in enumerate(table.to_pylist(), 1):
+        yield row, f"{name} row {n}"
+
+
+def _files(folder: Path) -> list[Path]:
+    """Data files of a folder: an HF ``save_to_disk`` folder (train split of a DatasetDict), or plain files."""
+    if (folder / "dataset_dict.json").exists():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        split = "train" if "train" in splits else (splits[0] if splits else None)
+        if split is None:
+            raise PromptsError(f"{folder}: dataset_dict.json lists no splits")
+        folder = folder / split
+    if (folder / "state.json").exists():
+        state = json.loads((folder / "state.json").read_text())
+        return [folder / f["filename"] for f in state.get("_data_files", [])]
+    files = sorted(p for p in folder.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet", ".arrow"))
+    if not files:
+        raise PromptsError(f"{folder}: no .jsonl / .parquet / .arrow files found; {FORMATS_HINT}")
+    return files
+
+
+def _rows(path: Path) -> Iterator[tuple[dict, str]]:
+    if path.is_dir():
+        for f in _files(path):
+            yield from _rows(f)
+    elif path.suffix in (".jsonl", ".json"):
+        yield from _rows_jsonl(path)
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from _rows_table(pq.read_table(path), str(path))
+    elif path.suffix == ".arrow":
+        import pyarrow as pa
+
+        with pa.memory_map(str(path)) as src:
+            try:
+                table = pa.ipc.open_stream(src).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(src).read_all()
+        yield from _rows_table(table, str(path))
+    else:
+        raise PromptsError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl, .parquet or a datasets folder")
+
+
+def prompt_id(messages: list[dict]) -> str:
+    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
+    """The first ``max_samples`` prompts of ``value`` (a path or ``toy:train`` / ``toy:heldout``) as
+    ``{"id", "messages", "category"}``; raises PromptsError for bad rows or duplicate ids."""
+    if value.startswith("toy:"):
+        from eagle3nb.toy import resolve_prompts
+
+        path = resolve_prompts(value, max_samples or 1000)
+    else:
+        path = resolve(value)
+    if not path.exists():
+        raise PromptsError(f"prompts {path} does not exist; point 'prompts' at a JSONL / parquet file or a datasets folder")
+    out: list[dict] = []
+    seen: dict[str, str] = {}
+    duplicates = 0
+    for row, where in _rows(path):
+        if max_samples is not None and len(out) >= max_samples:
+            break
+        messages = to_messages(row, where)
+        pid = str(row["id"]) if row.get("id") is not None else prompt_id(messages)
+        if pid in seen:
+            if row.get("id") is not None:
+                raise PromptsError(f"{where}: id {pid!r} already used at {seen[pid]}; ids must be unique")
+            duplicates += 1  # the same conversation twice: answering it once is enough
+            continue
+        seen[pid] = where
+        category = row.get("category")
+        out.append({"id": pid, "messages": messages, "category": None if category is None else str(category)})
+    if not out:
+        raise PromptsError(f"prompts {path} holds no rows")
+    if duplicates:
+        print(f"prompts: {duplicates} repeated conversations without an id were skipped", flush=True)
+    return out

@@ -1,0 +1,151 @@
+"""What 01_synth produced: ``metrics.json`` (counts by status, tokens, throughput, latency, token-id
+mismatches) and the notebook's figures. Every sample that is not ``ok`` is counted with its reason."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.synth.store import STATUSES, latest
+
+
+def _percentiles(values: list[float]) -> dict[str, float] | None:
+    import numpy as np
+
+    if not values:
+        return None
+    a = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "max": float(a.max())}
+
+
+def metrics(stage_dir: Path, prompts: list[dict], session: Any, torn: list[str]) -> dict[str, Any]:
+    """Metrics over every sample in ``stage_dir`` (latest record per id) plus this session's throughput."""
+    recs = latest(stage_dir, light=True) if Path(stage_dir).exists() else {}
+    counts = Counter(r["status"] for r in recs.values())
+    ok = [r for r in recs.values() if r["status"] == "ok"]
+    tokens = {k: sum(r["tokens"][k] for r in ok) for k in ("prompt", "reasoning", "content")}
+    answered = [r for r in recs.values() if r["status"] != "error"]
+    compared = [r["ids_match"] for r in answered if r.get("ids_match") is not None]
+    errors = Counter(r["error"].split(":")[0] for r in recs.values() if r["status"] == "error" and r.get("error"))
+    mine = session.records
+    wall = max(session.t1 - session.t0, 1e-9) if mine else 0.0
+    out_tokens = sum(r["tokens"]["reasoning"] + r["tokens"]["content"] for r in mine)
+    concurrency = min(session.P.concurrency, len(session.todo)) if session.todo else 0
+    in_flight = session.in_flight.mean()
+    return {
+        "samples": len(recs),
+        "prompts": len(prompts),
+        "missing": sum(p["id"] not in recs for p in prompts),
+        "counts": {s: counts.get(s, 0) for s in STATUSES},
+        "tokens_ok": tokens,
+        "mean_tokens_ok": {k: (v / len(ok) if ok else 0.0) for k, v in tokens.items()},
+        "token_source": dict(Counter(r.get("token_source") for r in answered)),
+        "ids_compared": len(compared),
+        "ids_mismatch": compared.count(False),
+        "errors": dict(errors),
+        "latency_s": _percentiles([r["latency_s"] for r in answered]),
+        "session": {
+            "samples": len(mine),
+            "wall_s": wall,
+            "requests_per_s": len(mine) / wall if wall else 0.0,
+            "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+            "retries": sum(r.get("attempts", 1) - 1 for r in mine),
+            "concurrency": concurrency,
+            "in_flight_mean": in_flight,
+            "in_flight_ratio": in_flight / concurrency if concurrency else None,
+        },
+        "torn_lines": torn,
+    }
+
+
+def summary(m: dict[str, Any]) -> str:
+    c = m["counts"]
+    s = m["session"]
+    lines = [f"01_synth: {m['samples']} samples: " + ", ".join(f"{k} {v}" for k, v in c.items())
+             + (f"; {m['missing']} prompts not answered yet (re-run to resume)" if m["missing"] else "")]
+    if m["errors"]:
+        lines.append("  errors: " + ", ".join(f"{k} x{v}" for k, v in m["errors"].items()))
+    if s["samples"]:
+        lines.append(f"  this session: {s['samples']} samples in {s['wall_s']:.1f} s, {s['requests_per_s']:.2f} req/s, "
+                     f"{s['output_tokens_per_s']:.1f} output tok/s, {s['retries']} retries, "
+                     f"{s['in_flight_mean']:.1f} in flight on average")
+    if m["ids_compared"]:
+        lines.append(f"  server token ids vs template rendering: {m['ids_mismatch']} of {m['ids_compared']} differ")
+    return "\n".join(lines)
+
+
+def figures(stage_dir: str | Path) -> dict[str, Any]:
+    """Throughput over time, latency distribution, reasoning/content lengths, status counts (matplotlib
+    Figures; the caller displays or saves them)."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    recs = list(latest(Path(stage_dir), light=True).values())
+    figs: dict[str, Any] = {}
+
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.subplots()
+    done = sorted((r["finished_at"], r["tokens"]["reasoning"] + r["tokens"]["content"]) for r in recs
+                  if r["status"] != "error" and r.get("finished_at"))
+    if done:
+        t = np.array([d[0] for d in done]) - done[0][0]
+        edges = np.linspace(0, max(t[-1], 1e-3), min(40, max(2, len(done) // 5)) + 1)
+        width = edges[1] - edges[0]
+        n, _ = np.histogram(t, edges)
+        toks, _ = np.histogram(t, edges, weights=[d[1] for d in done])
+        ax.plot(edges[:-1], toks / width, label="output tokens/s")
+        ax2 = ax.twinx()
+        ax2.plot(edges[:-1], n / width, color="tab:orange", label="samples/s")
+        ax2.set_ylabel("samples/s")
+        fig.legend(loc="upper right")
+    ax.set_xlabel("seconds since the first answer (gaps = restarts)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput over time")
+    figs["throughput"] = fig
+
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.subplots()
+    lat = [r["latency_s"] for r in recs if r["status"] != "error"]
+    ax.hist(lat, bins=40)
+    ax.set_xlabel("request latency (s, retries included)")
+    ax.set_ylabel("samples")
+    ax.set_title("latency")
+    figs["latency"] = fig
+
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.subplots()
+    ok = [r for r in recs if r["status"] == "ok"]
+    for key in ("reasoning", "content"):
+        ax.hist([r["tokens"][key] for r in ok], bins=40, alpha=0.6, label=key)
+    ax.set_xlabel("tokens per sample (ok samples)")
+    ax.set_ylabel("samples")
+    ax.set_title("reasoning and answer lengths")
+    ax.legend()
+    figs["lengths"] = fig
+
+    fig = Figure(figsize=(7, 2.8), layout="constrained")
+    ax = fig.subplots()
+    counts = Counter(r["status"] for r in recs)
+    bars = ax.bar(list(STATUSES), [counts.get(s, 0) for s in STATUSES],
+                  color=["tab:green", "tab:orange", "tab:purple", "tab:red"])
+    ax.bar_label(bars)
+    ax.set_ylabel("samples")
+    ax.set_title("status (only ok feeds 02_hidden_states)")
+    figs["status"] = fig
+    return figs
+
+
+def probe_text(p: dict[str, Any]) -> str:
+    """The probe's findings as readable text: raw fields first, then the stream the training will use."""
+    raw = "\n".join(f"  message.{k}: {v!r}" for k, v in p["raw"].items())
+    lines = [f"server {p['url']}  model {p['model']!r}  finish_reason {p['finish_reason']!r}",
+             f"raw fields:\n{raw}",
+             f"reasoning read from: {p['reasoning_from']}; token stream from: {p['token_source']}"
+             + ("" if p["ids_match"] is None else f" (matches the template rendering: {p['ids_match']})"),
+             f"training stream, prompt part (loss 0):\n  {p['prompt']}",
+             f"training stream, answer part (loss 1):\n  {p['completion']}",
+             f"naive reasoning+content concatenation (the story's bug, NOT used):\n  {p['naive_concatenation']}"]
+    lines += [f"PROBLEM: {x}" for x in p["problems"]] or ["no problems found"]
+    return "\n".join(lines)

@@ -1,0 +1,349 @@
+"""The 01_synth run: prompts in, one JSON line per answered prompt out, exactly once per id.
+
+``concurrency`` workers each keep one request in flight while prompts remain (no waves); answers go
+through a queue to a writer thread that builds the token stream, appends and fsyncs, so a slow disk or
+tokenizer never idles a request slot. The event loop runs on its own thread, which makes the same call
+work in a script, under papermill and inside JupyterLab's running loop; the calling thread turns Ctrl-C
+and SIGTERM into a clean stop (in-flight requests are dropped, everything answered so far is on disk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from eagle3nb.progress import Progress, write_json_atomic
+from eagle3nb.synth import report
+from eagle3nb.synth.client import Endpoint, FatalServerError, InFlight, chat, connect, describe, request_seed, with_retries
+from eagle3nb.synth.params import STAGE, SynthParams
+from eagle3nb.synth.prompts import load_prompts
+from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
+from eagle3nb.synth.store import SampleWriter, check_run_config, latest
+from eagle3nb.synth.stream import StreamError, Template, build, naive_text
+from eagle3nb.tokens import segment_ids
+
+EARLY_CHECK = 8  # responses looked at before deciding the server does not return reasoning
+DONE_STATUSES = ("ok", "truncated")  # never requested again; error / no_reasoning are, with retry_errors
+
+
+class SynthError(RuntimeError):
+    """The run stopped because of a problem every further request would share; the message has the fix."""
+
+
+def needs_request(last: dict | None, retry_errors: bool) -> bool:
+    if last is None:
+        return True
+    return last["status"] not in DONE_STATUSES and retry_errors
+
+
+@contextlib.contextmanager
+def server_urls(P: SynthParams, model_dir: Path) -> Iterator[list[str]]:
+    """The URLs to ask; ``embedded`` starts the embedded server for ``model_dir`` for the block's duration."""
+    if P.vllm_url != "embedded":
+        yield P.urls
+        return
+    from eagle3nb.serve import start_server
+
+    with start_server(model_dir, api_key_env=P.api_key_env) as handle:
+        yield [handle.url]
+
+
+def run_in_thread(make_coro: Callable[[], Any], on_stop: Callable[[], None]) -> tuple[Any, bool]:
+    """Run ``make_coro()`` on a fresh event loop in its own thread; Ctrl-C / SIGTERM here call ``on_stop``
+    and wait for the coroutine to wind down. Returns (result, interrupted)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = asyncio.run(make_coro())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    thread = threading.Thread(target=target, name="synth-loop", daemon=True)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, on_term) if main else None
+    interrupted = False
+    try:
+        thread.start()
+        while thread.is_alive():
+            try:
+                thread.join(0.2)
+            except KeyboardInterrupt:
+                if not interrupted:
+                    print("01_synth: stopping; saving what is finished (in-flight requests are dropped)", flush=True)
+                interrupted = True
+                on_stop()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, old)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result"), interrupted
+
+
+def token_counts(tpl: Template, input_ids: list[int], loss_mask: list[int]) -> dict[str, int]:
+    seg = segment_ids(input_ids, loss_mask, *(t if t is not None else -1 for t in tpl.think_ids))
+    return {"prompt": seg.count(0), "reasoning": seg.count(1), "content": seg.count(2)}
+
+
+class Session:
+    """One run of the stage over the prompts still to do."""
+
+    def __init__(self, P: SynthParams, tpl: Template, todo: list[dict], progress: Progress):
+        self.P, self.tpl, self.todo, self.progress = P, tpl, todo, progress
+        self.halt = threading.Event()
+        self.fatal: BaseException | None = None
+        self.in_flight = InFlight()
+        self.records: list[dict] = []  # this session's records, heavy fields dropped
+        self.next_index = 0
+        self.endpoints: list[Endpoint] = []
+        self.rr = 0
+        self.checked: list[bool] = []
+        self.writer: SampleWriter | None = None
+        self.urls = P.urls
+        self.t0 = self.t1 = 0.0
+
+    def stop(self, error: BaseException | None = None) -> None:
+        if error is not None and self.fatal is None:
+            self.fatal = error
+        self.halt.set()
+
+    def next_endpoint(self) -> Endpoint:
+        ep = self.endpoints[self.rr % len(self.endpoints)]
+        self.rr += 1
+        return ep
+
+    async def worker(self, results: asyncio.Queue) -> None:
+        P = self.P
+        kwargs = {P.thinking_kwarg: P.thinking}
+        while not self.halt.is_set() and self.next_index < len(self.todo):
+            item = self.todo[self.next_index]
+            self.next_index += 1
+            if self.next_index == len(self.todo):
+                self.in_flight.work_ran_out()
+            t0 = time.time()
+            seed = request_seed(P.seed, item["id"])
+
+            def call(ep: Endpoint, item=item, seed=seed):
+                return chat(ep, item["messages"], max_completion_tokens=P.max_completion_tokens,
+                            temperature=P.temperature, top_p=P.top_p, seed=seed, template_kwargs=kwargs,
+                            return_token_ids=P.return_token_ids)
+
+            try:
+                resp, attempts, err = await with_retries(call, max_retries=P.max_retries, backoff_s=P.retry_backoff_s,
+                                                         in_flight=self.in_flight, endpoint_for_attempt=self.next_endpoint)
+            except FatalServerError as e:
+                self.stop(e)
+                return
+            await results.put((item, resp, attempts, err, time.time() - t0))
+
+    def record(self, item: dict, resp: Any, attempts: int, err: str | None, latency: float) -> dict:
+        """The JSON line for one prompt (docs/ARCHITECTURE.md "01_synth output")."""
+        P = self.P
+        rec: dict[str, Any] = {"id": item["id"], "status": "error", "messages": item["messages"], "reasoning": None,
+                               "content": None, "finish_reason": None, "input_ids": [], "loss_mask": [],
+                               "thinking": P.thinking, "category": item.get("category"), "token_source": None,
+                               "ids_match": None, "usage": None, "latency_s": round(latency, 4), "error": err}
+        if resp is not None:
+            choice = resp.choices[0]
+            reasoning, content, _ = extract(choice.message)
+            finish = choice.finish_reason
+            rec.update(reasoning=reasoning, content=content, finish_reason=finish,
+                       usage=resp.usage.model_dump() if resp.usage else None)
+            try:
+                stream = build(self.tpl, item["messages"], reasoning, content, finish,
+                               field(resp, "prompt_token_ids"), field(choice, "token_ids"))
+            except StreamError as e:
+                self.stop(e)
+                rec["error"] = f"StreamError: {e}"
+            else:
+                rec.update(stream)
+                if finish == "length":
+                    rec["status"] = "truncated"
+                elif finish != "stop":
+                    rec["error"] = f"unexpected finish_reason {finish!r}"
+                elif P.thinking and not reasoning:
+                    rec["status"] = "no_reasoning"
+                else:
+                    rec["status"] = "ok"
+        rec["tokens"] = token_counts(self.tpl, rec["input_ids"], rec["loss_mask"])
+        rec["attempts"] = attempts
+        rec["finished_at"] = round(time.time(), 3)
+        return rec
+
+    def early_check(self, rec: dict) -> None:
+        """Stop when thinking is on and the first responses all lack reasoning (the story's broken data)."""
+        if not self.P.thinking or rec["status"] == "error" or len(self.checked) >= EARLY_CHECK:
+            return
+        self.checked.append(rec["reasoning"] is not None)
+        if len(self.checked) == min(EARLY_CHECK, len(self.todo)) and not any(self.checked):
+            self.stop(SynthError(NO_REASONING_FIX.format(n=len(self.checked), kwarg=self.P.thinking_kwarg)))
+
+    def process(self, batch: list[tuple]) -> None:
+        """Writer thread: records for a batch of answers, appended and fsynced in one go, then progress."""
+        recs = [self.record(*b) for b in batch]
+        self.writer.write(recs)
+        for rec in recs:
+            self.early_check(rec)
+            self.records.append({k: v for k, v in rec.items() if k not in ("messages", "input_ids", "loss_mask")})
+        elapsed = max(time.time() - self.t0, 1e-9)
+        out_tokens = sum(r["tokens"]["reasoning"] + r["tokens"]["content"] for r in self.records)
+        self.progress.update(len(recs), ok=sum(r["status"] == "ok" for r in self.records),
+                             not_ok=sum(r["status"] != "ok" for r in self.records),
+                             out_tok_s=round(out_tokens / elapsed, 1), in_flight=self.in_flight.now)
+
+    async def write_loop(self, results: asyncio.Queue) -> None:
+        final = False
+        while not final:
+            batch = [await results.get()]
+            while not results.empty():
+                batch.append(results.get_nowait())
+            final = batch[-1] is None
+            batch = [b for b in batch if b is not None]
+            if batch:
+                await asyncio.to_thread(self.process, batch)
+
+    async def main(self) -> None:
+        P = self.P
+        self.endpoints = await connect(self.urls, P.api_key(), P.request_timeout_s, P.served_model_name, P.concurrency)
+        config = {**P.data_config(), "served_model_name": self.endpoints[0].model}
+        check_run_config(P.stage_dir, config, P.force)
+        print(f"01_synth: asking {', '.join(e.url for e in self.endpoints)} (model {self.endpoints[0].model!r}), "
+              f"{P.concurrency} in flight, {len(self.todo)} prompts to answer", flush=True)
+        results: asyncio.Queue = asyncio.Queue()
+        self.writer = SampleWriter(P.stage_dir)
+        self.t0 = time.time()
+        try:
+            writer = asyncio.create_task(self.write_loop(results))
+            workers = [asyncio.create_task(self.worker(results)) for _ in range(min(P.concurrency, len(self.todo)))]
+            halted = asyncio.ensure_future(asyncio.to_thread(self.halt.wait))
+            all_done = asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.wait([all_done, halted, writer], return_when=asyncio.FIRST_COMPLETED)
+            if writer.done() and writer.exception() is not None:
+                self.stop(writer.exception())
+            if self.halt.is_set():
+                for w in workers:
+                    w.cancel()
+            outcomes = await all_done
+            self.halt.set()  # releases the waiting thread
+            await halted
+            await results.put(None)
+            if not writer.done():
+                await writer
+            for out in outcomes:
+                if isinstance(out, Exception):
+                    raise out
+        finally:
+            self.t1 = time.time()
+            self.writer.close()
+            for ep in self.endpoints:
+                await ep.client.close()
+
+
+def run(P: SynthParams) -> dict[str, Any]:
+    """Answer every prompt not yet answered in ``P.stage_dir``; returns (and writes) ``metrics.json``.
+    Raises SynthError with the fix when the server or template cannot give faithful data, and
+    KeyboardInterrupt after a clean stop on Ctrl-C / SIGTERM."""
+    from eagle3nb.toy import resolve_model_path
+
+    stage_dir = P.stage_dir
+    prompts = load_prompts(P.prompts, P.max_samples)
+    model_dir = resolve_model_path(P.model_path)
+    tpl = Template(model_dir, P.thinking, P.thinking_kwarg)
+    P.api_key()  # a missing key variable is an error before anything starts
+    early = P.data_config()
+    if P.served_model_name is None:
+        early.pop("served_model_name")
+    check_run_config(stage_dir, early, P.force, write=False)
+    torn: list[str] = []
+    done = latest(stage_dir, light=True, torn=torn)
+    todo = [p for p in prompts if needs_request(done.get(p["id"]), P.retry_errors)]
+    print(f"01_synth: {len(prompts)} prompts, {len(prompts) - len(todo)} already answered in {stage_dir}"
+          + (f" (torn last line skipped: {', '.join(torn)})" if torn else ""), flush=True)
+    progress = Progress(stage_dir, total=len(prompts), desc=STAGE, unit="sample", done=len(prompts) - len(todo))
+    session = Session(P, tpl, todo, progress)
+    interrupted, state = False, "done"
+    try:
+        if todo:
+            with server_urls(P, model_dir) as urls:
+                session.urls = urls
+                try:
+                    _, interrupted = run_in_thread(session.main, session.stop)
+                except FatalServerError as e:
+                    raise SynthError(str(e)) from None
+        if session.fatal is not None:
+            state = "failed"
+            if isinstance(session.fatal, (SynthError, StreamError, FatalServerError)):
+                raise SynthError(str(session.fatal)) from None
+            raise session.fatal
+        if interrupted:
+            state = "stopped"
+            raise KeyboardInterrupt(f"01_synth stopped; {len(session.records)} new samples saved in {stage_dir}. "
+                                    f"Run it again with the same parameters to resume.")
+    except BaseException:
+        if state == "done":
+            state = "failed"
+        raise
+    finally:
+        metrics = report.metrics(stage_dir, prompts, session, torn)
+        write_json_atomic(stage_dir / "metrics.json", metrics)
+        progress.metrics.update({k: metrics[k] for k in ("counts", "ids_mismatch")})
+        progress.close(state)
+    print(report.summary(metrics), flush=True)
+    return metrics
+
+
+def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
+    """Ask one question with the run's settings and show where everything landed: the raw reasoning and
+    content fields, whether token ids came back, and the training stream decoded with special tokens
+    visible. Catches a missing reasoning parser or a wrong template kwarg before a long run."""
+    from eagle3nb.toy import resolve_model_path
+
+    model_dir = resolve_model_path(P.model_path)
+    tpl = Template(model_dir, P.thinking, P.thinking_kwarg)
+    messages = [{"role": "user", "content": question}]
+
+    async def ask(urls: list[str]) -> tuple[Endpoint, Any]:
+        eps = await connect(urls, P.api_key(), P.request_timeout_s, P.served_model_name, 1)
+        try:
+            resp = await chat(eps[0], messages, max_completion_tokens=P.max_completion_tokens,
+                              temperature=P.temperature, top_p=P.top_p, seed=P.seed,
+                              template_kwargs={P.thinking_kwarg: P.thinking}, return_token_ids=P.return_token_ids)
+        except Exception as e:  # noqa: BLE001 - shown to the user as is
+            raise SynthError(f"the probe request failed: {describe(e)}") from None
+        finally:
+            await eps[0].client.close()
+        return eps[0], resp
+
+    with server_urls(P, model_dir) as urls:
+        (ep, resp), _ = run_in_thread(lambda: ask(urls), lambda: None)
+    choice = resp.choices[0]
+    msg = choice.message
+    reasoning, content, source = extract(msg)
+    stream = build(tpl, messages, reasoning, content, choice.finish_reason,
+                   field(resp, "prompt_token_ids"), field(choice, "token_ids"))
+    n_prompt = stream["loss_mask"].count(0)
+    problems = []
+    if P.thinking and reasoning is None:
+        problems.append(NO_REASONING_FIX.format(n=1, kwarg=P.thinking_kwarg))
+    if stream["token_source"] == "template":
+        problems.append("the server returned no token ids (return_token_ids): the stream is re-rendered through "
+                        "the chat template, which is exact only if the template keeps reasoning_content")
+    if stream["ids_match"] is False:
+        problems.append("the server's token ids differ from the template rendering of the same text: the server ids "
+                        "are used (they are what the model produced)")
+    return {
+        "url": ep.url, "model": ep.model, "finish_reason": choice.finish_reason,
+        "raw": {name: field(msg, name) for name in ("reasoning", "reasoning_content", "content")},
+        "reasoning_from": source, "token_source": stream["token_source"], "ids_match": stream["ids_match"],
+        "prompt": tpl.decode(stream["input_ids"][:n_prompt]), "completion": tpl.decode(stream["input_ids"][n_prompt:]),
+        "naive_concatenation": naive_text(reasoning, content), "problems": problems,
+    }

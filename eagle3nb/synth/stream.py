@@ -1,0 +1,115 @@
+"""The training token stream of one sample: prompt ids + the assistant's ids, and the loss mask over them.
+
+Best source: the ids the server returns (``return_token_ids``): exactly what the model read and sampled.
+Fallback: the chat template rendered over the conversation with the assistant turn (``reasoning_content``
++ ``content``), split at the generation prompt. When both exist they are compared; a mismatch means the
+text round trip is lossy (template drops reasoning, non-canonical tokenization, stripped special tokens).
+The story's bug was the third option: ``reasoning + content`` joined as plain text, think wrappers lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.tokens import IM_END, THINK_END, THINK_START
+
+
+class StreamError(RuntimeError):
+    """The token stream cannot be built faithfully; the message says what to change."""
+
+
+class Template:
+    """The target's tokenizer and chat template, with the run's template kwargs."""
+
+    def __init__(self, model_dir: str | Path, thinking: bool, thinking_kwarg: str = "thinking"):
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+        except Exception as e:  # noqa: BLE001 - any loader failure means the same fix
+            raise StreamError(f"cannot load the tokenizer from {model_dir} ({type(e).__name__}: {e}); point "
+                              f"model_path at the target's Hugging Face folder (tokenizer files + chat template)") from None
+        if not self.tokenizer.chat_template:
+            raise StreamError(f"{model_dir} has no chat template (tokenizer_config.json 'chat_template' or "
+                              f"chat_template.jinja); the training stream must use the target's own template")
+        self.kwargs = {thinking_kwarg: thinking}
+        vocab = self.tokenizer.get_vocab()
+        end = IM_END if IM_END in vocab else self.tokenizer.eos_token
+        self.end_text = end
+        self.end_id = vocab.get(end)
+        self.think_ids = (vocab.get(THINK_START), vocab.get(THINK_END))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **self.kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of already-rendered text, as an OpenAI server tokenizes a chat prompt (no extra BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text with every special token visible (the think wrappers and turn markers)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def completion_text(self, messages: list[dict], reasoning: str | None, content: str | None,
+                        truncated: bool) -> str:
+        """The assistant's part of the rendered conversation: what follows the generation prompt, up to and
+        including the end-of-turn token (dropped when the answer was truncated: it was never generated)."""
+        prompt = self.render(messages, add_generation_prompt=True)
+        turn = {"role": "assistant", "content": content or "", "reasoning_content": reasoning}
+        full = self.render([*messages, turn], add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise StreamError("the chat template renders the conversation differently from its generation prompt, "
+                              "so the assistant's tokens cannot be located; the server must return token ids "
+                              "(vLLM/SGLang `return_token_ids`)")
+        text = full[len(prompt):]
+        if reasoning and reasoning not in text:
+            raise StreamError("the chat template drops the assistant turn's reasoning_content, so re-rendering "
+                              "would lose the reasoning (the story's bug); use a server that returns token ids "
+                              "(vLLM `return_token_ids`) or a template that keeps reasoning_content")
+        cut = text.rfind(self.end_text)
+        if cut >= 0:
+            text = text[: cut + (0 if truncated else len(self.end_text))]
+        return text
+
+
+def build(tpl: Template | None, messages: list[dict], reasoning: str | None, content: str | None,
+          finish_reason: str | None, prompt_ids: list[int] | None, completion_ids: list[int] | None) -> dict[str, Any]:
+    """``input_ids``, ``loss_mask``, ``token_source`` (server | template) and ``ids_match`` (bool, or None when
+    only one source exists) for one answered prompt."""
+    truncated = finish_reason == "length"
+    server = None
+    if prompt_ids is not None and completion_ids is not None:
+        completion = list(completion_ids)
+        # A stop at end-of-turn was sampled: keep it in the stream even if a server left it out of token_ids.
+        if (finish_reason == "stop" and tpl is not None and tpl.end_id is not None
+                and (not completion or completion[-1] != tpl.end_id)):
+            completion.append(tpl.end_id)
+        server = (list(prompt_ids), completion)
+    template = None
+    if tpl is not None:
+        try:
+            template = (tpl.prompt_ids(messages),
+                        tpl.encode(tpl.completion_text(messages, reasoning, content, truncated)))
+        except StreamError:
+            if server is None:
+                raise
+    if server is None and template is None:
+        raise StreamError("the server returned no token ids and no tokenizer is loaded; set model_path to the "
+                          "target's folder so the conversation can be rendered through its chat template")
+    prompt, completion = server or template
+    return {
+        "input_ids": prompt + completion,
+        "loss_mask": [0] * len(prompt) + [1] * len(completion),
+        "token_source": "server" if server else "template",
+        "ids_match": (server == template) if server and template else None,
+    }
+
+
+def naive_text(reasoning: str | None, content: str | None) -> str:
+    """The story's broken training text: reasoning and answer glued together without the think wrappers."""
+    return (reasoning or "") + (content or "")
