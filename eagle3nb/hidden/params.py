@@ -1,0 +1,100 @@
+"""The 02_hidden_states parameters. Defaults = the embedded demo (toy target, transformers backend)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from eagle3nb.params import ParamsError, StageParams, register
+from eagle3nb.paths import resolve
+
+STAGE = "02_hidden_states"
+SYNTH_STATUSES = ("ok", "truncated", "no_reasoning", "error")
+
+# Settings that change the stored data: a different value against an existing output_dir is refused
+# (or, with force, the old shards are discarded).
+DATA_KEYS = ("model_path", "aux_layer_ids", "max_length", "storage", "topk", "draft_vocab_size", "statuses",
+             "max_samples", "shard_tokens", "dtype", "backend")
+
+
+@register(STAGE)
+class HiddenParams(StageParams):
+    """Parameters of ``notebooks/02_hidden_states.ipynb`` (see docs/ARCHITECTURE.md "02_hidden_states output")."""
+
+    synth_dir: str | None = Field(None, description="01_synth's output folder; default outputs/<run_name>/01_synth")
+    model_path: str = Field("toy:demo", description="the target in Hugging Face layout (the model 01 sampled from), or toy:smoke / toy:demo")
+    output_dir: str | None = Field(None, description="where shards go; default outputs/<run_name>/02_hidden_states")
+    aux_layer_ids: list[int] | None = Field(None, description="aux layers in HF hidden_states / vLLM ids (input of layer i); null = EAGLE-3 default [2, L//2, L-3]")
+    max_length: int = Field(2048, ge=2, description="tokens kept per sample (longer samples are cut, and counted)")
+    tokens_per_batch: int = Field(4096, ge=1, description="token budget of one forward pass (batch x longest sample in it)")
+    shard_tokens: int = Field(32768, ge=1, description="tokens per shard file; a killed run redoes at most one shard")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="compute dtype of the target; auto = float32 on CPU, bfloat16 on GPU")
+    storage: Literal["bf16", "fp8", "topk", "fp32"] = Field("bf16", description="bf16: 3 aux + final state in bf16 (8H bytes/token); fp8: e4m3 with per-token scales (~half); topk: fp8 aux + the target's top-k draft-vocab log-probs instead of the final state; fp32: exact, for checks")
+    topk: int = Field(32, ge=1, description="probabilities kept per token with storage: topk")
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="transformers: load the target here; vllm: drive a vLLM server started with extract_hidden_states (see the notebook)")
+    vllm_url: str | None = Field(None, description="backend vllm: the server (http://host:8000); it must write its files where this machine can read them")
+    vllm_model: str | None = Field(None, description="backend vllm: served model name; null = ask /v1/models")
+    api_key_env: str | None = Field(None, description="backend vllm: NAME of the environment variable holding the API key (never the key)")
+    concurrency: int = Field(8, ge=1, description="backend vllm: requests in flight")
+    request_timeout_s: float = Field(600.0, gt=0, description="backend vllm: seconds before a request is retried")
+    draft_vocab_size: int = Field(256, ge=1, description="draft vocabulary size: the most frequent target ids over loss-masked tokens (32000 for big models)")
+    statuses: list[str] = Field(["ok"], description="01_synth sample statuses to use (ok, truncated, no_reasoning, error)")
+    max_samples: int | None = Field(None, ge=1, description="use only the first N samples (by id order); null = all")
+    verify_sha256: bool = Field(True, description="on resume re-hash finished shards (size and header are always checked)")
+    force: bool = Field(False, description="start even if the projected disk use exceeds free space; discard shards made with other settings")
+
+    @field_validator("statuses")
+    @classmethod
+    def _statuses(cls, v: list[str]) -> list[str]:
+        bad = [s for s in v if s not in SYNTH_STATUSES]
+        if bad or not v:
+            raise ValueError(f"statuses must be a non-empty subset of {list(SYNTH_STATUSES)}")
+        return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_name(cls, v: str | None) -> str | None:
+        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("api_key_env is the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
+        return v
+
+    @model_validator(mode="after")
+    def _backend(self) -> "HiddenParams":
+        if self.backend == "vllm" and not self.vllm_url:
+            raise ValueError("backend 'vllm' needs vllm_url (http://host:8000 of a server started with "
+                             "extract_hidden_states; the notebook shows the command line)")
+        if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_url {self.vllm_url!r} is not a URL: use http://host:port")
+        return self
+
+    @property
+    def stage_dir(self) -> Path:
+        return self.out_dir(self.output_dir, STAGE)
+
+    @property
+    def synth_path(self) -> Path:
+        return self.out_dir(self.synth_dir, "01_synth")
+
+    def api_key(self) -> str:
+        """The key from the environment (``EMPTY`` when no variable is named)."""
+        if not self.api_key_env:
+            return "EMPTY"
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ParamsError(f"api_key_env names {self.api_key_env!r} but that environment variable is not set: "
+                              f"export {self.api_key_env}=<key> before starting, or set api_key_env: null")
+        return key
+
+    def data_config(self) -> dict:
+        """The data-affecting settings, stored with the shards and compared on resume."""
+        return {k: getattr(self, k) for k in DATA_KEYS}
+
+    def check_paths(self) -> None:
+        src = self.params_file or "the notebook's parameters cell"
+        if not self.model_path.startswith("toy:") and not (resolve(self.model_path) / "config.json").exists():
+            raise ParamsError(f"parameter 'model_path' in {src}: {resolve(self.model_path)} has no config.json; point "
+                              "it at the target's Hugging Face folder (the model 01_synth sampled from)")

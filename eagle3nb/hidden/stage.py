@@ -1,0 +1,348 @@
+"""Stage 02: run the target over 01's token stream and store the hidden states EAGLE-3 trains on.
+
+Plan first, then work: the samples are filtered, cut to ``max_length``, sorted by length and assigned to
+shards; the draft vocabulary is chosen; the disk the run will take is printed and checked against the free
+space. Then each shard not already on disk (and intact) is computed and written atomically. A killed run
+restarts at the first missing shard and produces the same files as an uninterrupted one.
+
+Run headless with ``python -m eagle3nb.hidden.stage params/<run>/02_hidden_states.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from eagle3nb.hidden.head import TargetHead, read_head_tensors, target_info, text_config
+from eagle3nb.hidden.layers import check_layer_ids, default_aux_layer_ids, to_sglang
+from eagle3nb.hidden.params import STAGE, HiddenParams
+from eagle3nb.hidden.storage import FORMAT, ShardError, bytes_per_token, check_shard, encode, shard_name, write_shard
+from eagle3nb.hidden.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, save_draft_vocab
+from eagle3nb.progress import Progress, write_json_atomic
+
+PLAN_FILE = "plan.json"
+INDEX_FILE = "index.json"
+HEAD_FILE = "target_head.safetensors"
+THROUGHPUT_FILE = "throughput.jsonl"
+GB = 1e9
+
+
+class HiddenStatesError(RuntimeError):
+    """A problem found before (or instead of) doing the work, phrased with what to do."""
+
+
+def prepare_samples(P: HiddenParams) -> tuple[list[dict], dict]:
+    """01's samples to extract, cut to ``max_length``, in extraction order (by length, then id), and a report of
+    every sample left out and why."""
+    from eagle3nb.synth import load_samples
+
+    if not P.synth_path.is_dir():
+        raise HiddenStatesError(f"synth_dir {P.synth_path} does not exist: run 01_synth first or set synth_dir")
+    records = sorted(load_samples(P.synth_path, statuses=None), key=lambda r: r["id"])
+    dropped: dict[str, int] = {}
+    keep = []
+    for r in records:
+        reason = None
+        if r.get("status") not in P.statuses:
+            reason = f"status_{r.get('status')}"
+        elif not r.get("input_ids") or len(r.get("loss_mask") or []) != len(r["input_ids"]):
+            reason = "bad_record"
+        if reason:
+            dropped[reason] = dropped.get(reason, 0) + 1
+        else:
+            keep.append(r)
+    if P.max_samples is not None and len(keep) > P.max_samples:
+        dropped["over_max_samples"] = len(keep) - P.max_samples
+        keep = keep[:P.max_samples]
+    samples, truncated = [], 0
+    for r in keep:
+        ids, mask = list(r["input_ids"]), [int(m) for m in r["loss_mask"]]
+        if len(ids) > P.max_length:
+            ids, mask, truncated = ids[:P.max_length], mask[:P.max_length], truncated + 1
+        if not any(mask):
+            dropped["no_loss_tokens"] = dropped.get("no_loss_tokens", 0) + 1
+            continue
+        samples.append({"id": str(r["id"]), "input_ids": ids, "loss_mask": mask, "category": r.get("category")})
+    if not samples:
+        raise HiddenStatesError(f"no usable samples in {P.synth_path} (statuses {P.statuses}; left out: {dropped}); "
+                                "check 01_synth's metrics or widen statuses")
+    samples.sort(key=lambda s: (len(s["input_ids"]), s["id"]))
+    return samples, {"records": len(records), "used": len(samples), "dropped": dropped, "truncated": truncated}
+
+
+def plan_shards(samples: list[dict], shard_tokens: int) -> list[dict]:
+    """Consecutive samples grouped into shards of about ``shard_tokens`` tokens."""
+    shards, cur, n = [], [], 0
+    for s in samples:
+        cur.append(s["id"])
+        n += len(s["input_ids"])
+        if n >= shard_tokens:
+            shards.append({"file": shard_name(len(shards)), "samples": cur, "num_tokens": n, "done": False})
+            cur, n = [], 0
+    if cur:
+        shards.append({"file": shard_name(len(shards)), "samples": cur, "num_tokens": n, "done": False})
+    return shards
+
+
+def head_bytes(model_dir: Path, info: dict) -> int:
+    """Bytes of target_head.safetensors (embed + lm_head + norm in the target's dtype)."""
+    cfg = text_config(model_dir)
+    width = {"float32": 4, "float64": 8}.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+    return (2 * info["vocab_size"] + 1) * info["hidden_size"] * width
+
+
+def disk_check(P: HiddenParams, remaining_tokens: int, bpt: int, extra: int, total_tokens: int) -> dict:
+    """Print the projected disk use; refuse when it exceeds the free space (unless ``force``)."""
+    stage_dir = P.stage_dir
+    free = shutil.disk_usage(stage_dir).free
+    need = remaining_tokens * bpt + extra
+    line = (f"projected disk use: {need / GB:.3f} GB still to write ({remaining_tokens:,} of {total_tokens:,} tokens x "
+            f"{bpt:,} bytes/token with storage '{P.storage}' + {extra / GB:.3f} GB head/vocab); "
+            f"{total_tokens * bpt / GB:.3f} GB for the whole run; free on {stage_dir}: {free / GB:.3f} GB")
+    print(line, flush=True)
+    if need > free and not P.force:
+        raise HiddenStatesError(f"{line}. Not starting: free space, choose a compact storage (fp8 or topk), lower "
+                                "max_samples / max_length, or set force: true")
+    return {"projected_bytes": total_tokens * bpt + extra, "projected_remaining_bytes": need, "free_bytes": free}
+
+
+def _config(P: HiddenParams, info: dict, layer_ids: list[int], samples: list[dict]) -> dict:
+    digest = hashlib.sha256(json.dumps([(s["id"], s["input_ids"], s["loss_mask"]) for s in samples]).encode())
+    return {**P.data_config(), "aux_layer_ids": layer_ids, "model_fingerprint": info["fingerprint"],
+            "samples_sha256": digest.hexdigest()}
+
+
+def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
+    """Take over the finished shards of an earlier run with the same config; verify each one."""
+    stage_dir = P.stage_dir
+    for tmp in stage_dir.glob(".shard-*.tmp"):
+        tmp.unlink()
+    path = stage_dir / PLAN_FILE
+    report = {"resumed_shards": 0, "redone_shards": []}
+    if not path.exists():
+        return report
+    old = json.loads(path.read_text())
+    if old.get("config") != config:
+        diff = sorted(k for k in set(config) | set(old.get("config", {})) if config.get(k) != old.get("config", {}).get(k))
+        if not P.force:
+            raise HiddenStatesError(
+                f"{stage_dir} holds hidden states made with other settings ({', '.join(diff)} differ). Choose another "
+                "output_dir, restore the old settings to resume, or set force: true to discard the old shards")
+        print(f"force: discarding the shards of an earlier run ({', '.join(diff)} differ)", flush=True)
+        for f in stage_dir.glob("shard-*.safetensors"):
+            f.unlink()
+        (stage_dir / INDEX_FILE).unlink(missing_ok=True)
+        return report
+    old_by_file = {s["file"]: s for s in old.get("shards", [])}
+    for s in shards:
+        o = old_by_file.get(s["file"])
+        if not (o and o.get("done") and o["samples"] == s["samples"]):
+            continue
+        try:
+            check_shard(stage_dir / s["file"], o["bytes"], o["sha256"] if P.verify_sha256 else None)
+        except ShardError as e:
+            print(f"redoing {s['file']}: {e}", flush=True)
+            report["redone_shards"].append(s["file"])
+            (stage_dir / s["file"]).unlink(missing_ok=True)
+            continue
+        s.update({k: o[k] for k in ("done", "bytes", "sha256", "seconds")})
+        report["resumed_shards"] += 1
+    return report
+
+
+class TransformersSource:
+    """The target loaded here; one forward per token-budget batch, hooks keep only the chosen states."""
+
+    def __init__(self, P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]):
+        from eagle3nb.hidden.capture import load_target
+
+        self.model = load_target(model_dir, P.dtype, trust_remote_code=False)
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        if cfg.num_hidden_layers != info["num_layers"] or cfg.hidden_size != info["hidden_size"]:
+            raise HiddenStatesError(f"{model_dir}: loaded model shape differs from its config.json")
+        self.layer_ids, self.tokens_per_batch = layer_ids, P.tokens_per_batch
+
+    def batches(self, shard_samples: list[dict]):
+        """Yield ``(rows, aux [B, T, n, H], final [B, T, H])`` per batch (rows index ``shard_samples``)."""
+        from eagle3nb.hidden.capture import capture_batch, pack_batches
+
+        for rows in pack_batches([len(s["input_ids"]) for s in shard_samples], self.tokens_per_batch):
+            aux, final = capture_batch(self.model, [shard_samples[r]["input_ids"] for r in rows], self.layer_ids)
+            yield rows, aux, final
+
+
+class VllmSource:
+    """A vLLM server (or the embedded one) started with extract_hidden_states; see ``vllm_backend``."""
+
+    def __init__(self, P: HiddenParams, info: dict, layer_ids: list[int], head: TargetHead):
+        from eagle3nb.hidden.vllm_backend import VllmClient
+
+        self.client = VllmClient(P.vllm_url, P.api_key(), P.vllm_model, num_states=len(layer_ids) + 1,
+                                 hidden_size=info["hidden_size"], timeout_s=P.request_timeout_s,
+                                 concurrency=P.concurrency)
+        self.head = head
+        self.checked = self.mismatched = 0
+
+    def batches(self, shard_samples: list[dict]):
+        """Yield ``([row], aux [1, T, n, H], final [1, T, H])`` per sample, in order."""
+        items = [(s["id"], s["input_ids"]) for s in shard_samples]
+        for r, (hs, next_token) in enumerate(self.client.map(items)):
+            final = self.head.norm(hs[:, -1]).to(hs.dtype)
+            if next_token is not None:
+                self._check_model(final[-1:], next_token, shard_samples[r]["id"])
+            yield [r], hs[None, :, :-1], final[None]
+
+    def _check_model(self, last, next_token: int, sample_id: str) -> None:
+        """The server's greedy token must be what model_path's head says; a different model fails fast."""
+        _, argmax = self.head.draft_logits_and_argmax(last)
+        self.checked += 1
+        self.mismatched += int(int(argmax[0]) != next_token)
+        if self.checked >= 8 and self.mismatched > self.checked // 2:
+            raise HiddenStatesError(
+                f"the server's next token disagrees with model_path's lm_head on {self.mismatched} of {self.checked} "
+                f"samples (last: {sample_id}): the server serves another model than model_path, or other layer ids")
+
+
+def extract(P: HiddenParams) -> dict:
+    """Run stage 02 with validated parameters; returns (and writes) ``metrics.json``."""
+    import torch
+
+    from eagle3nb.toy import resolve_model_path
+
+    t_start = time.time()
+    stage_dir = P.stage_dir
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_path(P.model_path)
+    info = target_info(model_dir)
+    L, H = info["num_layers"], info["hidden_size"]
+    layer_ids = check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(L), L)
+    print(f"target {model_dir}: {L} layers, hidden {H}, vocab {info['vocab_size']}; aux layers {layer_ids} "
+          f"(HF/vLLM ids; SGLang/SpecForge: {to_sglang(layer_ids)}) + the final normed state", flush=True)
+
+    samples, sample_report = prepare_samples(P)
+    vocab = build_draft_vocab(samples, info["vocab_size"], P.draft_vocab_size)
+    if vocab["note"]:
+        print("draft vocab:", vocab["note"], flush=True)
+    by_id = {s["id"]: s for s in samples}
+    shards = plan_shards(samples, P.shard_tokens)
+    config = _config(P, info, layer_ids, samples)
+    resume = _resume(P, config, shards)
+    total_tokens = sum(s["num_tokens"] for s in shards)
+    remaining = sum(s["num_tokens"] for s in shards if not s.get("done"))
+    bpt = bytes_per_token(P.storage, H, len(layer_ids), P.topk, P.draft_vocab_size)
+    disk = disk_check(P, remaining, bpt, head_bytes(model_dir, info), total_tokens)
+
+    def save_plan() -> None:
+        write_json_atomic(stage_dir / PLAN_FILE, {"config": config, "shards": shards})
+
+    save_plan()
+    save_draft_vocab(stage_dir / VOCAB_FILE, vocab)
+    head_tensors = read_head_tensors(model_dir)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in head_tensors.items()}, str(stage_dir / HEAD_FILE))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    head = TargetHead(head_tensors["lm_head.weight"], draft_target_ids(vocab["d2t"]), head_tensors["norm.weight"],
+                      info["rms_norm_eps"], device=device)
+
+    todo = [s for s in shards if not s.get("done")]
+    progress = Progress(stage_dir, total=total_tokens, desc=STAGE, unit="tok", done=total_tokens - remaining)
+    session_tokens, session_s = 0, 0.0
+    if todo:
+        source = (VllmSource(P, info, layer_ids, head) if P.backend == "vllm"
+                  else TransformersSource(P, model_dir, info, layer_ids))
+        print(f"{len(todo)} of {len(shards)} shards to compute ({resume['resumed_shards']} already on disk)", flush=True)
+        writer = ThreadPoolExecutor(1)
+        pending: tuple[dict, Future] | None = None
+
+        def finish(item: tuple[dict, Future]) -> None:
+            shard, fut = item
+            shard.update(fut.result(), done=True)
+            save_plan()
+
+        with open(stage_dir / THROUGHPUT_FILE, "a") as log:
+            for shard in todo:
+                rows_samples = [by_id[i] for i in shard["samples"]]
+                tensors: dict = {}
+                t_shard = time.time()
+                t0 = time.time()
+                for rows, aux, final in source.batches(rows_samples):
+                    enc = {k: v.cpu() for k, v in encode(aux, final, P.storage, head, P.topk).items()}
+                    n_tok = 0
+                    for b, r in enumerate(rows):
+                        s = rows_samples[r]
+                        n = len(s["input_ids"])
+                        n_tok += n
+                        tensors[f"{r}.input_ids"] = torch.tensor(s["input_ids"], dtype=torch.int32)
+                        tensors[f"{r}.loss_mask"] = torch.tensor(s["loss_mask"], dtype=torch.uint8)
+                        for k, v in enc.items():
+                            tensors[f"{r}.{k}"] = v[b, :n].clone()
+                    t1 = time.time()
+                    log.write(json.dumps({"time": t1, "tokens": n_tok, "seconds": t1 - t0}) + "\n")
+                    log.flush()
+                    session_tokens += n_tok
+                    session_s += t1 - t0
+                    progress.update(n_tok, tok_per_s=round(session_tokens / max(session_s, 1e-9), 1))
+                    t0 = time.time()
+                shard["seconds"] = time.time() - t_shard
+                if pending:
+                    finish(pending)
+                pending = (shard, writer.submit(write_shard, stage_dir / shard["file"], tensors,
+                                                {"storage": P.storage, "layer_ids": json.dumps(layer_ids)}))
+            if pending:
+                finish(pending)
+        writer.shutdown()
+    progress.close()
+
+    index = {
+        "format": FORMAT, "storage": P.storage, "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
+        "num_layers": L, "hidden_size": H, "vocab_size": info["vocab_size"], "rms_norm_eps": info["rms_norm_eps"],
+        "draft_vocab_size": P.draft_vocab_size, "topk": P.topk if P.storage == "topk" else None,
+        "model_path": str(model_dir), "model_fingerprint": info["fingerprint"], "backend": P.backend,
+        "samples": [{"id": i, "shard": sh["file"], "index": j, "length": len(by_id[i]["input_ids"]),
+                     "category": by_id[i]["category"]} for sh in shards for j, i in enumerate(sh["samples"])],
+        "shards": [{"file": s["file"], "num_samples": len(s["samples"]), "num_tokens": s["num_tokens"],
+                    "bytes": s["bytes"], "sha256": s["sha256"]} for s in shards],
+    }
+    write_json_atomic(stage_dir / INDEX_FILE, index)
+    shard_bytes = sum(s["bytes"] for s in shards)
+    aux_bytes = sum(p.stat().st_size for p in (stage_dir / HEAD_FILE, stage_dir / VOCAB_FILE))
+    compute_s = sum(s.get("seconds", 0.0) for s in shards)
+    metrics = {
+        "samples": len(samples), "tokens": total_tokens,
+        "loss_tokens": vocab["loss_tokens"], "tokens_per_s": total_tokens / compute_s if compute_s else None,
+        "session_tokens_per_s": session_tokens / session_s if session_s else None,
+        "bytes_per_token": shard_bytes / total_tokens, "layout_bytes_per_token": bpt,
+        "bf16_bytes_per_token": bytes_per_token("bf16", H, len(layer_ids)),
+        "total_bytes": shard_bytes + aux_bytes, "shard_bytes": shard_bytes, **disk,
+        "coverage": vocab["coverage"], "draft_vocab_size": P.draft_vocab_size, "draft_vocab_note": vocab["note"],
+        "distinct_loss_tokens": vocab["distinct_loss_tokens"],
+        "storage": P.storage, "backend": P.backend, "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
+        "shards": len(shards), **resume, **sample_report, "elapsed_s": time.time() - t_start,
+    }
+    write_json_atomic(stage_dir / "metrics.json", metrics)
+    print(f"done: {total_tokens:,} tokens in {len(shards)} shards, {shard_bytes / GB:.3f} GB "
+          f"({metrics['bytes_per_token']:.0f} bytes/token), draft-vocab coverage {vocab['coverage']:.1%}", flush=True)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eagle3nb.params import from_dict, load_yaml
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m eagle3nb.hidden.stage params/<run>/02_hidden_states.yaml", file=sys.stderr)
+        return 2
+    path = Path(argv[0])
+    values = {"params_file": str(path), **load_yaml(path)}
+    extract(from_dict(STAGE, values))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
