@@ -27,11 +27,12 @@ REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Reque
 
 class FaultServer:
     """``fault_rate``: share of conversations that get faults; each such conversation fails on its first
-    1..``max_faults`` attempts with faults drawn from ``faults``. ``latency_s``: (low, high) uniform delay."""
+    1..``max_faults`` attempts with faults drawn from ``faults``. ``latency_s``: (low, high) uniform delay.
+    ``reasoning_field``: where the reasoning goes (None: nowhere, a server without a reasoning parser)."""
 
     def __init__(self, *, fault_rate: float = 0.0, faults: tuple[str, ...] = FAULTS, max_faults: int = 2,
                  latency_s: tuple[float, float] = (0.0, 0.0), hang_s: float = 5.0,
-                 reasoning_field: str = "reasoning", model: str = "fault-model", seed: int = 0,
+                 reasoning_field: str | None = "reasoning", model: str = "fault-model", seed: int = 0,
                  host: str = "127.0.0.1", port: int = 0):
         self.fault_rate, self.faults, self.max_faults = fault_rate, faults, max_faults
         self.latency_s, self.hang_s = latency_s, hang_s
@@ -61,7 +62,7 @@ class FaultServer:
         last = body["messages"][-1]["content"]
         thinking = (body.get("chat_template_kwargs") or {}).get("thinking", True)
         message: dict[str, Any] = {"role": "assistant", "content": f"The answer to '{last}' is 4."}
-        if thinking:
+        if thinking and self.reasoning_field:
             message[self.reasoning_field] = f"The user asks '{last}'. Two plus two is four."
         return {
             "id": "chatcmpl-fault", "object": "chat.completion", "created": int(time.time()), "model": self.model,

@@ -1,0 +1,282 @@
+"""01_synth without the embedded model server: prompt formats, reasoning extraction, the token stream and
+the story's bug, the store, and the client over real HTTP against the scripted fault server."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from eagle3nb.params import ParamsError, from_dict
+from eagle3nb.synth import SynthError, SynthParams, load_samples, run
+from eagle3nb.synth.faults import FaultServer
+from eagle3nb.synth.prompts import PromptsError, load_prompts
+from eagle3nb.synth.reasoning import extract
+from eagle3nb.synth.store import SampleWriter, check_run_config, latest, sample_files
+from eagle3nb.synth.stream import Template, build, naive_text
+from eagle3nb.tokens import IM_END, THINK_END, THINK_START
+
+ROWS = [
+    {"id": "a", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+     "category": "math"},
+    {"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Red."}]},
+    {"prompt": "Say hi."},
+]
+EXPECTED = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Name a colour."}],  # the dataset's own answer is dropped
+    [{"role": "user", "content": "Say hi."}],
+]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def synth_params(tmp_path: Path, **kw) -> SynthParams:
+    base = dict(model_path="toy:smoke", output_dir=str(tmp_path / "out"), prompts=str(tmp_path / "p.jsonl"),
+                max_samples=None, concurrency=4, retry_backoff_s=0.02, request_timeout_s=5.0)
+    return SynthParams(**{**base, **kw})
+
+
+def prompt_rows(n: int) -> list[dict]:
+    return [{"id": f"q{i:03d}", "messages": [{"role": "user", "content": f"What is {i}+{i}?"}]} for i in range(n)]
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def test_prompt_formats_jsonl_parquet_and_datasets_folder(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    got = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", ROWS)))
+    assert [p["messages"] for p in got] == EXPECTED
+    assert got[0]["id"] == "a" and got[0]["category"] == "math"
+    assert got[1]["id"] == load_prompts(str(tmp_path / "p.jsonl"))[1]["id"]  # stable content id
+
+    table = pa.Table.from_pylist([{"messages": r["messages"]} for r in ROWS[:1]] + [{"messages": EXPECTED[2]}])
+    pq.write_table(table, tmp_path / "p.parquet")
+    assert [p["messages"] for p in load_prompts(str(tmp_path / "p.parquet"))] == [EXPECTED[0], EXPECTED[2]]
+
+    # a `datasets` save_to_disk DatasetDict: dataset_dict.json + train/{state.json, data-*.arrow}
+    ds = tmp_path / "ds"
+    (ds / "train").mkdir(parents=True)
+    (ds / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    (ds / "train" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    conv = pa.Table.from_pylist([{"conversations": ROWS[1]["conversations"], "category": "chat"}])
+    with pa.OSFile(str(ds / "train" / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, conv.schema) as w:
+            w.write_table(conv)
+    got = load_prompts(str(ds))
+    assert [p["messages"] for p in got] == [EXPECTED[1]] and got[0]["category"] == "chat"
+
+
+def test_prompt_errors_name_file_and_row(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(PromptsError, match=r"bad.jsonl line 2"):
+        load_prompts(str(bad))
+    write_jsonl(bad, [{"text": "no known key"}])
+    with pytest.raises(PromptsError, match="'messages'.*'conversations'.*'prompt'"):
+        load_prompts(str(bad))
+    write_jsonl(bad, [ROWS[0], ROWS[0]])
+    with pytest.raises(PromptsError, match="id 'a' already used"):
+        load_prompts(str(bad))
+    assert len(load_prompts(str(write_jsonl(bad, prompt_rows(10))), max_samples=4)) == 4
+
+
+def test_params_errors_say_what_to_fix(tmp_path):
+    with pytest.raises(ParamsError, match="NAME of an environment variable"):
+        from_dict("01_synth", {"api_key_env": "sk-abc123-secret"})
+    with pytest.raises(ParamsError, match="is not a URL"):
+        from_dict("01_synth", {"vllm_url": "localhost:8000"})
+    with pytest.raises(ParamsError, match=r"'prompts'.*does not exist"):
+        from_dict("01_synth", {"prompts": str(tmp_path / "missing.jsonl")})
+    P = from_dict("01_synth", {"vllm_url": ["http://a:8000", "http://b:8000/v1"]})
+    assert P.urls == ["http://a:8000", "http://b:8000/v1"]
+
+
+# ---------------------------------------------------------------- reasoning and the token stream
+
+
+def test_reasoning_from_every_field():
+    from openai.types.chat import ChatCompletionMessage
+
+    def msg(**kw):  # the real client type: unknown fields become attributes / model_extra
+        return ChatCompletionMessage.model_validate({"role": "assistant", **kw})
+
+    assert extract(msg(content="4", reasoning="2+2=4")) == ("2+2=4", "4", "reasoning")
+    assert extract(msg(content="4", reasoning_content="2+2=4")) == ("2+2=4", "4", "reasoning_content")
+    assert extract(msg(content="4", reasoning=None, reasoning_content="r")) == ("r", "4", "reasoning_content")
+    assert extract(msg(content=f"{THINK_START}2+2=4{THINK_END}The answer is 4.")) == ("2+2=4", "The answer is 4.", "inline")
+    assert extract(msg(content=f"{THINK_START}{THINK_END}4")) == (None, "4", "none")
+    assert extract({"content": "4"}) == (None, "4", "none")
+
+
+@pytest.fixture(scope="module")
+def tpl(toy_smoke):
+    return Template(toy_smoke, thinking=True)
+
+
+def test_template_stream_masks_the_answer_with_its_wrappers(tpl):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    s = build(tpl, messages, "two plus two", "4", "stop", None, None)
+    assert s["token_source"] == "template" and s["ids_match"] is None
+    n_prompt = s["loss_mask"].count(0)
+    assert s["loss_mask"] == [0] * n_prompt + [1] * (len(s["input_ids"]) - n_prompt)
+    assert tpl.decode(s["input_ids"][:n_prompt]) == tpl.render(messages, add_generation_prompt=True)
+    assert tpl.decode(s["input_ids"][n_prompt:]) == f"{THINK_START}two plus two{THINK_END}4{IM_END}"
+    cut = build(tpl, messages, "two plus", None, "length", None, None)  # truncated: no end-of-turn generated
+    assert not tpl.decode(cut["input_ids"]).endswith(IM_END)
+
+    off = Template(tpl.tokenizer.name_or_path, thinking=False)
+    s_off = build(off, messages, None, "4", "stop", None, None)  # the empty think block is prompt, not answer
+    n_off = s_off["loss_mask"].count(0)
+    assert tpl.decode(s_off["input_ids"][:n_off]).endswith(f"{THINK_START}{THINK_END}")
+    assert tpl.decode(s_off["input_ids"][n_off:]) == f"4{IM_END}"
+
+
+def test_server_ids_are_used_and_compared_with_the_template(tpl):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ref = build(tpl, messages, "two plus two", "4", "stop", None, None)
+    n = ref["loss_mask"].count(0)
+    prompt_ids, completion_ids = ref["input_ids"][:n], ref["input_ids"][n:]
+    same = build(tpl, messages, "two plus two", "4", "stop", prompt_ids, completion_ids)
+    assert same["token_source"] == "server" and same["ids_match"] is True and same["input_ids"] == ref["input_ids"]
+    # the model never closed its reasoning: the server stream keeps that; the template would invent </think>
+    odd = completion_ids[:3] + [tpl.end_id]
+    s = build(tpl, messages, "two plus two", "4", "stop", prompt_ids, odd)
+    assert s["input_ids"] == prompt_ids + odd and s["ids_match"] is False
+    # a server that leaves the sampled end-of-turn out of token_ids still gets it in the stream
+    assert build(tpl, messages, "two plus two", "4", "stop", prompt_ids, completion_ids[:-1])["input_ids"] == ref["input_ids"]
+
+
+def test_story_bug_naive_concatenation_is_not_the_stream(tpl):
+    """The story's script trained on reasoning + content glued as plain text: think wrappers lost."""
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    s = build(tpl, messages, "two plus two is four", "The answer is 4.", "stop", None, None)
+    answer = s["input_ids"][s["loss_mask"].count(0):]
+    naive = tpl.encode(naive_text("two plus two is four", "The answer is 4."))
+    assert naive != answer
+    think_start, think_end = tpl.think_ids
+    assert think_start in answer and think_end in answer and tpl.end_id == answer[-1]
+    assert think_start not in naive and think_end not in naive
+
+
+# ---------------------------------------------------------------- store
+
+
+def test_store_latest_record_wins_and_torn_last_line_is_skipped(tmp_path):
+    w = SampleWriter(tmp_path)
+    w.write([{"id": "a", "status": "error"}, {"id": "b", "status": "ok"}])
+    w.close()
+    with open(w.path, "a") as f:
+        f.write('{"id": "c", "status": "o')  # kill -9 mid-write
+    w2 = SampleWriter(tmp_path)  # a new session never appends to a torn file
+    assert w2.path != w.path
+    w2.write([{"id": "a", "status": "ok"}])
+    w2.close()
+    torn: list[str] = []
+    recs = latest(tmp_path, torn=torn)
+    assert {k: r["status"] for k, r in recs.items()} == {"a": "ok", "b": "ok"}
+    assert torn == [f"{w.path.name} line 3"]
+    assert [r["id"] for r in load_samples(tmp_path)] == ["a", "b"]
+    w.path.write_text('{"id": "x", "status": "ok"}\n{broken\n{"id": "y", "status": "ok"}\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        latest(tmp_path)
+
+
+def test_changed_settings_are_refused_unless_forced(tmp_path):
+    cfg = {"model_path": "toy:smoke", "temperature": 0.7}
+    check_run_config(tmp_path, cfg, force=False)
+    SampleWriter(tmp_path).write([{"id": "a", "status": "ok"}])
+    check_run_config(tmp_path, cfg, force=False)  # same settings: resume is fine
+    with pytest.raises(ParamsError, match=r"temperature: 0.7 -> 1.0.*force: true"):
+        check_run_config(tmp_path, {**cfg, "temperature": 1.0}, force=False)
+    check_run_config(tmp_path, {**cfg, "temperature": 1.0}, force=True)
+    assert json.loads((tmp_path / "run_config.json").read_text())["forced_changes"][0]["changed"]["temperature"] == [0.7, 1.0]
+
+
+# ---------------------------------------------------------------- the client against faults, over real HTTP
+
+
+def fault_key(messages: list[dict]) -> str:
+    import hashlib
+
+    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def expected_status(server: FaultServer, messages: list[dict], max_retries: int) -> str:
+    """What the client must make of this conversation's scripted faults, from the server's next attempt on."""
+    key = fault_key(messages)
+    plan, start = server.plan(key), server.attempts.get(key, 0)
+    for attempt in range(start, start + max_retries + 1):
+        fault = plan[attempt] if attempt < len(plan) else "ok"
+        if fault == "ok":
+            return "ok"
+        if fault == "400":
+            return "error"
+    return "error"
+
+
+def test_faults_every_sample_ok_or_counted_none_duplicated(tmp_path, toy_smoke):
+    write_jsonl(tmp_path / "p.jsonl", prompt_rows(40))
+    with FaultServer(fault_rate=0.6, max_faults=3, hang_s=1.0, seed=3) as srv:
+        P = synth_params(tmp_path, vllm_url=srv.url, max_retries=2, request_timeout_s=0.4, concurrency=8)
+        prompts = load_prompts(P.prompts)
+        expected = {p["id"]: expected_status(srv, p["messages"], 2) for p in prompts}
+        m = run(P)
+        assert set(Counter(f for _, f in srv.served)) == {"ok", *srv.faults}  # every fault kind was met
+        ids = [json.loads(line)["id"] for f in sample_files(P.stage_dir) for line in f.read_text().splitlines()]
+        assert sorted(ids) == sorted(expected)  # every prompt recorded exactly once
+        got = {r["id"]: r["status"] for r in load_samples(P.stage_dir, statuses=None)}
+        assert got == expected
+        assert m["counts"]["error"] == sum(s == "error" for s in expected.values()) > 0
+        assert sum(m["errors"].values()) == m["counts"]["error"]
+        errors = [r for r in load_samples(P.stage_dir, statuses=("error",))]
+        assert all(r["error"] and r["input_ids"] == [] for r in errors)
+        ok = load_samples(P.stage_dir)
+        assert all(r["reasoning"] and r["token_source"] == "template" and sum(r["loss_mask"]) > 0 for r in ok)
+
+        # resume asks again for the errors only, never for the ok ones; latest record per id wins
+        again = {p["id"]: expected_status(srv, p["messages"], 2) for p in prompts if expected[p["id"]] == "error"}
+        asked_before = Counter(k for k, _ in srv.served)
+        m2 = run(P)
+        asked_again = set(Counter(k for k, _ in srv.served) - asked_before)
+        assert asked_again == {fault_key(p["messages"]) for p in prompts if p["id"] in again}
+        final = {r["id"]: r["status"] for r in load_samples(P.stage_dir, statuses=None)}
+        assert final == {**expected, **again} and m2["counts"]["ok"] == sum(v == "ok" for v in final.values())
+
+
+def test_reasoning_content_and_missing_reasoning_stop_early(tmp_path, toy_smoke):
+    write_jsonl(tmp_path / "p.jsonl", prompt_rows(30))
+    with FaultServer(reasoning_field="reasoning_content") as srv:
+        m = run(synth_params(tmp_path, vllm_url=srv.url, max_samples=6))
+        assert m["counts"]["ok"] == 6
+        assert all(r["reasoning"].startswith("The user asks") for r in load_samples(tmp_path / "out"))
+    out2 = tmp_path / "noparser"
+    with FaultServer(reasoning_field=None) as srv:  # a server without a reasoning parser
+        with pytest.raises(SynthError, match="--reasoning-parser kimi_k2"):
+            run(synth_params(tmp_path, vllm_url=srv.url, output_dir=str(out2), concurrency=2))
+        assert len(srv.served) < 30  # stopped early, not after every prompt
+    saved = load_samples(out2, statuses=None)
+    assert saved and all(r["status"] == "no_reasoning" for r in saved)
+    assert json.loads((out2 / "progress.json").read_text())["state"] == "failed"
+
+
+def test_exactly_concurrency_requests_in_flight(tmp_path, toy_smoke):
+    write_jsonl(tmp_path / "p.jsonl", prompt_rows(48))
+    with FaultServer(latency_s=(0.05, 0.15)) as srv:
+        m = run(synth_params(tmp_path, vllm_url=srv.url, concurrency=6))
+        starts = sorted((t0, +1) for t0, _ in srv.intervals) + sorted((t1, -1) for _, t1 in srv.intervals)
+        now = peak = 0
+        for _, d in sorted(starts, key=lambda x: (x[0], x[1])):
+            now += d
+            peak = max(peak, now)
+    assert peak == 6  # never more than asked, and the pool really fills
+    assert m["session"]["in_flight_ratio"] > 0.8  # no waves: slots refill as answers come back
+    assert m["counts"]["ok"] == 48
