@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import math
-import os
 import re
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from eagle3nb.formulas import acceptance_length_from_counts, acceptance_rate_from_counts
@@ -144,26 +141,6 @@ def scrape(url: str, timeout: float = 10.0) -> str:
 # ----------------------------------------------------------------------------------------- load
 
 
-def load_prompts(path: str | os.PathLike, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` prompt rows of a JSONL file ({"id", "messages", "category"?}); errors say what is wrong."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"prompt file {path} does not exist; set `prompts` to a JSONL file or toy:heldout")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if not isinstance(row.get("messages"), list):
-            raise ValueError(f"{path} line {i}: each row needs a 'messages' list (OpenAI chat format)")
-        rows.append(row)
-        if len(rows) >= n:
-            break
-    if not rows:
-        raise ValueError(f"{path} holds no prompts")
-    return rows
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100); NaN for no values."""
     if not values:
@@ -173,7 +150,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 async def _load_level(base_url: str, model: str, prompts: list[dict], concurrency: int, max_tokens: int,
-                      temperature: float, api_key: str) -> dict[str, Any]:
+                      temperature: float, api_key: str, extra_body: dict | None = None) -> dict[str, Any]:
     """Send every prompt with at most ``concurrency`` requests in flight; time each and the whole level."""
     from openai import AsyncOpenAI
 
@@ -188,7 +165,8 @@ async def _load_level(base_url: str, model: str, prompts: list[dict], concurrenc
             t0 = time.perf_counter()
             try:
                 resp = await client.chat.completions.create(
-                    model=model, messages=row["messages"], max_tokens=max_tokens, temperature=temperature)
+                    model=model, messages=row["messages"], max_tokens=max_tokens, temperature=temperature,
+                    extra_body=extra_body)
             except Exception as e:  # counted and reported, never silent
                 errors.append(f"{type(e).__name__}: {e}"[:200])
                 return
@@ -224,16 +202,17 @@ def first_model(base_url: str, api_key: str) -> str:
 
 def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_levels: Sequence[int],
                    max_tokens: int, temperature: float = 0.0, api_key: str = "EMPTY", model: str | None = None,
-                   metrics: str | None = None, warmup: int = 2) -> list[dict[str, Any]]:
-    """One row per concurrency level: output tokens/s, latency percentiles and the server's acceptance."""
+                   metrics: str | None = None, warmup: int = 2, extra_body: dict | None = None) -> list[dict[str, Any]]:
+    """One row per concurrency level: output tokens/s, latency percentiles and the server's acceptance.
+    ``extra_body`` goes with every request (e.g. ``chat_template_kwargs`` for the thinking switch)."""
     model = model or first_model(base_url, api_key)
     murl = metrics or metrics_url(base_url)
     if warmup:
-        _run(_load_level(base_url, model, prompts[:warmup], warmup, max_tokens, temperature, api_key))
+        _run(_load_level(base_url, model, prompts[:warmup], warmup, max_tokens, temperature, api_key, extra_body))
     rows = []
     for c in concurrency_levels:
         before = spec_counters(scrape(murl))
-        res = _run(_load_level(base_url, model, prompts, c, max_tokens, temperature, api_key))
+        res = _run(_load_level(base_url, model, prompts, c, max_tokens, temperature, api_key, extra_body))
         acc = spec_delta(before, spec_counters(scrape(murl)))
         lat, n_tok = res["latencies"], sum(res["tokens"])
         row = {

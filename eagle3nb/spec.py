@@ -50,9 +50,16 @@ class SpecCounters:
         return summarize_counts(self.drafts, self.draft_tokens, self.accepted, self.per_pos)
 
 
-def probs_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Sampling distribution at ``temperature`` (> 0), in float32 for stable ratios."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
+def probs_at(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The sampling distribution at ``temperature`` (> 0) after nucleus filtering (``top_p``), in float32
+    (the same rule as the embedded server's ``sample_next``: the most likely token is always kept)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -90,29 +97,34 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    if temperature <= 0:
+def _is_greedy(temperature: float) -> bool:
+    return temperature < 1e-5  # the embedded server's rule
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    if _is_greedy(temperature):
         return int(logits.argmax(-1))
-    return int(torch.multinomial(probs_at(logits, temperature), 1, generator=generator))
+    return int(torch.multinomial(probs_at(logits, temperature, top_p).cpu(), 1, generator=generator))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def plain_generate(target, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                   eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> list[int]:
+                   eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
+                   top_p: float = 1.0) -> list[int]:
     """The target alone, one token per forward pass with a KV cache: the baseline speculative decoding is
     measured against (and, greedy, must reproduce exactly)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    ids = torch.tensor([list(prompt_ids)])
+    ids = torch.tensor([list(prompt_ids)], device=target.device)
     out: list[int] = []
     while len(out) < max_new_tokens:
-        logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
-        tok = _pick(logits, temperature, generator)
+        logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        tok = _pick(logits, temperature, top_p, generator)
         out.append(tok)
         if tok in eos_token_ids:
             break
-        ids = torch.tensor([[tok]])
+        ids = torch.tensor([[tok]], device=target.device)
     return out
 
 
@@ -124,93 +136,136 @@ class SpecOutput:
 
 
 class SpecDecoder:
-    """Chain speculative decoding of one sequence: ``SpecDecoder(target, draft, k).generate(prompt_ids, n)``.
+    """A target + draft pair that decodes sequences speculatively, ``k`` drafted tokens per target step.
 
-    ``layer_ids`` are HF ``hidden_states`` indices (DESIGN.md); default: the draft's config.
-    """
+    ``layer_ids`` are HF ``hidden_states`` indices (DESIGN.md); default: the draft's config, else vLLM's
+    default (2, L//2, L-3), which is what vLLM would use for a draft config without ids."""
 
     def __init__(self, target, draft, k: int = 3, layer_ids: Sequence[int] | None = None):
+        from eagle3nb.hidden.layers import default_aux_layer_ids
+
         if k < 1:
             raise ValueError(f"k (num_speculative_tokens) must be >= 1, got {k}")
         self.target, self.draft, self.k = target.eval(), draft.eval(), k
-        self.layer_ids = list(layer_ids if layer_ids is not None else draft.config.aux_layer_ids)
-        n_states = target.config.num_hidden_layers + 1
-        bad = [i for i in self.layer_ids if not 0 <= i < n_states]
+        n_layers = target.config.num_hidden_layers
+        ids = layer_ids if layer_ids is not None else draft.config.aux_layer_ids
+        self.layer_ids = list(ids) if ids is not None else default_aux_layer_ids(n_layers)
+        bad = [i for i in self.layer_ids if not 0 <= i <= n_layers]
         if bad:
-            raise ValueError(f"aux layer ids {bad} are outside the target's hidden_states 0..{n_states - 1}; "
-                             "check the draft's eagle_aux_hidden_state_layer_ids (eagle3nb doctor: layer_ids)")
-        vocab = target.config.vocab_size
-        d2t_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))
-        self._d2t_ids = d2t_ids.long()
-        self._target_vocab = vocab
+            raise ValueError(f"aux layer ids {bad} are outside the target's hidden_states 0..{n_layers}; check the "
+                             "draft's eagle_aux_hidden_state_layer_ids (eagle3nb doctor: layer_ids)")
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft maps onto a vocabulary of {draft.config.vocab_size} tokens but the target "
+                             f"has {target.config.vocab_size}: wrong target for this draft (eagle3nb doctor: shapes_vocab)")
+        self.device = target.device
+        self.d2t_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
+        self.d2t_ids = self.d2t_ids.to(self.device)
+        self.vocab = target.config.vocab_size
 
-    def _target_step(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward over ``ids`` after the cache: (logits [n, V], aux [1, n, 3H])."""
-        out = self.target(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+    def target_forward(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward over ``ids`` after the cache: (logits [n, V], aux [1, n, 3H] at the draft's layers)."""
+        out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
                           output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
-        return out.logits[0], aux
+        return out.logits[0], torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
 
-    def _draft_probs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        """Draft distribution over the draft vocab mapped onto the target vocab (zero outside it)."""
-        q = torch.zeros(self._target_vocab)
-        q[self._d2t_ids] = probs_at(logits, temperature)
-        return q
+    def draft_probs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The draft's distribution over its vocab, placed onto the target vocab (zero outside it)."""
+        q = torch.zeros(self.vocab, device=logits.device)
+        return q.index_copy(0, self.d2t_ids, probs_at(logits, temperature))
 
-    @torch.no_grad()
+    def sequence(self, prompt_ids: Sequence[int], temperature: float = 0.0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None) -> "SpecSequence":
+        return SpecSequence(self, prompt_ids, temperature, top_p, generator)
+
+    @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                 eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> SpecOutput:
+                 eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
+                 top_p: float = 1.0) -> SpecOutput:
+        """Decode one prompt to ``max_new_tokens`` or an EOS; returns the tokens, counters and seconds."""
+        t0 = time.perf_counter()
+        seq = self.sequence(prompt_ids, temperature, top_p, generator)
+        out = [seq.prefill()]
+        while len(out) < max_new_tokens and out[-1] not in eos_token_ids:
+            for tok in seq.round():
+                out.append(tok)
+                if tok in eos_token_ids or len(out) >= max_new_tokens:
+                    break
+        return SpecOutput(out, seq.counters, time.perf_counter() - t0)
+
+
+class SpecSequence:
+    """One sequence's speculative decoding state: the target's KV cache, the draft's KV cache, and the
+    target's aux states of verified tokens that the draft has not consumed yet. ``prefill()`` returns the
+    first token; each ``round()`` returns the accepted drafts plus the target's own next token."""
+
+    def __init__(self, dec: SpecDecoder, prompt_ids: Sequence[int], temperature: float = 0.0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None):
         from transformers import DynamicCache
 
         from eagle3nb.draft import DraftCache
 
-        t0 = time.perf_counter()
-        counters = SpecCounters(self.k)
-        greedy = temperature <= 0
-        tcache, dcache = DynamicCache(), DraftCache()
-        prompt = list(prompt_ids)
-        logits, aux = self._target_step(prompt, tcache)
-        out = [_pick(logits[-1], temperature, generator)]
-        # Draft inputs not yet in the draft cache: aux of verified tokens paired with the token after each.
-        pend_aux, pend_ids = aux, prompt[1:] + out
-        committed = 0  # positions in the draft cache that hold verified (target) states
-        while len(out) < max_new_tokens and out[-1] not in eos_token_ids:
-            n_new = pend_aux.shape[1]
-            hidden = self.draft.fuse(pend_aux)
-            pos = torch.arange(committed, committed + n_new)[None]
-            h, dl = self.draft(hidden, torch.tensor([pend_ids]), pos, cache=dcache)
-            committed += n_new
-            drafts, qs = [], []
-            h_last, l_last = h[:, -1:], dl[0, -1]
-            for j in range(self.k):
-                if greedy:
-                    d = int(self._d2t_ids[int(l_last.argmax())])
-                else:
-                    q = self._draft_probs(l_last, temperature)
-                    d = int(torch.multinomial(q, 1, generator=generator))
-                    qs.append(q)
-                drafts.append(d)
-                if j + 1 < self.k:
-                    p = torch.tensor([[committed - 1 + j + 1]])
-                    h_last, dl = self.draft(h_last, torch.tensor([[d]]), p, cache=dcache)
-                    l_last = dl[0, -1]
-            dcache.crop(committed)
-            seq_len = tcache.get_seq_length()
-            vlogits, vaux = self._target_step([out[-1]] + drafts, tcache)
-            dt = torch.tensor(drafts)
-            if greedy:
-                n, nxt = verify_greedy(dt, vlogits)
+        self.dec, self.prompt = dec, list(prompt_ids)
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.greedy = _is_greedy(temperature)
+        self.tcache, self.dcache = DynamicCache(), DraftCache()
+        self.counters = SpecCounters(dec.k)
+        self.last: int | None = None  # the newest token: emitted, not yet run through the target
+        self.committed = 0  # draft-cache positions holding verified (target) features
+        self.pend_aux: torch.Tensor | None = None  # [1, n, 3H] target aux states the draft has not seen
+        self.pend_ids: list[int] = []  # the token after each of those positions
+
+    @torch.inference_mode()
+    def prefill(self) -> int:
+        logits, aux = self.dec.target_forward(self.prompt, self.tcache)
+        self.last = _pick(logits[-1], self.temperature, self.top_p, self.generator)
+        self.pend_aux, self.pend_ids = aux, self.prompt[1:] + [self.last]
+        return self.last
+
+    @torch.inference_mode()
+    def propose(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The draft's k tokens (target ids) and, when sampling, the distributions they were drawn from.
+        The draft's first step consumes the pending target features (position p pairs the aux state at p
+        with the token at p+1); later steps feed back the draft's own hidden state one position further."""
+        dec, draft = self.dec, self.dec.draft
+        n_new = self.pend_aux.shape[1]
+        pos = torch.arange(self.committed, self.committed + n_new, device=dec.device)[None]
+        ids = torch.tensor([self.pend_ids], device=dec.device)
+        h, logits = draft(draft.fuse(self.pend_aux), ids, pos, cache=self.dcache)
+        self.committed += n_new
+        h, logits = h[:, -1:], logits[0, -1]
+        drafts, qs = [], []
+        for j in range(dec.k):
+            if self.greedy:
+                d = int(dec.d2t_ids[int(logits.argmax())])
             else:
-                n, nxt = verify_sampling(dt, torch.stack(qs), probs_at(vlogits, temperature), generator)
-            counters.record(self.k, n)
-            _crop(tcache, seq_len + n + 1)
-            new = drafts[:n] + [nxt]
-            pend_aux, pend_ids = vaux[:, : n + 1], new
-            for tok in new:
-                out.append(tok)
-                if tok in eos_token_ids or len(out) >= max_new_tokens:
-                    break
-        return SpecOutput(out[:max_new_tokens], counters, time.perf_counter() - t0)
+                q = dec.draft_probs(logits, self.temperature)
+                d = int(torch.multinomial(q.cpu(), 1, generator=self.generator))
+                qs.append(q)
+            drafts.append(d)
+            if j + 1 < dec.k:
+                p = torch.tensor([[self.committed + j]], device=dec.device)
+                h, logits = draft(h, torch.tensor([[d]], device=dec.device), p, cache=self.dcache)
+                logits = logits[0, -1]
+        self.dcache.crop(self.committed)
+        return drafts, qs
+
+    @torch.inference_mode()
+    def round(self) -> list[int]:
+        """Draft k tokens, verify them in one target forward, keep the agreeing prefix + one target token."""
+        drafts, qs = self.propose()
+        seq_len = self.tcache.get_seq_length()
+        logits, aux = self.dec.target_forward([self.last] + drafts, self.tcache)
+        dt = torch.tensor(drafts, device=logits.device)
+        if self.greedy:
+            n, nxt = verify_greedy(dt, logits)
+        else:
+            target_p = probs_at(logits, self.temperature, self.top_p)
+            n, nxt = verify_sampling(dt.cpu(), torch.stack(qs).cpu(), target_p.cpu(), self.generator)
+        self.counters.record(self.dec.k, n)
+        _crop(self.tcache, seq_len + n + 1)
+        new = drafts[:n] + [nxt]
+        self.pend_aux, self.pend_ids, self.last = aux[:, : n + 1], new, nxt
+        return new
 
 
 def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,
@@ -243,8 +298,52 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
     return {
         "k": k, "temperature": temperature, "prompts": len(prompts),
         **counters.summary(),
-        "identical_to_target": not mismatches if temperature <= 0 else None,
+        "identical_to_target": not mismatches if _is_greedy(temperature) else None,
         "mismatched_prompts": mismatches,
         "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
         "speedup": spec_tps / plain_tps if plain_tps else None,
     }
+
+
+@torch.inference_mode()
+def measure_costs(target, draft, k: int, context: int = 128, repeats: int = 20) -> dict[str, float]:
+    """Wall-clock costs on this machine, relative to one plain target decode step at ``context`` tokens:
+    ``cost_ratio`` c = one draft step / one target step; ``overhead`` = verifying k+1 tokens / one target
+    step - 1 (the extra the verify pass costs). They enter speedup = tau / (1 + k*c + overhead)."""
+    from transformers import DynamicCache
+
+    from eagle3nb.draft import DraftCache
+
+    dec = SpecDecoder(target, draft, k)
+    dev = dec.device
+    ids = torch.randint(0, target.config.vocab_size, (1, context), device=dev)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats
+
+    cache = DynamicCache()
+    out = target(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i] for i in dec.layer_ids], dim=-1)
+    one, many = ids[:, -1:], ids[:, -(k + 1):]
+
+    def target_step(x):
+        target(input_ids=x, cache=cache, use_cache=True, output_hidden_states=True)
+        _crop(cache, context)
+
+    t_step = timed(lambda: target_step(one))
+    t_verify = timed(lambda: target_step(many))
+    dcache = DraftCache()
+    h, _ = draft(draft.fuse(aux[:, :-1]), ids[:, 1:], torch.arange(context - 1, device=dev)[None], cache=dcache)
+    pos = torch.tensor([[context - 1]], device=dev)
+
+    def draft_step():
+        draft(h[:, -1:], one, pos, cache=dcache)
+        dcache.crop(context - 1)
+
+    t_draft = timed(draft_step)
+    return {"target_step_s": t_step, "verify_s": t_verify, "draft_step_s": t_draft,
+            "cost_ratio": t_draft / t_step, "overhead": max(0.0, t_verify / t_step - 1.0), "context": context}
