@@ -359,12 +359,14 @@ def check_fits(cfg: Eagle3Config, *, hidden_size: int, vocab_size: int, layer_id
         problems.append(f"target vocab size: {draft} has {cfg.vocab_size}, {data} has {vocab_size}")
     if draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
         problems.append(f"draft vocab size: {draft} has {cfg.draft_vocab_size}, {data} has {draft_vocab_size}")
+    from eagle3nb.hidden.layers import default_aux_layer_ids, from_sglang
+
     ids = cfg.aux_layer_ids
     if ids is None and num_layers is not None:
-        ids = vllm_default_layer_ids(num_layers)  # what vLLM uses when a config names none
+        ids = default_aux_layer_ids(num_layers)  # what vLLM uses when a config names none
     if layer_ids is not None and ids is not None and list(ids) != list(layer_ids):
         hint = ""
-        if [i + 1 for i in ids] == list(layer_ids):
+        if from_sglang(ids) == list(layer_ids):
             hint = " (the draft's ids look like SGLang/SpecForge output-of-layer ids: add 1 to convert)"
         problems.append(f"aux layer ids (HF hidden_states index == vLLM ids): {draft} has {list(ids)}, "
                         f"{data} has {list(layer_ids)}{hint}")
@@ -373,11 +375,6 @@ def check_fits(cfg: Eagle3Config, *, hidden_size: int, vocab_size: int, layer_id
             "the draft does not fit the data:\n  - " + "\n  - ".join(problems)
             + "\nUse a checkpoint trained for this target (and these layers), or extract hidden states with the "
               "checkpoint's layer ids (02_hidden_states aux_layer_ids).")
-
-
-def vllm_default_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's EAGLE-3 default aux layers for a target of ``num_layers`` decoder layers: (2, L//2, L-3)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 # ---- load / save ----------------------------------------------------------------------------------

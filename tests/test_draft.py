@@ -1,0 +1,162 @@
+"""eagle3nb.draft: decoding cache, the training-time-test attention, checkpoint layouts, fit errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3nb.draft import (DraftCache, DraftMismatchError, Eagle3Config, Eagle3Draft, TTTCache, check_fits,
+                            load_draft, save_draft)
+
+H, V, VD, T = 32, 50, 20, 12
+
+
+def tiny_draft(seed: int = 0, **over) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(**{**dict(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=8, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[2, 4, 5],
+                                 rope_theta=10000.0), **over})
+    m = Eagle3Draft(cfg)
+    for p in m.parameters():  # norms away from 1, so a swapped norm would show
+        torch.nn.init.normal_(p, std=0.3)
+    ids = torch.randperm(V)[:VD].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    m.set_vocab(ids - torch.arange(VD), t2d)
+    return m.eval()
+
+
+def inputs(B: int = 2, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(B, T, 3 * H, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return aux, ids, torch.arange(T).expand(B, T)
+
+
+@torch.no_grad()
+def test_decoding_with_cache_equals_one_causal_pass_and_crop_rewinds():
+    m = tiny_draft()
+    aux, ids, pos = inputs()
+    g = m.fuse(aux)
+    _, full = m(g, ids, pos)
+    cache = DraftCache()
+    _, first = m(g[:, :5], ids[:, :5], pos[:, :5], cache)
+    steps = [m(g[:, t:t + 1], ids[:, t:t + 1], pos[:, t:t + 1], cache)[1] for t in range(5, T)]
+    assert cache.length == T
+    torch.testing.assert_close(torch.cat([first, *steps], 1), full, rtol=1e-5, atol=1e-5)
+    cache.crop(7)  # drop "rejected" positions 7.., then decode position 7 again
+    assert cache.length == 7
+    again = m(g[:, 7:8], ids[:, 7:8], pos[:, 7:8], cache)[1]
+    torch.testing.assert_close(again, full[:, 7:8], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_ttt_step_i_sees_causal_step0_keys_plus_its_own_diagonal():
+    """Each TTT step, at every position t, equals decoding i tokens ahead of t with a KV cache: prefill the
+    target features 0..t, then feed the draft's own feature back at positions t+1..t+i."""
+    m = tiny_draft()
+    aux, ids, pos = inputs(B=1)
+    steps = 3
+    step_ids = [torch.roll(ids, -i, dims=1) for i in range(steps)]  # any token per (step, position)
+    cache, hidden, ttt = TTTCache(), m.fuse(aux), []
+    for i in range(steps):
+        hidden, logits = m(hidden, step_ids[i], pos + i, cache)
+        ttt.append((hidden, logits))
+    assert cache.steps == steps
+    for t in range(T):
+        dc = DraftCache()
+        h, logits = m(m.fuse(aux[:, :t + 1]), ids[:, :t + 1], pos[:, :t + 1], dc)
+        h, logits = h[:, -1:], logits[:, -1:]
+        torch.testing.assert_close(logits, ttt[0][1][:, t:t + 1], rtol=1e-5, atol=1e-5)
+        for i in range(1, steps):
+            h, logits = m(h, step_ids[i][:, t:t + 1], torch.tensor([[t + i]]), dc)
+            torch.testing.assert_close(logits, ttt[i][1][:, t:t + 1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(h, ttt[i][0][:, t:t + 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_export_then_load_gives_bit_identical_logits(tmp_path, fmt):
+    m = tiny_draft()
+    aux, ids, pos = inputs()
+    with torch.no_grad():
+        want = m(m.fuse(aux), ids, pos)[1]
+    save_draft(m, tmp_path, format=fmt)
+    back = load_draft(tmp_path)
+    with torch.no_grad():
+        got = back(back.fuse(aux), ids, pos)[1]
+    assert torch.equal(got, want)
+    assert torch.equal(back.d2t, m.d2t) and torch.equal(back.t2d, m.t2d)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    if fmt == "eagle3":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+        assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == VD and cfg["vocab_size"] == V
+        assert cfg["target_hidden_size"] == H
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM reads the top-level key
+        assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "use_aux_hidden_state": True}
+        assert "midlayer.self_attn.q_proj.weight" in tensors and tensors["fc.weight"].shape == (H, 3 * H)
+        assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * 8, 2 * H)
+    else:
+        assert cfg["speculators_model_type"] == "eagle3" and cfg["transformer_layer_config"]["vocab_size"] == V
+        assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+        assert "layers.0.hidden_norm.weight" in tensors and not any(k.startswith("midlayer.") for k in tensors)
+
+
+def test_midlayer_and_layers0_checkpoints_are_the_same_model(tmp_path):
+    m = tiny_draft()
+    save_draft(m, tmp_path / "a", format="eagle3")
+    save_draft(m, tmp_path / "b", format="speculators")
+    a, b = load_draft(tmp_path / "a"), load_draft(tmp_path / "b")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.config == b.config
+
+
+def test_checkpoint_without_embedding_needs_the_targets(tmp_path):
+    m = tiny_draft()
+    save_draft(m, tmp_path, include_embed=False)
+    assert "embed_tokens.weight" not in load_file(tmp_path / "model.safetensors")
+    with pytest.raises(DraftMismatchError, match="embed_tokens"):
+        load_draft(tmp_path)
+    back = load_draft(tmp_path, embed_tokens=m.embed_tokens.weight.detach())
+    assert torch.equal(back.embed_tokens.weight, m.embed_tokens.weight)
+
+
+def test_bf16_export_and_transformers5_rope_keys_load(tmp_path):
+    m = tiny_draft(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    save_draft(m, tmp_path, dtype=torch.bfloat16)
+    assert load_file(tmp_path / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16"
+    # the same config as transformers 5 writes it: rope settings under rope_parameters
+    rope = {"rope_theta": cfg.pop("rope_theta"), **cfg.pop("rope_scaling")}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
+    back = load_draft(tmp_path)
+    assert back.config.rope_theta == 1e6 and back.config.rope_scaling["factor"] == 2.0
+    assert torch.equal(back.rotary.inv_freq, m.rotary.inv_freq)
+
+
+def test_mismatched_checkpoint_errors_name_both_sides():
+    cfg = tiny_draft().config
+    with pytest.raises(DraftMismatchError) as e:
+        check_fits(cfg, hidden_size=64, vocab_size=V + 1, layer_ids=[2, 4, 5], draft="ckpt X", data="data Y")
+    msg = str(e.value)
+    assert "target hidden size: ckpt X has 32" in msg and "data Y has 64" in msg
+    assert f"ckpt X has {V}, data Y has {V + 1}" in msg
+    with pytest.raises(DraftMismatchError, match=r"SGLang.*add 1"):
+        check_fits(cfg, hidden_size=H, vocab_size=V, layer_ids=[3, 5, 6])
+    check_fits(cfg, hidden_size=H, vocab_size=V, layer_ids=[2, 4, 5])  # fits: no error
+    with pytest.raises(DraftMismatchError, match="width 10"):
+        tiny_draft().fuse(torch.zeros(1, 2, 10))
+
+
+def test_shape_mismatch_in_checkpoint_is_named(tmp_path):
+    save_draft(tiny_draft(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
+    with pytest.raises(DraftMismatchError, match=r"midlayer\.mlp\.\w+_proj\.weight has shape .* but config.json implies"):
+        load_draft(tmp_path)
