@@ -1,0 +1,93 @@
+"""The draft 03 trains: fresh from the target (its embedding and lm_head rows), or a checkpoint to fine-tune."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft, check_fits, load_draft
+
+
+def target_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """The target's config.json (text part), from the model path 02 recorded; {} when it cannot be read."""
+    model_path = str(meta.get("model_path") or "")
+    if model_path.startswith("toy:"):
+        from eagle3nb.toy import resolve_model_path
+
+        path = Path(resolve_model_path(model_path))
+    else:
+        path = Path(model_path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg.get("text_config") or cfg
+
+
+def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
+    """A one-layer draft shaped like one of the target's layers, unless the params say otherwise."""
+    tc = target_config(meta)
+    H = meta["hidden_size"]
+    heads = P.num_attention_heads or tc.get("num_attention_heads")
+    inter = P.intermediate_size or tc.get("intermediate_size")
+    if not heads or not inter:
+        raise DraftMismatchError(
+            f"cannot read the target's config.json at {meta.get('model_path')!r} to shape a fresh draft; set "
+            "num_attention_heads, num_key_value_heads, head_dim and intermediate_size in the 03_train parameters")
+    llama = {**tc, "hidden_size": H, "intermediate_size": inter, "num_attention_heads": heads,
+             "num_key_value_heads": P.num_key_value_heads or tc.get("num_key_value_heads") or heads,
+             "head_dim": P.head_dim or tc.get("head_dim") or H // heads, "vocab_size": meta["vocab_size"],
+             "draft_vocab_size": draft_vocab_size}
+    return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]))
+
+
+def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """(draft in float32 on CPU, notes for metrics.json). Fresh drafts start from the target's embedding and
+    the target's lm_head rows for the draft vocabulary, so step 0 already speaks the target's language."""
+    meta = data.meta
+    d2t, t2d = data.d2t, data.t2d
+    if P.init_path is None:
+        torch.manual_seed(P.seed)
+        model = Eagle3Draft(fresh_config(P, meta, d2t.shape[0]))
+        model.set_vocab(d2t, t2d)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(data.embed_tokens())
+            model.lm_head.weight.copy_(data.lm_head()[d2t + torch.arange(d2t.shape[0])])
+        return model, {"init": "fresh"}
+    init = P.init_path
+    model = load_draft(init, embed_tokens=data.embed_tokens())
+    check_fits(model.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
+               layer_ids=meta["layer_ids"], num_layers=meta.get("num_layers"),
+               draft=f"checkpoint {init}", data=f"hidden states {P.data_path}")
+    model.config.aux_layer_ids = list(meta["layer_ids"])
+    notes: dict[str, Any] = {"init": str(init)}
+    if not (torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)):
+        shared = int((model.t2d & t2d).sum())
+        if not P.remap_vocab:
+            raise DraftMismatchError(
+                f"draft vocabulary: checkpoint {init} has {model.config.draft_vocab_size} ids, the data "
+                f"{P.data_path} has {d2t.shape[0]} ids ({shared} shared). Set remap_vocab: true to keep the "
+                "checkpoint's lm_head rows for the shared ids (the rest start from the target's lm_head), or "
+                "re-run 02_hidden_states with a draft vocabulary that matches the checkpoint")
+        model = remap_vocab(model, d2t, t2d, data.lm_head())
+        notes["vocab_remap"] = {"shared": shared, "new": d2t.shape[0] - shared}
+    return model, notes
+
+
+def remap_vocab(model: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_head: torch.Tensor,
+                ) -> Eagle3Draft:
+    """The same draft over another draft vocabulary: lm_head rows follow their target ids."""
+    old_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size))
+    row_of = {int(t): r for r, t in enumerate(old_ids)}
+    new_ids = d2t + torch.arange(d2t.shape[0])
+    rows = torch.stack([model.lm_head.weight[row_of[int(t)]] if int(t) in row_of else target_lm_head[t]
+                        for t in new_ids])
+    cfg = model.config
+    cfg.draft_vocab_size = d2t.shape[0]
+    new = Eagle3Draft(cfg)
+    state = {k: v for k, v in model.state_dict().items() if k not in ("lm_head.weight", "d2t")}
+    new.load_state_dict({**state, "lm_head.weight": rows, "d2t": d2t, "t2d": t2d})
+    return new

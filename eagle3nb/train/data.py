@@ -1,0 +1,85 @@
+"""What 03 reads from 02: the held-out split, the micro-batch schedule, and padded batches.
+
+The schedule is a pure function of (sample lengths, seed, epoch), so optimizer step s always sees the same
+micro-batches: that is what makes a resumed run follow the uninterrupted run's loss curve, and what makes N
+processes x grad_accum equal one process with N x grad_accum (the global batch is the same list)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+
+def split_holdout(ids: list[str], fraction: float) -> tuple[list[int], list[int]]:
+    """(train, held-out) sample indices. Chosen by a hash of the id, so the split does not depend on sample
+    order and stays the same when more data is added. At least one sample is held out when fraction > 0."""
+    order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(str(ids[i]).encode()).hexdigest())
+    k = 0 if fraction <= 0 else max(1, round(fraction * len(ids)))
+    if k >= len(ids):
+        raise ValueError(f"holdout_fraction {fraction} leaves no training samples out of {len(ids)}; lower it "
+                         "or extract hidden states for more samples")
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def pack(indices: list[int], lengths: list[int], batch_tokens: int, max_length: int) -> list[list[int]]:
+    """Greedy micro-batches in the given order: samples x longest (cut at max_length) <= batch_tokens."""
+    batches, cur, longest = [], [], 0
+    for i in indices:
+        n = min(lengths[i], max_length)
+        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def schedule(train_idx: list[int], lengths: list[int], *, batch_tokens: int, max_length: int, seed: int,
+             per_step: int, epochs: int, max_steps: int | None) -> tuple[list[tuple[int, list[list[int]]]], int]:
+    """The whole run's optimizer steps as (epoch, [per_step micro-batches]), plus the number of micro-batches
+    left over at epoch ends (too few for a full global batch; they are reshuffled into later epochs)."""
+    steps: list[tuple[int, list[list[int]]]] = []
+    dropped, epoch = 0, 0
+    while (max_steps is None and epoch < epochs) or (max_steps is not None and len(steps) < max_steps):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = [train_idx[j] for j in torch.randperm(len(train_idx), generator=g).tolist()]
+        mbs = pack(order, lengths, batch_tokens, max_length)
+        full = len(mbs) // per_step
+        if full == 0:
+            raise ValueError(f"one optimizer step needs {per_step} micro-batches (grad_accum x processes) but the "
+                             f"training split packs into {len(mbs)}; lower grad_accum or batch_tokens, or add data")
+        steps += [(epoch, mbs[s * per_step:(s + 1) * per_step]) for s in range(full)]
+        dropped += len(mbs) - full * per_step
+        epoch += 1
+    if max_steps is not None:
+        steps = steps[:max_steps]
+    return steps, dropped
+
+
+def collate(data: Any, indices: list[int], max_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded batch of samples ``indices`` from a ``HiddenStates``. Padding never needs an attention
+    mask (causal attention never looks right) and has loss mask 0."""
+    items = [data[i] for i in indices]
+    T = max(min(len(it["input_ids"]), max_length) for it in items)
+    B = len(items)
+    width = items[0]["aux"].shape[-1]
+    vd = data.d2t.shape[0]
+    out = {
+        "aux": torch.zeros(B, T, width),
+        "input_ids": torch.zeros(B, T, dtype=torch.int64),
+        "loss_mask": torch.zeros(B, T, dtype=torch.int64),
+        "target_argmax": torch.zeros(B, T, dtype=torch.int64),
+        "target_probs": torch.zeros(B, T, vd),
+    }
+    for b, it in enumerate(items):
+        n = min(len(it["input_ids"]), max_length)
+        out["aux"][b, :n] = it["aux"][:n].float()
+        out["input_ids"][b, :n] = it["input_ids"][:n]
+        out["loss_mask"][b, :n] = it["loss_mask"][:n]
+        out["target_argmax"][b, :n] = data.target_argmax(it)[:n]
+        out["target_probs"][b, :n] = data.target_probs(it)[:n].float()
+    return {k: v.to(device, non_blocking=True) for k, v in out.items()}

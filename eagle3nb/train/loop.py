@@ -1,0 +1,390 @@
+"""The 03 training loop: AdamW + warmup/cosine, grad accumulation and clipping, bf16 autocast where supported,
+torch.distributed (DDP; launch with torchrun), exact resume from atomic checkpoints, held-out evaluation,
+metrics files, and the export vLLM/SGLang load."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from eagle3nb.formulas import tau_from_conditional
+from eagle3nb.progress import Progress, write_json_atomic
+from eagle3nb.train.build import build_draft
+from eagle3nb.train.data import collate, schedule, split_holdout
+from eagle3nb.train.params import CURVE_KEYS, TrainParams
+from eagle3nb.train.ttt import TTTObjective
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/inf; the message names the step and the samples of the batch."""
+
+
+# ---- processes and devices ------------------------------------------------------------------------
+
+
+def _dist_setup(device: str) -> tuple[int, int, int]:
+    """(rank, world, local_rank). torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; a plain run is one process."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())) \
+            else "gloo"
+        dist.init_process_group(backend)
+    if world > 1:
+        return dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))
+    return 0, 1, 0
+
+
+def pick_device(device: str, local_rank: int = 0) -> torch.device:
+    if device == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device(device)
+
+
+def autocast_for(mode: str, device: torch.device):
+    """bf16 autocast on CUDA devices that support it ("auto"), forced ("bf16"), or none."""
+    on = mode == "bf16" or (mode == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+    return t
+
+
+# ---- schedule, checkpoints, metrics ---------------------------------------------------------------
+
+
+def lr_lambda(total: int, warmup_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to the peak, then cosine to zero."""
+    warm = int(math.ceil(total * warmup_ratio))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def run_config(P: TrainParams, world: int) -> dict[str, Any]:
+    """The settings a resumed run must share with the run it continues."""
+    cfg = {k: getattr(P, k) for k in CURVE_KEYS}
+    cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
+    cfg["global_micro_batches"] = P.grad_accum * world
+    return cfg
+
+
+def checkpoints(ckpt_dir: Path) -> list[Path]:
+    return sorted(ckpt_dir.glob("step-*.pt"))
+
+
+def save_checkpoint(path: Path, draft, optimizer, scheduler, step: int, config: dict[str, Any]) -> None:
+    """Model (without the frozen embedding), optimizer, scheduler, RNG states and the data position (the
+    step: the schedule is a function of it). Written to a temporary name and renamed."""
+    state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    blob = {
+        "step": step, "model": state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "run_config": config,
+    }
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(blob, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, Any]) -> int:
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    changed = {k: (blob["run_config"].get(k), v) for k, v in config.items() if blob["run_config"].get(k) != v}
+    if changed:
+        lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"{path} was made with other settings ({lines}). Restore them to resume, or set "
+                         "resume: false / another output_dir to start a new run")
+    draft.load_state_dict({**blob["model"], "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    rng = blob["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(blob["step"])
+
+
+class Metrics:
+    """metrics.jsonl (one JSON object per line, ``kind`` train|eval) + optional TensorBoard. On resume the lines
+    after the checkpoint's step are dropped, so the file is the curve of one run."""
+
+    def __init__(self, out: Path, keep_until: int | None, tensorboard: bool):
+        self.path = out / "metrics.jsonl"
+        rows = read_metrics(self.path) if keep_until is not None else []
+        rows = [r for r in rows if r["step"] <= (keep_until or 0)]
+        tmp = self.path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, self.path)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+
+    def log(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(f"{row['kind']}/{k}", v, row["step"])
+                elif isinstance(v, list):
+                    for i, x in enumerate(v):
+                        self.tb.add_scalar(f"{row['kind']}/{k}_{i}", x, row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (a torn last line from a kill is skipped)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+
+
+def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
+    """stats [4, steps] (loss sum, loss positions, correct, acceptance positions) -> loss, per-step accuracy
+    and the simulated acceptance length 1 + sum_i prod_{j<=i} acc_j (formulas.tau_from_conditional)."""
+    loss_i = (stats[0] / stats[1].clamp(min=1)).tolist()
+    acc = (stats[2] / stats[3].clamp(min=1)).tolist()
+    return {"loss": sum(decay ** i * x for i, x in enumerate(loss_i)), "step_loss": loss_i, "acc": acc,
+            "acceptance_length": tau_from_conditional(acc), "positions": int(stats[3][0])}
+
+
+@torch.no_grad()
+def evaluate(objective: TTTObjective, data, batches: list[list[int]], P: TrainParams, device: torch.device,
+             rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Held-out loss, per-step accuracy (draft argmax == target argmax) and simulated acceptance length."""
+    was = objective.training
+    objective.eval()
+    stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
+    for mb in batches[rank::world]:
+        with autocast_for(P.autocast, device):
+            stats += objective(collate(data, mb, P.max_length, device))[1]
+    objective.train(was)
+    return summarize(_all_reduce(stats, world).cpu(), P.step_decay)
+
+
+# ---- training -------------------------------------------------------------------------------------
+
+
+def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Train (or fine-tune) the draft per ``P``; resume if a checkpoint exists; export; return metrics.json.
+
+    Run it as is for one process, or under ``torchrun --nproc_per_node N`` for N (the same code path: each
+    process takes its share of the same global batch). ``callback(row)`` sees every metrics row (live plots)."""
+    from eagle3nb.hidden import HiddenStates
+
+    rank, world, local_rank = _dist_setup(P.device)
+    device = pick_device(P.device, local_rank)
+    out = P.stage_dir
+    ckpt_dir = out / "checkpoints"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if not (P.data_path / "index.json").exists():
+        raise FileNotFoundError(f"data_dir {P.data_path}: no index.json; run 02_hidden_states first or point "
+                                "data_dir at its output folder")
+    data = HiddenStates(P.data_path)
+    draft, notes = build_draft(P, data)
+    draft.to(device)
+    objective = TTTObjective(draft, P.ttt_steps, P.step_decay)
+    model = objective
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
+
+    samples = data.meta["samples"]
+    lengths = [int(s["length"]) for s in samples]
+    train_idx, held_idx = split_holdout([s["id"] for s in samples], P.holdout_fraction)
+    per_step = P.grad_accum * world
+    plan, dropped = schedule(train_idx, lengths, batch_tokens=P.batch_tokens, max_length=P.max_length,
+                             seed=P.seed, per_step=per_step, epochs=P.epochs, max_steps=P.max_steps)
+    held_batches = [[i] for i in held_idx]  # one sample each: evaluation does not depend on the process count
+    total = len(plan)
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=P.lr, weight_decay=P.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, P.warmup_ratio))
+    config = run_config(P, world)
+    found = checkpoints(ckpt_dir) if P.resume else []
+    start = load_checkpoint(found[-1], draft, optimizer, scheduler, config) if found else 0
+    if world > 1:  # every rank must agree on the start
+        start = int(_all_reduce(torch.tensor([start if rank == 0 else 0], device=device), world).item())
+
+    metrics = Metrics(out, keep_until=start if found else None, tensorboard=P.report_to == "tensorboard") \
+        if rank == 0 else None
+    progress = Progress(out, total=total, desc="03_train", unit="step", done=start) if rank == 0 else None
+
+    def log(row: dict[str, Any]) -> None:
+        if rank == 0:
+            metrics.log(row)
+            if callback is not None:
+                callback(row)
+
+    truncated = sum(1 for i in train_idx if lengths[i] > P.max_length)
+    if rank == 0:
+        print(f"[03_train] {len(train_idx)} training / {len(held_idx)} held-out samples, {total} steps of "
+              f"{per_step} micro-batches ({world} process(es) x grad_accum {P.grad_accum}), device {device}, "
+              f"{truncated} samples cut at max_length {P.max_length}, "
+              f"{'resuming at step ' + str(start) if start else 'starting fresh'}", flush=True)
+
+    first_eval = None
+    if start == 0:
+        first_eval = evaluate(objective, data, held_batches, P, device, rank, world)
+        log({"kind": "eval", "step": 0, **first_eval})
+    tokens, t0 = 0, time.time()
+    for step in range(start, total):
+        epoch, global_mbs = plan[step]
+        mine = global_mbs[rank * P.grad_accum:(rank + 1) * P.grad_accum]
+        stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
+        bad = torch.zeros(per_step, device=device)
+        for j, mb in enumerate(mine):
+            batch = collate(data, mb, P.max_length, device)
+            sync = j == len(mine) - 1 or world == 1
+            with (contextlib.nullcontext() if sync else model.no_sync()), autocast_for(P.autocast, device):
+                loss, st = model(batch)
+                (loss / P.grad_accum).backward()
+            bad[rank * P.grad_accum + j] = float(not torch.isfinite(loss))
+            stats += st
+            tokens += sum(min(lengths[i], P.max_length) for i in mb)
+        if _all_reduce(bad, world).any():
+            k = int(bad.nonzero()[0])
+            ids = [samples[i]["id"] for i in global_mbs[k]]
+            raise TrainingDiverged(f"loss is NaN/inf at step {step + 1} (epoch {epoch}), micro-batch {k} with "
+                                   f"samples {ids}; lower lr, check these samples' hidden states, or resume from "
+                                   f"the last checkpoint in {ckpt_dir}")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, P.grad_clip))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        s = summarize(_all_reduce(stats, world).cpu(), P.step_decay)
+        row = {"kind": "train", "step": step + 1, "epoch": epoch, "loss": s["loss"], "acc": s["acc"],
+               "acceptance_length": s["acceptance_length"], "lr": scheduler.get_last_lr()[0],
+               "grad_norm": grad_norm, "tokens_per_s": tokens * world / max(time.time() - t0, 1e-9)}
+        log(row)
+        if progress is not None:
+            progress.update(1, loss=round(s["loss"], 4), acc0=round(s["acc"][0], 3), lr=row["lr"])
+        done = step + 1 == total
+        if (P.eval_every and (step + 1) % P.eval_every == 0) or done:
+            ev = evaluate(objective, data, held_batches, P, device, rank, world)
+            log({"kind": "eval", "step": step + 1, **ev})
+            if rank == 0:
+                print(f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
+                      f"acceptance length {ev['acceptance_length']:.3f}", flush=True)
+        if rank == 0 and ((step + 1) % P.save_every == 0 or done):
+            save_checkpoint(ckpt_dir / f"step-{step + 1:07d}.pt", draft, optimizer, scheduler, step + 1, config)
+            for old in checkpoints(ckpt_dir)[:-P.keep_checkpoints]:
+                old.unlink()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    if rank != 0:
+        return {}
+    metrics.close()
+    progress.close()
+    rows = read_metrics(out)
+    evals = [r for r in rows if r["kind"] == "eval"]
+    result = {
+        "steps": total, "processes": world, "global_micro_batches": per_step,
+        "train_samples": len(train_idx), "heldout_samples": len(held_idx),
+        "truncated_samples": truncated, "leftover_micro_batches": dropped,
+        "tokens_per_s": next((r["tokens_per_s"] for r in reversed(rows) if r["kind"] == "train"), None),
+        "final_loss": next((r["loss"] for r in reversed(rows) if r["kind"] == "train"), None),
+        "initial_heldout": evals[0] if evals else first_eval, "heldout": evals[-1] if evals else None,
+        **notes,
+    }
+    result.update(export(draft, P))
+    write_json_atomic(out / "metrics.json", result)
+    return result
+
+
+# ---- export ---------------------------------------------------------------------------------------
+
+
+def export(draft, P: TrainParams) -> dict[str, Any]:
+    """Write ``draft/`` (EAGLE-3 layout, vLLM ids), ``draft-sglang/`` (same weights, SGLang's output-of-layer
+    ids) and, on request, ``draft-speculators/``; print the serving flags."""
+    from eagle3nb.draft import draft_config_json, save_draft
+    from eagle3nb.hidden.layers import to_sglang
+
+    out = P.stage_dir
+    dtype = getattr(torch, P.export_dtype)
+    draft = draft.to("cpu").eval()
+    paths: dict[str, Any] = {}
+    k = P.num_speculative_tokens
+    if P.export_format in ("eagle3", "both"):
+        vllm_dir = save_draft(draft, out / "draft", dtype=dtype, include_embed=P.export_embed_tokens)
+        sglang_dir = out / "draft-sglang"
+        sglang_dir.mkdir(exist_ok=True)
+        weights = sglang_dir / "model.safetensors"
+        weights.unlink(missing_ok=True)
+        os.link(vllm_dir / "model.safetensors", weights)
+        cfg = draft_config_json(draft, "eagle3", dtype)
+        ids = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        write_json_atomic(sglang_dir / "config.json", cfg)
+        paths.update(draft_dir=str(vllm_dir), sglang_draft_dir=str(sglang_dir))
+    if P.export_format in ("speculators", "both"):
+        paths["speculators_dir"] = str(save_draft(draft, out / "draft-speculators", format="speculators",
+                                                  dtype=dtype, include_embed=P.export_embed_tokens,
+                                                  num_speculative_tokens=k))
+    paths["serve"] = serve_commands(paths, k)
+    for line in paths["serve"].values():
+        print(line, flush=True)
+    return paths
+
+
+def serve_commands(paths: dict[str, Any], k: int) -> dict[str, str]:
+    """The flags that serve the exported draft beside its target."""
+    cmds = {}
+    vllm_dir = paths.get("draft_dir") or paths.get("speculators_dir")
+    spec = json.dumps({"method": "eagle3", "model": vllm_dir, "num_speculative_tokens": k})
+    cmds["vllm"] = f"vllm serve <target> --speculative-config '{spec}'"
+    if paths.get("sglang_draft_dir"):
+        cmds["sglang"] = (f"python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
+                          f"--speculative-draft-model-path {paths['sglang_draft_dir']} --speculative-num-steps {k} "
+                          f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+    return cmds
