@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import psutil
 
 from eagle3nb.params import STAGES, ParamsError, from_dict, run_params
-from eagle3nb.paths import project_root, resolve
+from eagle3nb.paths import project_root
 from eagle3nb.progress import read_progress, write_json_atomic
 
 STATUS_FILE = "status.json"
@@ -66,17 +66,29 @@ class Plan:
     values: dict[str, dict[str, Any]]
     stage_dirs: dict[str, Path]
     force: bool
+    notes: list[str]
 
     def argv(self) -> list[str]:
         """The ``eagle3nb`` arguments that repeat this run (absolute paths, no --detach)."""
-        args = ["run", str(self.params_dir), "--output-root", str(self.out_dir.parent),
-                "--notebooks-dir", str(self.notebooks_dir)]
+        args = ["run", str(self.params_dir)]
+        if self.out_dir.parent != project_root() / "outputs":
+            args += ["--output-root", str(self.out_dir.parent)]
+        if self.notebooks_dir != project_root() / "notebooks":
+            args += ["--notebooks-dir", str(self.notebooks_dir)]
         if self.requested:
             args += ["--stages", ",".join(self.requested)]
         return args + (["--force"] if self.force else [])
 
     def command(self) -> str:
         return shlex.join(["eagle3nb", *self.argv()])
+
+
+def _user_path(path: str | os.PathLike) -> Path:
+    """A path the user typed: absolute, or relative to the cwd when it exists there, else to the project."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_absolute() and not p.exists():
+        p = project_root() / p
+    return p.resolve()
 
 
 def parse_stages(spec: str | list[str] | None) -> list[str] | None:
@@ -100,15 +112,20 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
          output_root: str | os.PathLike | None = None,
          notebooks_dir: str | os.PathLike | None = None) -> Plan:
     """Validate the run's parameters and notebooks; every problem is a ParamsError before work starts."""
-    params_dir = resolve(params_dir).resolve()
+    params_dir = _user_path(params_dir)
     if not params_dir.is_dir():
         raise ParamsError(f"{params_dir}: no such parameter folder; pass params/<run>/ (e.g. params/demo/)")
+    if not any((params_dir / f"{name}.yaml").exists() for name in ["common", *STAGES]):
+        raise ParamsError(f"{params_dir} holds no parameter files (common.yaml, {STAGES[0]}.yaml, ...); "
+                          f"pass a folder like params/demo/")
     requested = parse_stages(stages)
     chosen = requested or list(STAGES)
-    nb_dir = resolve(notebooks_dir).resolve() if notebooks_dir else project_root() / "notebooks"
-    root = resolve(output_root).resolve() if output_root else project_root() / "outputs"
-    values, stage_dirs, problems = {}, {}, []
+    nb_dir = _user_path(notebooks_dir) if notebooks_dir else project_root() / "notebooks"
+    root = _user_path(output_root) if output_root else project_root() / "outputs"
+    values, stage_dirs, problems, notes = {}, {}, [], []
     for stage in chosen:
+        if not (params_dir / f"{stage}.yaml").exists():
+            notes.append(f"{stage}: no {stage}.yaml in {_rel(params_dir)}; the notebook's defaults apply")
         if not (nb_dir / f"{stage}.ipynb").exists():
             problems.append(f"{nb_dir / f'{stage}.ipynb'}: notebook missing; restore it (git checkout) "
                             f"or pass --notebooks-dir")
@@ -123,7 +140,7 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
     if problems:
         raise ParamsError("\n".join(problems))
     return Plan(params_dir, params_dir.name, root / params_dir.name, nb_dir, chosen, requested, values,
-                stage_dirs, force)
+                stage_dirs, force, notes)
 
 
 # --- the lock -------------------------------------------------------------------------------------------
@@ -228,8 +245,8 @@ def _run_log(out_dir: Path, console: bool) -> Iterator[logging.Logger]:
 
 @contextmanager
 def _signals_recorded() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise _Interrupted (SIGINT already raises KeyboardInterrupt), so the running stage
-    is marked killed; papermill shuts its kernel down on the way out."""
+    """SIGTERM, SIGHUP and SIGINT raise _Interrupted, so the running stage is recorded as killed;
+    papermill shuts its kernel down on the way out."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -237,7 +254,7 @@ def _signals_recorded() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise _Interrupted(signum)
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     try:
         yield
     finally:
@@ -265,14 +282,14 @@ def run(params_dir: str | os.PathLike, stages: str | list[str] | None = None, fo
         os.close(fd)
 
 
-def _run_locked(p: Plan, st: dict[str, Any], log: logging.Logger) -> int:
-    prev_pid = st.get("pid")
-    recs = st.setdefault("stages", {})
+def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
+    recs = before.get("stages", {})
     for stage in STAGES:
         recs.setdefault(stage, {"state": "pending"})
-    st.update(run_name=p.run_name, params_dir=str(p.params_dir), notebooks_dir=str(p.notebooks_dir),
+    st = dict(run_name=p.run_name, params_dir=str(p.params_dir), notebooks_dir=str(p.notebooks_dir),
               out_dir=str(p.out_dir), pid=os.getpid(), pid_started=psutil.Process().create_time(),
-              host=socket.gethostname(), command=p.command(), state="running", started=_now(), ended=None)
+              host=socket.gethostname(), command=p.command(), state="running", started=_now(), ended=None,
+              stages=recs)
 
     def save() -> None:
         st["updated"] = _now()
@@ -280,6 +297,8 @@ def _run_locked(p: Plan, st: dict[str, Any], log: logging.Logger) -> int:
 
     save()
     log.info(f"run {p.run_name}: stages {', '.join(p.stages)} (pid {os.getpid()} on {st['host']})")
+    for note in p.notes:
+        log.info(note)
     current = None
     try:
         for stage in p.stages:
@@ -288,7 +307,7 @@ def _run_locked(p: Plan, st: dict[str, Any], log: logging.Logger) -> int:
                 log.info(f"{stage}: done at {rec.get('ended')}, skipping it (--force re-runs it)")
                 continue
             if rec["state"] == "running":
-                log.info(f"{stage}: the run that was executing it (pid {prev_pid}) died; re-running it "
+                log.info(f"{stage}: the run that was executing it (pid {before.get('pid')}) died; re-running it "
                          f"(the stage resumes from its own progress)")
             elif rec["state"] == "failed":
                 log.info(f"{stage}: failed last time ({rec.get('error')}); re-running it")
@@ -316,16 +335,15 @@ def _run_locked(p: Plan, st: dict[str, Any], log: logging.Logger) -> int:
             current = None
             save()
             log.info(f"{stage}: done in {time.time() - t0:.1f}s -> {_rel(html_out)}")
-    except (_Interrupted, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
-        why = f"killed by {signal.Signals(signum).name}"
+    except _Interrupted as e:
+        why = f"killed by {signal.Signals(e.signum).name}"
         if current:
             recs[current].update(state="failed", ended=_now(), error=why)
         st.update(state="failed", ended=_now())
         save()
         log.error(f"run {p.run_name}: {why} during {current or 'bookkeeping'}; "
                   f"`eagle3nb run {_rel(p.params_dir)}` resumes it")
-        return 128 + signum
+        return 128 + e.signum
     st.update(state="done", ended=_now())
     save()
     log.info(f"run {p.run_name}: all requested stages done ({_rel(p.out_dir)})")
@@ -404,11 +422,13 @@ def detach(params_dir: str | os.PathLike, stages: str | list[str] | None = None,
 def status(run_out_dir: str | os.PathLike) -> dict[str, Any]:
     """What ``status.json`` records, checked against reality: ``pid_alive``, stages whose run died shown as
     ``killed``, ``running_stage``, and each started stage's ``progress`` (its progress.json)."""
-    out = resolve(run_out_dir)
+    out = _user_path(run_out_dir)
     st = _load_status(out)
     if st is None:
-        raise FileNotFoundError(f"{out / STATUS_FILE} not found: nothing has run into {out} yet; "
-                                f"start a run with `eagle3nb run params/<run>/`")
+        hint = (f"{out} is a parameter folder; status takes the run's output folder, outputs/{out.name}/"
+                if any(out.glob("*.yaml")) else f"nothing has run into {out} yet; start a run with "
+                f"`eagle3nb run params/<run>/`")
+        raise FileNotFoundError(f"no {STATUS_FILE} in {out}: {hint}")
     alive = _pid_alive(st.get("pid"), st.get("pid_started"))
     st["pid_alive"] = alive
     if st.get("state") == "running" and not alive:
@@ -473,7 +493,7 @@ def format_status(st: dict[str, Any]) -> str:
             row += f" ({_duration(took)})" if took is not None else ""
         if state in ("running", "killed", "failed") and rec.get("progress"):
             row += "  " + _progress_line(rec["progress"])
-        lines.append(row)
+        lines.append(row.rstrip())
         if rec.get("error"):
             cell = rec.get("failed_cell")
             where = f", cell In [{cell['execution_count']}] (index {cell['index']})" if cell else ""

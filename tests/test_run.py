@@ -2,12 +2,13 @@
 real kernels, runs are killed with real signals, detached runs outlive their terminal's process group.
 
 The fixture notebooks stand in for the four stages, so these tests never depend on the real stage
-schemas: they register a throwaway schema for each stage name (in this process through a patched registry,
+schemas: they register a throwaway schema for each stage name (in this process into a patched registry,
 in subprocesses through a ``sitecustomize`` on PYTHONPATH, the way coverage.py reaches subprocesses).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -22,21 +23,24 @@ import nbformat
 import psutil
 import pytest
 import yaml
-from pydantic import Field
 
 from eagle3nb import params
 from eagle3nb.cli import main
-from eagle3nb.params import STAGES, ParamsError, StageParams, register
+from eagle3nb.params import STAGES, ParamsError
 from eagle3nb.progress import read_progress
 from eagle3nb.run import RunLocked, run, status
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+
+# The fixture notebook's schema, registered under every stage name. It is written to a module in the test's
+# tmp folder: this process loads it from there, subprocesses through a sitecustomize beside it (kernels
+# skip it: the notebooks only use the injected values).
+SCHEMAS = '''
+from pydantic import Field
+from eagle3nb.params import STAGES, StageParams, register
 
 
 class FixtureParams(StageParams):
-    """Parameters of the fixture notebook (a stand-in for every stage)."""
-
     output_dir: str = Field(description="the stage folder (progress.json, executions.txt)")
     steps: int = Field(3, description="work items, one progress step each")
     hold_at: int = Field(-1, description="step at which the notebook waits while hold_file exists")
@@ -44,10 +48,15 @@ class FixtureParams(StageParams):
     fail: bool = Field(False, description="raise in the cell after the work")
 
 
-def install_fixture_schemas() -> None:
-    for stage in STAGES:
-        register(stage)(type(f"Fixture_{stage}", (FixtureParams,), {}))
+for stage in STAGES:
+    register(stage)(type(f"Fixture_{stage}", (FixtureParams,), {}))
+'''
 
+SITECUSTOMIZE = '''
+import sys
+if not any("ipykernel" in a for a in sys.argv):
+    import fixture_schemas
+'''
 
 PARAMETERS = '''run_name = "fixture"  # output folder name
 params_file = None  # the YAML these came from
@@ -133,8 +142,13 @@ class World:
 
 @pytest.fixture
 def world(tmp_path, monkeypatch) -> World:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "fixture_schemas.py").write_text(SCHEMAS)
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     monkeypatch.setattr(params, "_REGISTRY", {})  # throwaway schemas, gone after the test
-    install_fixture_schemas()
+    spec = importlib.util.spec_from_file_location("fixture_schemas", hook / "fixture_schemas.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
     for stage in STAGES:
@@ -142,11 +156,6 @@ def world(tmp_path, monkeypatch) -> World:
     pdir = tmp_path / "params" / "fx"
     pdir.mkdir(parents=True)
     (pdir / "common.yaml").write_text("steps: 2\n")
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-        "from test_run import install_fixture_schemas\ninstall_fixture_schemas()\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     w = World(pdir, nbs, tmp_path / "outputs", tmp_path / "data", env)
     for stage in STAGES:
@@ -246,6 +255,8 @@ def test_bad_params_fail_before_any_notebook(world, capsys):
     with pytest.raises(ParamsError, match="no such parameter folder"):
         run(w.params.parent / "nope", **w.kw())
     assert not w.out.exists()
+    assert "is a parameter folder; status takes the run's output folder, outputs/fx/" in \
+        main_output(["status", str(w.params)], capsys)
 
 
 def test_kill_9_then_resume_status_and_refusal(world, capsys):
