@@ -111,7 +111,10 @@ def parse_stages(spec: str | list[str] | None) -> list[str] | None:
 def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, force: bool = False,
          output_root: str | os.PathLike | None = None,
          notebooks_dir: str | os.PathLike | None = None) -> Plan:
-    """Validate the run's parameters and notebooks; every problem is a ParamsError before work starts."""
+    """Validate the run's parameters and notebooks; every problem is a ParamsError before work starts.
+
+    Paths a later stage needs may be made by an earlier one (04's draft by 03), so only the first stage's
+    path checks are errors here; later ones become notes and are checked again as that stage starts."""
     params_dir = _user_path(params_dir)
     if not params_dir.is_dir():
         raise ParamsError(f"{params_dir}: no such parameter folder; pass params/<run>/ (e.g. params/demo/)")
@@ -132,11 +135,19 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
             continue
         try:
             values[stage] = run_params(params_dir, stage)
-            p = from_dict(stage, values[stage])
+            p = from_dict(stage, values[stage], check_paths=False)
         except ParamsError as e:
             problems.append(str(e))
             continue
         stage_dirs[stage] = p.out_dir(getattr(p, "output_dir", None), stage)
+        try:
+            p.check_paths()
+        except ParamsError as e:
+            if stage == chosen[0]:
+                problems.append(str(e))
+            else:
+                notes.append(f"{stage}: {e} (fine if an earlier stage of this run makes it; checked again "
+                             f"when {stage} starts)")
     if problems:
         raise ParamsError("\n".join(problems))
     return Plan(params_dir, params_dir.name, root / params_dir.name, nb_dir, chosen, requested, values,
@@ -319,16 +330,22 @@ def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
             save()
             log.info(f"{stage}: start -> {_rel(nb_out)} (stage folder {_rel(p.stage_dirs[stage])})")
             t0 = time.time()
-            failure = _execute(p, stage, nb_out, log)
-            rec["html"] = _render_html(nb_out, html_out, log)
+            try:
+                from_dict(stage, p.values[stage])
+            except ParamsError as e:
+                failure = {"error": str(e)}
+            else:
+                failure = _execute(p, stage, nb_out, log)
+                rec["html"] = _render_html(nb_out, html_out, log)
             rec["ended"] = _now()
             if failure:
                 rec.update(state="failed", **failure)
                 st.update(state="failed", ended=_now())
                 save()
                 cell = failure.get("failed_cell")
-                where = f" cell In [{cell['execution_count']}] (index {cell['index']})" if cell else ""
-                log.error(f"{stage} FAILED: {failure['error']} -> see {_rel(nb_out)}{where}; "
+                where = (f" -> see {_rel(nb_out)} cell In [{cell['execution_count']}] (index {cell['index']})"
+                         if cell else f" -> see {_rel(nb_out)}" if nb_out.exists() else "")
+                log.error(f"{stage} FAILED: {failure['error']}{where}; "
                           f"after a fix, `eagle3nb run {_rel(p.params_dir)}` resumes here")
                 return 1
             rec["state"] = "done"

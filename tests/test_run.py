@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # tmp folder: this process loads it from there, subprocesses through a sitecustomize beside it (kernels
 # skip it: the notebooks only use the injected values).
 SCHEMAS = '''
+from pathlib import Path
 from pydantic import Field
-from eagle3nb.params import STAGES, StageParams, register
+from eagle3nb.params import STAGES, ParamsError, StageParams, register
 
 
 class FixtureParams(StageParams):
@@ -46,6 +47,11 @@ class FixtureParams(StageParams):
     hold_at: int = Field(-1, description="step at which the notebook waits while hold_file exists")
     hold_file: str | None = Field(None, description="file whose existence holds the notebook at hold_at")
     fail: bool = Field(False, description="raise in the cell after the work")
+    needs: str | None = Field(None, description="a path that must exist when the stage starts")
+
+    def check_paths(self) -> None:
+        if self.needs and not Path(self.needs).exists():
+            raise ParamsError(f"parameter 'needs' in {self.params_file}: {self.needs} does not exist")
 
 
 for stage in STAGES:
@@ -65,6 +71,7 @@ steps = 3  # work items
 hold_at = -1  # wait at this step while hold_file exists
 hold_file = None  # see hold_at
 fail = False  # raise after the work
+needs = None  # a path that must exist
 '''
 
 WORK = '''# SOURCE-ONLY-MARKER: input cells never reach the HTML report
@@ -206,6 +213,13 @@ def test_stages_selection_skip_done_force_html_and_log(world, capsys):
     assert log.count("02_hidden_states: start") == 2 and "VISIBLE-OUTPUT 2" in log
     assert log.splitlines()[0][:4].isdigit()  # timestamped lines
 
+    # a later stage's missing path is a note at the start, and an error (no kernel) when the stage comes
+    w.set("03_train", needs=str(w.data / "never-made"))
+    assert run(w.params, stages="02,03", **w.kw()) == 1
+    assert "checked again when 03_train starts" in w.log()
+    rec = w.status_json()["stages"]["03_train"]
+    assert rec["state"] == "failed" and "'needs'" in rec["error"] and not (w.out / "03_train.ipynb").exists()
+
 
 def test_failing_cell_reports_and_stops(world, capsys):
     w = world
@@ -254,6 +268,11 @@ def test_bad_params_fail_before_any_notebook(world, capsys):
         run(w.params, stages="01,05", **w.kw())
     with pytest.raises(ParamsError, match="no such parameter folder"):
         run(w.params.parent / "nope", **w.kw())
+    w.set("02_hidden_states")
+    w.set("03_train")
+    w.set("01_synth", needs=str(w.data / "missing"))
+    with pytest.raises(ParamsError, match="parameter 'needs' in .*01_synth.yaml"):
+        run(w.params, stages="01,02", **w.kw())  # the first stage's paths must exist before work starts
     assert not w.out.exists()
     assert "is a parameter folder; status takes the run's output folder, outputs/fx/" in \
         main_output(["status", str(w.params)], capsys)
@@ -263,7 +282,8 @@ def test_kill_9_then_resume_status_and_refusal(world, capsys):
     w = world
     hold = w.data.parent / "hold"
     hold.touch()
-    w.set("02_hidden_states", steps=3, hold_at=1, hold_file=str(hold))
+    w.set("02_hidden_states", steps=3, hold_at=1, hold_file=str(hold),
+          needs=str(w.stage_dir("01_synth") / "progress.json"))  # made by stage 01
     proc = subprocess.Popen(w.run_args("--stages", "01,02"), cwd=ROOT, env=w.env, start_new_session=True,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -299,7 +319,7 @@ def test_kill_9_then_resume_status_and_refusal(world, capsys):
     assert (w.stage_dir("02_hidden_states") / "resumed_from.txt").read_text() == "1"
     st = w.status_json()
     assert st["stages"]["02_hidden_states"]["state"] == "done" and st["stages"]["02_hidden_states"]["attempts"] == 2
-    assert "died; re-running it" in w.log()
+    assert "died; re-running it" in w.log() and "checked again when 02_hidden_states starts" in w.log()
 
 
 def test_detach_survives_its_terminal_and_refuses_a_second_run(world):
