@@ -148,10 +148,15 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
             else:
                 notes.append(f"{stage}: {e} (fine if an earlier stage of this run makes it; checked again "
                              f"when {stage} starts)")
+    names = sorted({str(v["run_name"]) for v in values.values()})
+    if len(names) > 1:
+        problems.append(f"run_name differs between the stages of {params_dir} ({', '.join(names)}): remove "
+                        f"run_name from the YAMLs (it defaults to the folder name) or make them agree")
     if problems:
         raise ParamsError("\n".join(problems))
-    return Plan(params_dir, params_dir.name, root / params_dir.name, nb_dir, chosen, requested, values,
-                stage_dirs, force, notes)
+    run_name = names[0] if names else params_dir.name
+    return Plan(params_dir, run_name, root / run_name, nb_dir, chosen, requested, values, stage_dirs, force,
+                notes)
 
 
 # --- the lock -------------------------------------------------------------------------------------------

@@ -268,8 +268,11 @@ def test_bad_params_fail_before_any_notebook(world, capsys):
         run(w.params, stages="01,05", **w.kw())
     with pytest.raises(ParamsError, match="no such parameter folder"):
         run(w.params.parent / "nope", **w.kw())
-    w.set("02_hidden_states")
+    w.set("02_hidden_states", run_name="elsewhere")
     w.set("03_train")
+    with pytest.raises(ParamsError, match="run_name differs between the stages"):
+        run(w.params, **w.kw())  # their outputs would land in two folders
+    w.set("02_hidden_states")
     w.set("01_synth", needs=str(w.data / "missing"))
     with pytest.raises(ParamsError, match="parameter 'needs' in .*01_synth.yaml"):
         run(w.params, stages="01,02", **w.kw())  # the first stage's paths must exist before work starts
