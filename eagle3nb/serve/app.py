@@ -211,9 +211,8 @@ class Server:
             if content and len(content) > len(sent_c):
                 delta["content"] = content[len(sent_c):]
                 sent_c = content
-            new_ids = u.token_ids[sent_ids:]
-            sent_ids = len(u.token_ids)
             if delta or u.finish_reason is not None:
+                new_ids, sent_ids = u.token_ids[sent_ids:], len(u.token_ids)
                 yield chunk(delta, u.finish_reason, u.stop_reason, new_ids if body.return_token_ids else None)
         if (body.stream_options or {}).get("include_usage"):
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,

@@ -24,6 +24,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--api-key-env", default=None, metavar="NAME",
                    help="require 'Authorization: Bearer KEY' with KEY read from environment variable NAME")
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: the toy's matrices are tiny, and more threads spin against "
+                        "the clients and each other on a shared machine)")
     p.add_argument("--draft", default=None, metavar="DIR", help="EAGLE-3 draft folder: decode speculatively")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="k tokens drafted per step (with --draft)")
     p.add_argument("--hidden-states-dir", default=None, metavar="DIR",
@@ -54,12 +57,14 @@ def serve(args: argparse.Namespace) -> int:
         if args.num_speculative_tokens < 1:
             sys.exit("eagle3nb serve: --num-speculative-tokens must be at least 1")
 
+    import torch
     import uvicorn
 
     from eagle3nb.serve.app import Server, create_app
     from eagle3nb.serve.engine import Engine, Metrics, load_model
     from eagle3nb.toy import resolve_model_path
 
+    torch.set_num_threads(max(1, args.threads))
     model_dir = resolve_model_path(args.model)
     name = args.served_model_name or args.model
     model, tokenizer = load_model(str(model_dir))
