@@ -302,6 +302,9 @@ def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
     recs = before.get("stages", {})
     for stage in STAGES:
         recs.setdefault(stage, {"state": "pending"})
+    for rec in recs.values():  # we hold the lock, so whoever was executing these is gone
+        if rec["state"] == "running":
+            rec.update(state="failed", error=f"killed: the run executing it (pid {before.get('pid')}) died")
     st = dict(run_name=p.run_name, params_dir=str(p.params_dir), notebooks_dir=str(p.notebooks_dir),
               out_dir=str(p.out_dir), pid=os.getpid(), pid_started=psutil.Process().create_time(),
               host=socket.gethostname(), command=p.command(), state="running", started=_now(), ended=None,
@@ -322,11 +325,9 @@ def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
             if rec["state"] == "done" and not p.force:
                 log.info(f"{stage}: done at {rec.get('ended')}, skipping it (--force re-runs it)")
                 continue
-            if rec["state"] == "running":
-                log.info(f"{stage}: the run that was executing it (pid {before.get('pid')}) died; re-running it "
-                         f"(the stage resumes from its own progress)")
-            elif rec["state"] == "failed":
-                log.info(f"{stage}: failed last time ({rec.get('error')}); re-running it")
+            if rec["state"] == "failed":
+                log.info(f"{stage}: failed last time ({rec.get('error')}); re-running it (the stage resumes "
+                         f"from its own progress)")
             current = stage
             nb_out, html_out = p.out_dir / f"{stage}.ipynb", p.out_dir / f"{stage}.html"
             rec.update(state="running", started=_now(), ended=None, error=None, failed_cell=None,
@@ -349,7 +350,7 @@ def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
                 save()
                 cell = failure.get("failed_cell")
                 where = (f" -> see {_rel(nb_out)} cell In [{cell['execution_count']}] (index {cell['index']})"
-                         if cell else f" -> see {_rel(nb_out)}" if nb_out.exists() else "")
+                         if cell else "")
                 log.error(f"{stage} FAILED: {failure['error']}{where}; "
                           f"after a fix, `eagle3nb run {_rel(p.params_dir)}` resumes here")
                 return 1
@@ -392,7 +393,7 @@ def _execute(p: Plan, stage: str, nb_out: Path, log: logging.Logger) -> dict[str
                 "failed_cell": {"index": index, "execution_count": e.exec_count, "source": excerpt}}
     except Exception as e:  # kernel died, notebook unreadable, ...: recorded, never silent
         log.exception(f"{stage}: papermill could not execute the notebook")
-        return {"error": f"{type(e).__name__}: {e}"}
+        return {"error": f"{type(e).__name__}: {e} (traceback in {_rel(nb_out.parent / LOG_FILE)})"}
     return None
 
 
