@@ -68,6 +68,7 @@ def check_server(ctx: Context) -> CheckResult:
                              f"set served_model_name to one of {names} (or null to take the first)"))
             continue
         try:
+            ctx.probe_all(url, P1.thinking)
             pr = ctx.probe(url, PROBE_QUESTION, P1.thinking)
         except openai.APIError as e:
             problems.append((FAIL, f"{url}: the probe {PROBE_QUESTION!r} failed ({type(e).__name__}: {e})",
@@ -127,7 +128,7 @@ def check_token_stream(ctx: Context) -> CheckResult:
         return _result("token_stream", problems, "; ".join(measured), details)
     url = ctx.server_urls()[0]
     thinking = ctx.p("01_synth").thinking
-    compared, no_ids = 0, 0
+    compared, prompts_only, no_ids = 0, 0, 0
     for q in STREAM_PROBES:
         pr = ctx.probe(url, q, thinking)
         if pr["prompt_token_ids"] is None or pr["token_ids"] is None:
@@ -140,8 +141,15 @@ def check_token_stream(ctx: Context) -> CheckResult:
         except StreamError as e:
             problems.append((FAIL, f"{q!r}: cannot re-render the conversation ({e})", ""))
             continue
-        compared += 1
         a, b = server["input_ids"], ours["input_ids"]
+        # An answer cut by max_tokens, or reasoning the model never closed, has no faithful re-rendering:
+        # compare its prompt only.
+        if pr["finish_reason"] != "stop" or (thinking and tpl.think_ids[1] not in pr["token_ids"]):
+            prompts_only += 1
+            n = len(pr["prompt_token_ids"])
+            a, b = a[:n], b[:n]
+        else:
+            compared += 1
         if a != b:
             i = _first_diff(a, b)
             where = "prompt" if i < len(pr["prompt_token_ids"]) else "completion"
@@ -156,8 +164,9 @@ def check_token_stream(ctx: Context) -> CheckResult:
         problems.append((WARN, f"the server returned no token ids for {no_ids} probe(s)",
                          "use a server that supports `return_token_ids` (vLLM >= 0.10.2, SGLang); 01_synth then "
                          "falls back to re-rendering text, which is only as exact as this check"))
-    if compared:
-        measured.append(f"{compared} probe(s): server ids == our rendering")
+    if compared or prompts_only:
+        measured.append(f"server ids == our rendering: {compared} whole conversation(s), {prompts_only} "
+                        f"prompt(s) only (answer cut or reasoning unclosed)")
     return _result("token_stream", problems, "; ".join(measured), details)
 
 
@@ -313,14 +322,14 @@ def check_shapes_vocab(ctx: Context) -> CheckResult:
     dims = ctx.target_dims
     H, V = dims["hidden_size"], dims["vocab_size"]
     problems, said, details = [], [f"target H={H} V={V}"], {"target": dims}
-    data_vocab = None
+    data_t2d = cover_t2d = None
     try:
         hs = ctx.hidden()
         meta = hs.meta
         if (meta["hidden_size"], meta["vocab_size"]) != (H, V):
             problems.append((FAIL, f"hidden-state data has H={meta['hidden_size']} V={meta['vocab_size']}, the target "
                                    f"H={H} V={V}", "re-run 02_hidden_states with the target 01_synth sampled from"))
-        data_vocab = (hs.d2t, hs.t2d)
+        data_t2d = cover_t2d = hs.t2d
         for p in vocab_problems(hs.d2t, hs.t2d, V, "data"):
             problems.append((FAIL, p, "re-run 02_hidden_states (its draft_vocab.safetensors is inconsistent)"))
         said.append(f"data draft vocab {hs.d2t.numel()}")
@@ -351,22 +360,23 @@ def check_shapes_vocab(ctx: Context) -> CheckResult:
                                       f"(02's draft_vocab.safetensors)"))
         if t["d2t"].numel() != dv:
             problems.append((FAIL, f"{label} d2t has {t['d2t'].numel()} entries, draft_vocab_size {dv}", fix))
-        if data_vocab is not None and label == "draft" and not _same(t["t2d"], data_vocab[1]):
-            problems.append((WARN, f"{label}'s draft vocabulary differs from the data's", "train and evaluate the "
-                             "draft on data with the same draft_vocab.safetensors"))
+        if label == "draft":
+            if data_t2d is not None and not _same(t["t2d"], data_t2d):
+                problems.append((WARN, "the draft's vocabulary differs from the data's", "train and evaluate the "
+                                 "draft on data with the same draft_vocab.safetensors"))
+            cover_t2d = t["t2d"]
         details[label] = {"dir": str(d), "fc": fc, "lm_head": head, "draft_vocab_size": dv}
         said.append(f"{label} fc {fc} draft vocab {dv}")
-        data_vocab = data_vocab or (t["d2t"], t["t2d"])
     if hs is None and not ctx.drafts:
         raise Unavailable("no hidden-state data and no draft checkpoint yet (run 02_hidden_states / 03_train)")
-    if hs is not None and data_vocab is not None:
-        cov, n = _argmax_coverage(ctx, data_vocab[1])
+    if cover_t2d is not None and (ctx.eval_dir / "index.json").exists():
+        cov, n = _argmax_coverage(ctx, cover_t2d)
         details["coverage"] = cov
         said.append(f"draft vocab covers {cov:.1%} of {n} held-out target argmax tokens")
         if cov < COVERAGE_WARN:
             problems.append((WARN, f"the draft vocab covers only {cov:.1%} of the target's argmax tokens",
-                             f"raise draft_vocab_size in 02_hidden_states (positions whose target token is outside "
-                             f"the draft vocab can never be accepted)"))
+                             "raise draft_vocab_size in 02_hidden_states (positions whose target token is outside "
+                             "the draft vocab can never be accepted)"))
     return _result("shapes_vocab", problems, "; ".join(said), details)
 
 
@@ -376,24 +386,16 @@ def _same(a, b) -> bool:
 
 def _argmax_coverage(ctx: Context, t2d) -> tuple[float, int]:
     """Share of the target's argmax tokens on loss-masked held-out positions that the draft vocab contains."""
-    hs = ctx.hidden(ctx.eval_dir)
+    data = ctx.heldout()
     inside = total = 0
-    for i in _heldout_indices(hs):
-        item = hs[i]
-        mask = item["loss_mask"].bool()
-        am = hs.target_argmax(item)[mask]
+    for i in range(len(data)):
+        item = data[i]
+        am = data.target_argmax(item)[item["loss_mask"].bool()]
         inside += int(t2d[am].sum())
         total += am.numel()
         if total >= COVERAGE_TOKENS:
             break
     return (inside / total if total else 1.0), total
-
-
-def _heldout_indices(hs) -> list[int]:
-    """Indices of held-out samples: the evaluation set's own when it is separate, else 03's held-out split."""
-    from eagle3nb.train import heldout_indices
-
-    return heldout_indices(hs)
 
 
 # -- 6. data health -------------------------------------------------------------------------------------------------
@@ -422,11 +424,12 @@ def check_data_health(ctx: Context) -> CheckResult:
         problems.append((FAIL, f"{len(dups)} ids recorded ok more than once (e.g. {dups[0]!r})",
                          "training would count them twice; move the duplicate files away and resume 01_synth"))
     ok = [s for s in samples if s["status"] == "ok"]
-    mism = sum(s.get("ids_match") is False for s in ok)
-    details["ids_mismatch"] = mism
-    if mism:
-        problems.append((WARN, f"{mism}/{len(ok)} ok samples: server token ids differ from the template rendering",
-                         "run the token_stream check against the server; the data keeps the server's ids"))
+    kinds = _mismatch_kinds(ctx, [s for s in ok if s.get("ids_match") is False])
+    details["ids_mismatch"] = kinds
+    if kinds["text"]:
+        problems.append((WARN, f"{kinds['text']}/{len(ok)} ok samples: the chat template renders other text than "
+                               f"the server generated", "run the token_stream check against the server; the data "
+                                                        "keeps the server's ids"))
     think = ctx.template.think_ids[0]
     no_wrap = sum(1 for s in ok if s.get("thinking") and think not in
                   [t for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
@@ -450,8 +453,31 @@ def check_data_health(ctx: Context) -> CheckResult:
     p = details["lengths"]
     measured = (f"{n} samples: {status['ok']} ok, {status['truncated']} truncated, {status['no_reasoning']} "
                 f"no_reasoning, {status['error']} error; length p50 {p['p50']} p99 {p['p99']} max {p['max']} "
-                f"vs max_length {max_length}; ids mismatches {mism}, duplicates {len(dups)}")
+                f"vs max_length {max_length}; server ids != template: {kinds['text']} text, {kinds['split']} token split only, "
+                f"{kinds['unclosed']} reasoning never closed; duplicates {len(dups)}")
     return _result("data_health", problems, measured, details)
+
+
+def _mismatch_kinds(ctx: Context, samples: list[dict]) -> dict[str, int]:
+    """Why server ids differ from the template rendering: ``split`` (same text, other token boundaries:
+    sampling picked a non-canonical tokenization, harmless), ``unclosed`` (the model stopped inside its
+    reasoning, which no template can render), ``text`` (the template renders other text: a real mismatch)."""
+    from eagle3nb.synth.stream import StreamError, build
+
+    tpl = ctx.template
+    out = {"text": 0, "split": 0, "unclosed": 0}
+    for s in samples:
+        generated = [t for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
+        if s.get("thinking") and tpl.think_ids[1] not in generated:
+            out["unclosed"] += 1
+            continue
+        try:
+            ours = build(tpl, s["messages"], s["reasoning"], s["content"], s["finish_reason"], None, None)
+        except StreamError:
+            out["text"] += 1
+            continue
+        out["split" if tpl.decode(ours["input_ids"]) == tpl.decode(s["input_ids"]) else "text"] += 1
+    return out
 
 
 def _percentiles(xs: list[int]) -> dict[str, int]:
@@ -472,19 +498,21 @@ def _free_bytes(path: Path) -> tuple[int, Path]:
 
 
 def check_disk(ctx: Context) -> CheckResult:
-    from eagle3nb.hidden import bytes_per_token
+    from eagle3nb.hidden.stage import head_bytes
+    from eagle3nb.hidden.storage import bytes_per_token
 
     P2 = ctx.p("02_hidden_states")
     out = P2.stage_dir
-    H = ctx.target_dims["hidden_size"]
-    bpt = bytes_per_token(P2.storage, H, topk=P2.topk)
+    info = ctx.target_dims
+    n_aux = len(P2.aux_layer_ids) if P2.aux_layer_ids else 3
+    bpt = bytes_per_token(P2.storage, info["hidden_size"], n_aux, P2.topk, P2.draft_vocab_size)
     tokens, how = ctx.projected_tokens()
-    written = sum(f.stat().st_size for f in out.glob("shard-*.safetensors")) if out.is_dir() else 0
-    need = max(0, int(tokens * bpt) - written)
+    written = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) if out.is_dir() else 0
+    need = max(0, tokens * bpt + head_bytes(ctx.model_dir, info) - written)
     free, where = _free_bytes(out)
     details = {"bytes_per_token": bpt, "tokens": tokens, "written": written, "need": need, "free": free,
                "path": str(where)}
-    measured = (f"02 needs ~{_gb(need)} more ({tokens:,} tokens x {bpt:,.0f} B/token, storage {P2.storage}, {how}; "
+    measured = (f"02 needs ~{_gb(need)} more ({tokens:,} tokens x {bpt:,} B/token, storage {P2.storage}, {how}; "
                 f"{_gb(written)} written); {_gb(free)} free at {where}")
     if need > free:
         return CheckResult("disk", FAIL, measured,
@@ -504,28 +532,37 @@ def _gb(n: float) -> str:
 
 # -- 8. draft sanity -------------------------------------------------------------------------------------------------
 
+def chance_acceptance(data) -> float:
+    """Acceptance of a draft that always proposes the target's most frequent argmax token: what a draft
+    that learned nothing about context scores."""
+    import torch
+
+    tops = torch.cat([data.target_argmax(data[i])[data[i]["loss_mask"].bool()] for i in range(len(data))])
+    return float(torch.bincount(tops).max()) / max(1, tops.numel())
+
+
 def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
-    from eagle3nb.accept import chance_acceptance, offline_acceptance
+    from eagle3nb.accept import offline_acceptance
+    from eagle3nb.doctor.context import Subset
     from eagle3nb.draft import load_draft
 
     drafts = [d for label, d in ctx.drafts if label == "draft"]
     if not drafts:
         raise Unavailable("no trained draft yet (run 03_train)")
-    hs = ctx.hidden(ctx.eval_dir)
-    idx = _heldout_indices(hs)[:SANITY_SAMPLES]
-    model = load_draft(drafts[0])
-    res = offline_acceptance(model, hs, k=SANITY_K, indices=idx)
-    chance = chance_acceptance(hs, indices=idx)
-    a0 = float(res["per_position"][0])
-    tau = float(res["acceptance_length"])
-    details = {"per_position": list(res["per_position"]), "acceptance_length": tau, "chance": chance,
-               "samples": len(idx)}
-    measured = (f"{len(idx)} held-out samples, greedy k={SANITY_K}: position-0 acceptance {a0:.1%} "
+    data = ctx.heldout()
+    data = Subset(data, range(min(SANITY_SAMPLES, len(data))))
+    model = load_draft(drafts[0], embed_tokens=data.embed_tokens())
+    res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.think_ids)
+    chance = chance_acceptance(data)
+    a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])
+    details = {"per_position": res["per_position"], "acceptance_length": tau, "chance": chance,
+               "samples": len(data), "draft": str(drafts[0])}
+    measured = (f"{len(data)} held-out samples, greedy k={SANITY_K}: first-token acceptance {a0:.1%} "
                 f"(chance {chance:.1%}), tau {tau:.2f}")
     if a0 < chance + CHANCE_MARGIN:
         causes = rank_causes(prior)
         details["likely_causes"] = causes
-        return CheckResult("draft_sanity", FAIL, f"draft is near chance: {measured}",
+        return CheckResult("draft_sanity", FAIL, f"the draft is near chance: {measured}",
                            "likeliest causes: " + " | ".join(f"{i + 1}. {c}" for i, c in enumerate(causes[:4])),
                            details)
     if a0 < SANITY_WARN:
@@ -547,20 +584,18 @@ UNDERTRAINED = "too little training: more samples (01 max_samples) or steps (03 
 
 
 def rank_causes(results: list[CheckResult]) -> list[str]:
-    """Causes of a low acceptance, likeliest first: failed checks, then warnings, then unchecked ones, then
-    plain undertraining (what remains when every check passes)."""
+    """Causes of a low acceptance, likeliest first: failed checks, then warnings, then plain undertraining
+    (what remains when every check passes), then the checks that could not run (not ruled out)."""
     by_name = {r.name: r for r in results}
-    out = []
-    for wanted in (FAIL, WARN, SKIP):
-        for name, cause in CAUSES.items():
-            r = by_name.get(name)
-            if r is not None and r.status == wanted:
-                tag = {FAIL: "failed", WARN: "warned", SKIP: "not checked"}[wanted]
-                out.append(f"{cause} [{name} {tag}: {r.measured}]")
+
+    def with_status(status: str, tag: str) -> list[str]:
+        return [f"{cause} [{name} {tag}: {by_name[name].measured}]" for name, cause in CAUSES.items()
+                if name in by_name and by_name[name].status == status]
+
+    out = with_status(FAIL, "failed") + with_status(WARN, "warned") + [UNDERTRAINED] + with_status(SKIP, "skipped")
     unchecked = [n for n in CAUSES if n not in by_name]
     if unchecked:
-        out.append(f"not checked in this run: {', '.join(unchecked)} (run `eagle3nb doctor params/<run>/`)")
-    out.append(UNDERTRAINED)
+        out.append(f"not checked here: {', '.join(unchecked)} (run `eagle3nb doctor params/<run>/`)")
     return out
 
 

@@ -4,7 +4,6 @@ when the check-up ends."""
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from eagle3nb.paths import resolve
 
 PROBE_QUESTION = "What is 2+2?"
 # Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
-STREAM_PROBES = [PROBE_QUESTION, "How many letters are in the word apple?", "Convert 3 km to m."]
+STREAM_PROBES = [PROBE_QUESTION, "How many letters are in the word apple?"]
 
 
 # Prompt length assumed when projecting disk use before any sample exists.
@@ -84,8 +83,7 @@ class Context:
         return self.params[stage]
 
     def stage_dir(self, stage: str) -> Path:
-        P = self.p(stage)
-        return P.out_dir(P.output_dir, stage)
+        return self.p(stage).stage_dir
 
     # -- the target -----------------------------------------------------------------------------------------
 
@@ -95,12 +93,12 @@ class Context:
         from eagle3nb.toy import resolve_model_path
 
         for stage in ("01_synth", "02_hidden_states", "04_acceptance"):
-            if stage in self.params and getattr(self.params[stage], "model_path", None):
+            if stage in self.params:
                 try:
                     return resolve_model_path(self.params[stage].model_path)
                 except (FileNotFoundError, ValueError) as e:
                     raise Unavailable(f"model_path of {stage}: {e}") from None
-        raise Unavailable("no model_path in the run's params")
+        raise Unavailable("no valid 01/02/04 params, so no model_path")
 
     @cached_property
     def template(self):
@@ -111,13 +109,11 @@ class Context:
         return Template(self.model_dir, P1.thinking if P1 else True, P1.thinking_kwarg if P1 else "thinking")
 
     @cached_property
-    def target_dims(self) -> dict[str, int]:
-        """num_layers, hidden_size, vocab_size of the target, from its config.json (text_config for
-        multimodal wrappers such as Kimi-K2.5)."""
-        cfg = json.loads((self.model_dir / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        return {"num_layers": cfg["num_hidden_layers"], "hidden_size": cfg["hidden_size"],
-                "vocab_size": cfg["vocab_size"]}
+    def target_dims(self) -> dict:
+        """num_layers, hidden_size, vocab_size of the target (02's reading of its config.json)."""
+        from eagle3nb.hidden.head import target_info
+
+        return target_info(self.model_dir)
 
     # -- 01 samples -----------------------------------------------------------------------------------------
 
@@ -152,22 +148,23 @@ class Context:
         return min(lengths)
 
     def projected_tokens(self) -> tuple[int, str]:
-        """Tokens 02 will store for the whole run, and how that was estimated: from 01's samples (scaled up
-        to max_samples while 01 is unfinished), else an upper bound from 01's token budget."""
+        """Tokens 02 will store for the whole run and how that was estimated: 02's own sample plan over 01's
+        output (scaled up to max_samples while 01 is unfinished), else an upper bound from 01's budget."""
+        from eagle3nb.hidden.stage import HiddenStatesError, prepare_samples
+
         P1, P2 = self.p("01_synth"), self.p("02_hidden_states")
         caps = [x for x in (P1.max_samples, P2.max_samples) if x]
         planned = min(caps) if caps else None
         try:
-            used = [s for s in self.samples if s["status"] in P2.statuses]
-        except Unavailable:
+            used, _ = prepare_samples(P2)
+        except HiddenStatesError:
             used = []
         if used:
-            lengths = [min(len(s["input_ids"]), P2.max_length) for s in used]
-            if planned and len(self.samples) < planned:
-                mean = sum(lengths) / len(lengths)
-                return int(mean * planned * len(used) / len(self.samples)), \
-                    f"{len(self.samples)}/{planned} samples done, scaled up"
-            return sum(lengths), f"{len(used)} samples"
+            tokens = sum(len(s["input_ids"]) for s in used)
+            done = len(self.samples)
+            if planned and done < planned:
+                return int(tokens * planned / done), f"{done}/{planned} samples answered, scaled up"
+            return tokens, f"{len(used)} samples"
         if not planned:
             raise Unavailable("no samples yet and max_samples is null: nothing to project the disk use from")
         per = min(P2.max_length, P1.max_completion_tokens + PROMPT_TOKENS_GUESS)
@@ -177,9 +174,17 @@ class Context:
 
     @cached_property
     def hidden_dir(self) -> Path:
-        if "03_train" in self.params and self.params["03_train"].data_dir:
-            return resolve(self.params["03_train"].data_dir)
+        """The training data: 03's data_dir, else 02's output."""
+        if "03_train" in self.params:
+            return self.params["03_train"].data_path
         return self.stage_dir("02_hidden_states")
+
+    @cached_property
+    def eval_dir(self) -> Path:
+        """Hidden states for acceptance: 04's data_dir, else the training data."""
+        if "04_acceptance" in self.params:
+            return self.params["04_acceptance"].data_path
+        return self.hidden_dir
 
     def hidden(self, data_dir: Path | None = None):
         """The hidden-state reader for ``data_dir`` (default: the training data)."""
@@ -190,12 +195,16 @@ class Context:
             raise Unavailable(f"no hidden-state data in {d} (run 02_hidden_states first)")
         return HiddenStates(d)
 
-    @cached_property
-    def eval_dir(self) -> Path:
-        """Held-out hidden states for acceptance: 04's data_dir, else the training data."""
-        if "04_acceptance" in self.params and self.params["04_acceptance"].data_dir:
-            return resolve(self.params["04_acceptance"].data_dir)
-        return self.hidden_dir
+    def heldout(self):
+        """Held-out samples of the evaluation data: all of it when it is not the training data, else 03's
+        held-out split of it (the samples the draft never trained on)."""
+        from eagle3nb.train.data import split_holdout
+
+        hs = self.hidden(self.eval_dir)
+        if self.eval_dir.resolve() != self.hidden_dir.resolve() or "03_train" not in self.params:
+            return hs
+        _, held = split_holdout([s["id"] for s in hs.samples], self.params["03_train"].holdout_fraction)
+        return Subset(hs, held)
 
     # -- drafts ---------------------------------------------------------------------------------------------
 
@@ -203,15 +212,13 @@ class Context:
     def drafts(self) -> list[tuple[str, Path]]:
         """(label, dir) of each draft checkpoint the run uses that exists: 03's init_from, the trained draft."""
         out = []
-        if "03_train" in self.params and self.params["03_train"].init_from:
-            out.append(("init_from", resolve(self.params["03_train"].init_from)))
-        trained = None
-        if "04_acceptance" in self.params and self.params["04_acceptance"].draft_dir:
-            trained = resolve(self.params["04_acceptance"].draft_dir)
-        elif "03_train" in self.params:
-            trained = self.stage_dir("03_train") / "draft"
-        if trained is not None:
-            out.append(("draft", trained))
+        P3, P4 = self.params.get("03_train"), self.params.get("04_acceptance")
+        if P3 is not None and P3.init_path:
+            out.append(("init_from", P3.init_path))
+        if P4 is not None:
+            out.append(("draft", P4.draft_path))
+        elif P3 is not None:
+            out.append(("draft", P3.stage_dir / "draft"))
         return [(label, d) for label, d in out if (d / "config.json").exists()]
 
     # -- the server -------------------------------------------------------------------------------------------
@@ -245,6 +252,15 @@ class Context:
         wanted = getattr(self.params.get("01_synth"), "served_model_name", None)
         return (wanted or (names[0] if names else "")), names
 
+    def probe_all(self, base_url: str, thinking: bool) -> None:
+        """Send every probe the check-up will read at once (the server batches them): the stream probes in
+        the run's thinking mode, and the question in the server's default mode."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        keys = [(q, thinking) for q in STREAM_PROBES] + [(PROBE_QUESTION, None)]
+        with ThreadPoolExecutor(len(keys)) as pool:
+            list(pool.map(lambda k: self.probe(base_url, *k), keys))
+
     def probe(self, base_url: str, question: str, thinking: bool | None) -> dict:
         """One chat completion at temperature 0 (``thinking`` None: the server's default mode), with
         ``return_token_ids``; cached. Returns the message fields, reasoning source and token ids."""
@@ -275,3 +291,19 @@ class Context:
         """Enough for a reasoning model to answer 2+2, never more than the run's own budget."""
         budget = getattr(self.params.get("01_synth"), "max_completion_tokens", 2048)
         return min(2048, budget)
+
+
+class Subset:
+    """Some samples of a HiddenStates reader, with the reader's interface (len, [i], target_* and the rest)."""
+
+    def __init__(self, data, indices: list[int]):
+        self.data, self.indices = data, list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.data[self.indices[i]]
+
+    def __getattr__(self, name: str):
+        return getattr(self.data, name)

@@ -1,0 +1,254 @@
+"""eagle3nb doctor in the toy world: a small healthy run (built with the stage libraries against the embedded
+server) passes every check, and each known fault, planted in a copy of it, fails the matching check with a
+message that names the cause and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3nb.doctor import CHECKS, FAIL, PASS, STAGE_CHECKS, check_stage, render, run_checks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_run(folder: Path, stages: dict[str, dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for stage, values in stages.items():
+        (folder / f"{stage}.yaml").write_text(yaml.safe_dump({k: str(v) if isinstance(v, Path) else v
+                                                              for k, v in values.items()}))
+    return folder
+
+
+def by_name(report) -> dict:
+    return {r.name: r for r in report}
+
+
+@pytest.fixture(scope="module")
+def server(toy_smoke):
+    from eagle3nb.serve import start_server
+
+    with start_server(toy_smoke) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory, toy_smoke, server) -> dict:
+    """A small healthy run: 01 against the embedded server, 02 extracted, 03 trained; its stage params."""
+    from eagle3nb.hidden import extract
+    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.synth import run as synth
+    from eagle3nb.train import train
+
+    out = tmp_path_factory.mktemp("healthy")
+    stages = {
+        "01_synth": {"model_path": toy_smoke, "vllm_url": server.url, "max_samples": 32,
+                     "max_completion_tokens": 128, "output_dir": out / "01_synth"},
+        "02_hidden_states": {"model_path": toy_smoke, "synth_dir": out / "01_synth", "max_length": 512,
+                             "output_dir": out / "02_hidden_states"},
+        "03_train": {"data_dir": out / "02_hidden_states", "output_dir": out / "03_train", "max_length": 512,
+                     "batch_tokens": 2048, "max_steps": 40, "eval_every": 0, "save_every": 1000},
+        "04_acceptance": {"model_path": toy_smoke, "draft_dir": out / "03_train" / "draft",
+                          "data_dir": out / "02_hidden_states", "output_dir": out / "04_acceptance"},
+    }
+    run = write_run(out / "params" / "healthy", stages)
+    synth(from_dict("01_synth", run_params(run, "01_synth")))
+    extract(from_dict("02_hidden_states", run_params(run, "02_hidden_states")))
+    train(from_dict("03_train", run_params(run, "03_train")))
+    return {"run": run, "out": out, "stages": stages}
+
+
+def variant(healthy: dict, folder: Path, **changes: dict) -> Path:
+    """The healthy run's params with some stages' values changed."""
+    stages = {s: {**v, **changes.get(s, {})} for s, v in healthy["stages"].items()}
+    return write_run(folder, stages)
+
+
+def faulty_draft(healthy: dict, dest: Path, config=None, tensors=None) -> Path:
+    """A copy of the healthy draft with its config.json and/or tensors edited."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(healthy["out"] / "03_train" / "draft", dest)
+    if config:
+        cfg = json.loads((dest / "config.json").read_text())
+        config(cfg)
+        (dest / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        t = load_file(str(dest / "model.safetensors"))
+        tensors(t)
+        save_file(t, str(dest / "model.safetensors"))
+    return dest
+
+
+# -- the healthy run -----------------------------------------------------------------------------------------------
+
+def test_healthy_run_passes_every_check(healthy):
+    report = run_checks(healthy["run"])
+    assert [r.name for r in report] == CHECKS
+    assert all(r.status == PASS for r in report), render(report)
+
+
+def test_notebook_cell_runs_its_stage_checks(healthy):
+    from eagle3nb.params import from_dict, run_params
+
+    P = from_dict("03_train", run_params(healthy["run"], "03_train"))
+    report = check_stage("03_train", P)
+    assert [r.name for r in report] == STAGE_CHECKS["03_train"]
+    assert "layer_ids" in repr(report) and "<table>" in report._repr_html_()
+    assert not report.failed, render(report)
+
+
+# -- 1. server -------------------------------------------------------------------------------------------------------
+
+def test_server_without_reasoning_parser_fails(toy_smoke, tmp_path):
+    from eagle3nb.serve import start_server
+
+    with start_server(toy_smoke, reasoning_parser=False) as bare:
+        run = write_run(tmp_path / "run", {"01_synth": {"model_path": toy_smoke, "vllm_url": bare.url,
+                                                        "max_completion_tokens": 128}})
+        r = by_name(run_checks(run, "01"))["server"]
+    assert r.status == FAIL, r
+    assert "without a reasoning parser" in r.measured and "message.reasoning empty" in r.measured
+    assert "--reasoning-parser kimi_k2" in r.fix
+
+
+# -- 2. token stream ------------------------------------------------------------------------------------------------
+
+def split_think_tokenizer(model_dir: Path, dest: Path) -> Path:
+    """The target with a tokenizer that no longer knows <think>/</think> as special tokens, so they
+    tokenize into pieces (what a wrong tokenizer backend does to Kimi's think tokens)."""
+    dest.mkdir()
+    for f in model_dir.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json"):
+            (dest / f.name).symlink_to(f)
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tok["added_tokens"] = [a for a in tok["added_tokens"] if "think" not in a["content"]]
+    (dest / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    for key in ("extra_special_tokens", "additional_special_tokens"):
+        if key in cfg:
+            cfg[key] = [t for t in cfg[key] if "think" not in t]
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_split_think_tokens_fail_token_stream(healthy, server, toy_smoke, tmp_path):
+    split = split_think_tokenizer(toy_smoke, tmp_path / "split-tokenizer")
+    run = variant(healthy, tmp_path / "run", **{"01_synth": {"model_path": split}})
+    report = by_name(run_checks(run, "01"))
+    r = report["token_stream"]
+    assert r.status == FAIL, r
+    assert "'<think>' encodes to" in r.measured and "'</think>' encodes to" in r.measured
+    assert "single special tokens" in r.fix
+    assert report["server"].status == PASS  # the server itself is fine: the fault is on our side
+
+
+# -- 3. thinking -----------------------------------------------------------------------------------------------------
+
+def test_thinking_data_vs_serving_mode(healthy):
+    r = by_name(run_checks(healthy["run"], "03", serving_thinking=False))["thinking"]
+    assert r.status == FAIL and "serving runs with thinking off" in r.measured, r
+    assert by_name(run_checks(healthy["run"], "03", serving_thinking=True))["thinking"].status == PASS
+
+
+# -- 4. layer ids ------------------------------------------------------------------------------------------------------
+
+def test_sglang_convention_ids_under_vllm_fail_naming_the_off_by_one(healthy, tmp_path):
+    from eagle3nb.hidden import to_sglang
+
+    def sglang_ids(cfg):
+        ids = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
+        cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+
+    draft = faulty_draft(healthy, tmp_path / "draft", config=sglang_ids)
+    run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"draft_dir": draft}})
+    r = by_name(run_checks(run, "04", serving_engine="vllm"))["layer_ids"]
+    assert r.status == FAIL, r
+    assert "SGLang/SpecForge" in r.measured and "off-by-one" in r.measured
+    # the same ids are right for SGLang, which adds one
+    assert by_name(run_checks(run, "04", serving_engine="sglang"))["layer_ids"].status == PASS
+
+
+def test_missing_layer_ids_fail_and_cli_exits_nonzero(healthy, tmp_path):
+    def drop_ids(cfg):
+        cfg.pop("eagle_aux_hidden_state_layer_ids", None)
+        cfg.get("eagle_config", {}).pop("eagle_aux_hidden_state_layer_ids", None)
+
+    draft = faulty_draft(healthy, tmp_path / "draft", config=drop_ids)
+    run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"draft_dir": draft}})
+    proc = subprocess.run([sys.executable, "-m", "eagle3nb", "doctor", str(run), "--stage", "04", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    r = {x["name"]: x for x in json.loads(proc.stdout)}["layer_ids"]
+    assert r["status"] == "fail"
+    assert "no top-level eagle_aux_hidden_state_layer_ids" in r["measured"] and "silently" in r["measured"]
+
+
+# -- 5. shapes and vocab ---------------------------------------------------------------------------------------------
+
+def test_d2t_t2d_that_disagree_fail(healthy, tmp_path):
+    def shift_one(t):
+        t["d2t"][3] += 1  # draft id 3 now maps to a target id t2d does not hold
+
+    draft = faulty_draft(healthy, tmp_path / "draft", tensors=shift_one)
+    run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"draft_dir": draft}})
+    r = by_name(run_checks(run, "04"))["shapes_vocab"]
+    assert r.status == FAIL, r
+    assert "d2t and t2d disagree" in r.measured and "first: draft 3" in r.measured
+
+
+# -- 7. disk ---------------------------------------------------------------------------------------------------------
+
+def test_projected_size_beyond_free_space_fails(healthy, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    try:
+        if mounted:  # a real 256 KB file system: the run's ~1 MB of hidden states cannot fit
+            changes = {"02_hidden_states": {"output_dir": small / "02"}}
+        else:  # no permission to mount: project a run far larger than this machine's real free disk
+            changes = {"01_synth": {"max_samples": 10**12}, "02_hidden_states": {"output_dir": small / "02"}}
+        run = variant(healthy, tmp_path / "run", **changes)
+        r = by_name(run_checks(run, "02"))["disk"]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)
+    assert r.status == FAIL, r
+    assert r.details["need"] > r.details["free"] and str(small) in r.details["path"]
+    assert "compact storage" in r.fix
+
+
+# -- 8. draft sanity -------------------------------------------------------------------------------------------------
+
+def randomize(t):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    for name, x in t.items():
+        if x.is_floating_point() and name != "embed_tokens.weight":
+            t[name] = torch.randn(x.shape, generator=gen, dtype=x.dtype) * 0.5
+
+
+def test_random_weight_draft_fails_with_ranked_causes(healthy, tmp_path):
+    from eagle3nb.hidden import to_sglang
+
+    draft = faulty_draft(healthy, tmp_path / "draft", tensors=randomize)
+    run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"draft_dir": draft}})
+    r = by_name(run_checks(run, "04"))["draft_sanity"]
+    assert r.status == FAIL and "near chance" in r.measured, r
+    assert "1. too little training" in r.fix  # every other check passed: undertraining is what remains
+
+    def sglang_ids(cfg):
+        cfg["eagle_aux_hidden_state_layer_ids"] = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
+
+    draft2 = faulty_draft(healthy, tmp_path / "draft2", config=sglang_ids, tensors=randomize)
+    run2 = variant(healthy, tmp_path / "run2", **{"04_acceptance": {"draft_dir": draft2}})
+    r2 = by_name(run_checks(run2, "04"))["draft_sanity"]
+    assert r2.status == FAIL and r2.details["likely_causes"][0].startswith("aux layer ids"), r2
