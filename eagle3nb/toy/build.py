@@ -1,7 +1,7 @@
 """Build the toy target: tokenizer + a small LlamaForCausalLM trained on generated reasoning dialogues.
 
 Deterministic for a seed (fixed thread count, seeded torch and data), cached by its settings in
-``paths.cache_dir()`` (a hash of the size settings, the seed and this package's source), and written to a
+``paths.cache_dir()`` (see ``settings_hash``), and written to a
 temporary folder that is renamed into place, so a killed build never leaves a half model behind.
 """
 
@@ -23,47 +23,58 @@ from eagle3nb.toy.tokenizer import build_tokenizer
 
 # Model and training settings per size. ``threads`` is fixed so the weights are identical on any machine.
 SIZES: dict[str, dict] = {
-    "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=120, batch=32, lr=3e-3,
-                  warmup=10, threads=1),
+    "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=300, batch=16, lr=6e-3,
+                  warmup=20, threads=1),
     "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=400, batch=32, lr=2e-3,
                  warmup=20, threads=1),
 }
 MAX_POSITIONS = 1024
-SOURCES = ["tokenizer.py", "dialogues.py", "build.py"]
+SAMPLE_TOKENS = 128  # length cap of the sample generations printed after a build
+TRAIN_VERSION = 2  # bump when the training code below changes the weights (the cache key includes it)
+SOURCES = ["tokenizer.py", "dialogues.py"]  # their source is part of the cache key
 MARKER = "toy_build.json"
 
 
 def settings_hash(size: str, seed: int) -> str:
-    """Cache key: the size settings, the seed and the source of everything that shapes the weights."""
-    h = hashlib.sha256(json.dumps({"size": SIZES[size], "seed": seed}, sort_keys=True).encode())
+    """Cache key: this size's settings, the seed, the training version and the tokenizer/dialogue source."""
+    h = hashlib.sha256(json.dumps({"size": SIZES[size], "seed": seed, "v": TRAIN_VERSION}, sort_keys=True).encode())
     for name in SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
     return h.hexdigest()[:12]
 
 
-def render(tokenizer, d: dict) -> tuple[list[int], int]:
-    """Token ids of a finished dialogue and the length of its generation prompt (loss starts there)."""
+def render(tokenizer, d: dict) -> tuple[str, str]:
+    """A finished dialogue's generation prompt and full text (the loss covers what the full text adds)."""
     kw = {"thinking": d["thinking"]}
     prompt = tokenizer.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True, **kw)
     reply = {"role": "assistant", "content": d["answer"], "reasoning_content": d["reasoning"] if d["thinking"] else ""}
     full = tokenizer.apply_chat_template(d["messages"] + [reply], tokenize=False, **kw)
     assert full.startswith(prompt), "toy chat template: the finished dialogue must extend its generation prompt"
-    return tokenizer.encode(full, add_special_tokens=False), len(tokenizer.encode(prompt, add_special_tokens=False))
+    return prompt, full
 
 
-def batches(tokenizer, rng: random.Random, n: int, batch: int, split: str):
-    """``n`` padded batches (input_ids, labels with -100 outside the assistant reply) of fresh dialogues."""
+def batches(tokenizer, rng: random.Random, n: int, batch: int, split: str) -> list:
+    """``n`` padded batches (input_ids, labels with -100 outside the assistant reply) of fresh dialogues,
+    grouped by length so little compute goes to padding, in a seeded random order."""
     import torch
 
-    for _ in range(n):
-        rows = [render(tokenizer, dialogues.dialogue(rng, split)) for _ in range(batch)]
-        T = max(len(ids) for ids, _ in rows)
+    prompts, fulls = zip(*(render(tokenizer, dialogues.dialogue(rng, split)) for _ in range(n * batch)))
+    enc = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = [(ids, len(p)) for ids, p in zip(enc(fulls), enc(prompts))]
+    window = 8 * batch  # sort within windows: batches stay mixed across categories
+    rows = [r for w in range(0, len(rows), window) for r in sorted(rows[w : w + window], key=lambda r: len(r[0]))]
+    out = []
+    for b in range(n):
+        chunk = rows[b * batch : (b + 1) * batch]
+        T = max(len(ids) for ids, _ in chunk)
         x = torch.full((batch, T), tokenizer.pad_token_id, dtype=torch.long)
         y = torch.full((batch, T), -100, dtype=torch.long)
-        for i, (ids, p) in enumerate(rows):
+        for i, (ids, p) in enumerate(chunk):
             x[i, : len(ids)] = torch.tensor(ids)
             y[i, p - 1 : len(ids) - 1] = torch.tensor(ids[p:])
-        yield x, y
+        out.append((x, y))
+    rng.shuffle(out)
+    return out
 
 
 def make_model(tokenizer, s: dict):
@@ -143,9 +154,10 @@ def train(out: Path, size: str, seed: int) -> dict:
         p = next(p for p in iter(lambda: dialogues.problem(rng, "heldout"), None) if p["category"] == category)
         msgs = [{"role": "user", "content": p["question"]}]
         samples.append({"question": p["question"], "expected": p["answer"], "thinking": True,
-                        "output": generate(model, tokenizer, msgs)})
+                        "output": generate(model, tokenizer, msgs, max_new_tokens=SAMPLE_TOKENS)})
     samples.append({**samples[0], "thinking": False,
-                    "output": generate(model, tokenizer, [{"role": "user", "content": samples[0]["question"]}], False)})
+                    "output": generate(model, tokenizer, [{"role": "user", "content": samples[0]["question"]}], False,
+                                          SAMPLE_TOKENS)})
     report["samples"] = samples
     return report
 
