@@ -100,13 +100,14 @@ class Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    def sampling(self, body: _Body, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def sampling(self, body: _Body, prompt_len: int, max_tokens: int | None,
+                 prompt_param: str = "messages") -> SamplingParams:
         if body.n != 1:
             raise APIError(400, f"n={body.n} is not supported by the embedded server; use n=1.", param="n")
         limit = self.engine.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
-                                f"{prompt_len} input tokens. Please reduce the length of the input.", param="messages")
+                                f"{prompt_len} input tokens. Please reduce the length of the input.", param=prompt_param)
         if max_tokens is not None and prompt_len + max_tokens > limit:
             raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
                                 f"maximum context length is {limit} tokens and your request has {prompt_len} input "
@@ -123,6 +124,9 @@ class Server:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Update] = asyncio.Queue()
         req = Request(prompt_ids, params, lambda u: loop.call_soon_threadsafe(q.put_nowait, u))
+        if self.engine.error is not None:
+            raise APIError(503, f"the generation engine failed earlier ({self.engine.error!r}); restart the server",
+                           "ServiceUnavailableError")
         self.engine.submit(req)
         finished = False
         try:
@@ -225,7 +229,7 @@ class Server:
         prompts = self.completion_prompts(body.prompt)
         if body.stream and len(prompts) != 1:
             raise APIError(400, "stream=true takes a single prompt; send one request per prompt.", param="prompt")
-        params = [self.sampling(body, len(p), body.max_tokens or 16) for p in prompts]
+        params = [self.sampling(body, len(p), body.max_tokens or 16, "prompt") for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(self.completion_stream(body, prompts[0], params[0], rid, created))

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3nb.tokens import THINK_END, THINK_START
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -237,7 +238,8 @@ class Engine:
         self.decoder = decoder or BatchDecoder(model, pad_id=pad or 0)
         self.eos_ids = _eos_ids(model, tokenizer)
         # Text keeps <think>/</think> (the reasoning split needs them) but drops other special tokens.
-        keep = {tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")}
+        vocab = tokenizer.get_vocab()
+        keep = {vocab[t] for t in (THINK_START, THINK_END) if t in vocab}
         self.hidden_ids = set(tokenizer.all_special_ids) - keep
         self.waiting: queue.Queue[Request] = queue.Queue()
         m = self.metrics
@@ -319,7 +321,10 @@ class Engine:
             if req.finish_reason is not None:
                 done.append(req)
                 self.c_success.inc(finished_reason=req.finish_reason)
-            req.on_update(Update(list(req.output_ids), req.text, req.finish_reason, req.stop_reason))
+            try:
+                req.on_update(Update(list(req.output_ids), req.text, req.finish_reason, req.stop_reason))
+            except RuntimeError:  # the client's event loop is gone: nobody is waiting for this request
+                req.aborted = True
         if done:
             self.decoder.leave(done)
 
