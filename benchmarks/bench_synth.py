@@ -1,0 +1,125 @@
+"""01_synth client speed, measured side by side in one run (ratios, so a busy machine cancels out).
+
+1. Overhead: against a server that answers at once, requests/s of the whole synth stage (openai client,
+   reasoning extraction, template stream, fsynced JSONL) at concurrency 128, as a ratio to a bare httpx
+   loop sending the same requests with the same concurrency. Target >= 0.8.
+2. No waves: against a server with random latency, the mean number of requests in flight (seen by the
+   server, from the first request until the last one starts) over the concurrency. Target >= 0.95.
+
+The server is the scripted fault server (no faults) in its own process: ``python -m eagle3nb.synth.faults``.
+Run: ``.venv/bin/python benchmarks/bench_synth.py`` (a minute or two; needs the toy smoke tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
+os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+
+from eagle3nb.synth import SynthParams, run  # noqa: E402
+from eagle3nb.synth.client import base_url  # noqa: E402
+from eagle3nb.toy import resolve_model_path  # noqa: E402
+
+CONCURRENCY = 128
+N_FAST = 1500
+ROUNDS = 2  # alternate the two clients and keep each one's best round: a busy machine hurts both alike
+N_LATENCY = 512
+LATENCY = (2.0, 6.0)  # LLM-like: slow enough that the machine's CPU is not what limits the in-flight count
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.synth.faults", *args], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    return proc, proc.stdout.readline().strip()
+
+
+def write_prompts(path: Path, n: int) -> None:
+    path.write_text("".join(json.dumps({"id": f"b{i:05d}", "messages": [{"role": "user", "content": f"What is {i}+{i}?"}]})
+                            + "\n" for i in range(n)))
+
+
+def params(tmp: Path, url: str, n: int, name: str) -> SynthParams:
+    prompts = tmp / f"{name}.jsonl"
+    write_prompts(prompts, n)
+    return SynthParams(model_path=str(resolve_model_path("toy:smoke")), output_dir=str(tmp / name),
+                       prompts=str(prompts), max_samples=n, concurrency=CONCURRENCY, vllm_url=url, temperature=0.7,
+                       max_completion_tokens=64)
+
+
+async def bare_loop(url: str, P: SynthParams, n: int) -> float:
+    """requests/s of the simplest client: httpx, same bodies, same concurrency, JSON parsed, nothing kept."""
+    import httpx
+
+    bodies = [{"model": "fault-model", "messages": [{"role": "user", "content": f"What is {i}+{i}?"}],
+               "max_completion_tokens": P.max_completion_tokens, "temperature": P.temperature, "top_p": P.top_p,
+               "seed": i, "chat_template_kwargs": {"thinking": True}, "return_token_ids": True} for i in range(n)]
+    it = iter(bodies)
+    limits = httpx.Limits(max_connections=CONCURRENCY + 8, max_keepalive_connections=CONCURRENCY + 8)
+    async with httpx.AsyncClient(base_url=base_url(url), limits=limits, timeout=60) as client:
+        async def worker():
+            for body in it:
+                r = await client.post("/chat/completions", json=body)
+                r.json()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        return n / (time.perf_counter() - t0)
+
+
+def server_in_flight(url: str) -> float:
+    """Time-weighted mean of concurrent requests the server saw, from the first start to the last start."""
+    with urllib.request.urlopen(url + "/stats") as r:
+        intervals = json.loads(r.read())["intervals"]
+    t_begin, t_end = min(a for a, _ in intervals), max(a for a, _ in intervals)
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    area, now, last = 0.0, 0, t_begin
+    for t, d in events:
+        t = min(max(t, t_begin), t_end)
+        area += now * (t - last)
+        now, last = now + d, t
+    return area / (t_end - t_begin)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        proc, url = start_server()
+        synth, bare = [], []
+        try:
+            for r in range(ROUNDS):
+                P = params(tmp, url, N_FAST, f"fast{r}")
+                bare.append(asyncio.run(bare_loop(url, P, N_FAST)))
+                synth.append(run(P)["session"]["requests_per_s"])
+        finally:
+            proc.terminate()
+        synth_rps, bare_rps = max(synth), max(bare)
+        proc, url = start_server("--latency", str(LATENCY[0]), str(LATENCY[1]))
+        try:
+            m = run(params(tmp, url, N_LATENCY, "latency"))
+            seen = server_in_flight(url)
+        finally:
+            proc.terminate()
+    ratio = synth_rps / bare_rps
+    fill = seen / CONCURRENCY
+    print(f"instant server, concurrency {CONCURRENCY}, {N_FAST} requests, best of {ROUNDS}: synth {synth_rps:.0f} req/s "
+          f"{[round(x) for x in synth]}, bare httpx {bare_rps:.0f} req/s {[round(x) for x in bare]}, "
+          f"ratio {ratio:.2f} (target >= 0.8)")
+    print(f"random latency {LATENCY[0]}-{LATENCY[1]} s, concurrency {CONCURRENCY}, {N_LATENCY} requests: "
+          f"mean in flight {seen:.1f} seen by the server, {m['session']['in_flight_mean']:.1f} by the client; "
+          f"in-flight/concurrency {fill:.3f} (target >= 0.95)")
+    print(json.dumps({"synth_vs_httpx_rps_ratio": round(ratio, 3), "in_flight_over_concurrency": round(fill, 3)}))
+
+
+if __name__ == "__main__":
+    main()
