@@ -257,6 +257,11 @@ def test_completions_text_and_token_ids(server, toy_smoke, tokenizer):
     assert r2.choices[0].text == ch.text and r2.usage.prompt_tokens == len(tokenizer(text_prompt)["input_ids"])
     r3 = c.completions.create(model=model_name(toy_smoke), prompt=list(prompt), max_tokens=5, temperature=0)
     assert r3.choices[0].finish_reason == "length" and r3.usage.completion_tokens == 5
+    chunks = list(c.completions.create(model=model_name(toy_smoke), prompt=list(prompt), max_tokens=12,
+                                       temperature=0, stream=True, extra_body={"return_token_ids": True}))
+    assert "".join(k.choices[0].text for k in chunks) == ch.text
+    assert [t for k in chunks for t in k.choices[0].model_extra["token_ids"]] == ch.model_extra["token_ids"]
+    assert chunks[-1].choices[0].finish_reason == ch.finish_reason
 
 
 def test_stop_string_cuts_text_but_keeps_the_token(server, toy_smoke, tokenizer):
