@@ -64,12 +64,22 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
                  extra_args: tuple[str, ...] | list[str] = (), timeout: float = 180.0) -> ServerHandle:
     """Start ``python -m eagle3nb serve`` in a subprocess and wait until ``/health`` answers.
 
-    ``model_dir`` is a Hugging Face folder or ``toy:smoke`` / ``toy:demo``; ``port=0`` picks a free port.
-    Raises RuntimeError with the end of the server's output if it exits or is not healthy within ``timeout``.
+    ``model_dir`` is a Hugging Face folder or ``toy:smoke`` / ``toy:demo`` (built here first if not cached, so
+    the build's progress shows in the caller and ``timeout`` covers only the server's start; it is served
+    under that name); ``port=0`` picks a free port. Raises RuntimeError with the end of the server's output if it exits or is not healthy within ``timeout``.
     """
     port = port or _free_port(host)
-    cmd = [sys.executable, "-m", "eagle3nb", "serve", "--model", str(model_dir), "--host", host, "--port", str(port),
+    model = str(model_dir)
+    cmd = [sys.executable, "-m", "eagle3nb", "serve", "--host", host, "--port", str(port),
            "--reasoning-field", reasoning_field]
+    if model.startswith("toy:"):
+        from eagle3nb.toy import resolve_model_path
+
+        cmd += ["--model", str(resolve_model_path(model))]
+        if "--served-model-name" not in extra_args:
+            cmd += ["--served-model-name", model]
+    else:
+        cmd += ["--model", model]
     if not reasoning_parser:
         cmd.append("--no-reasoning-parser")
     if api_key_env:
