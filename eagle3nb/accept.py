@@ -167,6 +167,14 @@ def chain_logits(draft, aux, input_ids, steps: int) -> list:
     return out
 
 
+def expected_acceptance(q, p):
+    """Probability that rejection sampling accepts a token drawn from q when the target's distribution is p
+    (both over the same tokens, last axis): sum_v min(p_v, q_v) = 1 - TV(p, q) when p sums to 1."""
+    import torch
+
+    return torch.minimum(q, p).sum(-1)
+
+
 def chain_acceptance(draft, item: dict, target_argmax, target_probs, steps: int, temperature: float) -> dict:
     """Per start position t: greedy acceptance [K, T-1] (0/1), expected sampled acceptance [K, T-1] (when
     ``target_probs`` [T, draft_vocab] at ``temperature`` is given), and validity [K, T-1] (step j counts
@@ -193,8 +201,26 @@ def chain_acceptance(draft, item: dict, target_argmax, target_probs, steps: int,
         greedy[j, :m] = (pred == target_argmax[1 + j: 1 + j + m]).float()
         if sampled is not None:
             q = torch.softmax(lg[:m] / temperature, dim=-1)
-            sampled[j, :m] = torch.minimum(q, target_probs[1 + j: 1 + j + m]).sum(-1)
+            sampled[j, :m] = expected_acceptance(q, target_probs[1 + j: 1 + j + m])
     return {"greedy": greedy, "sampled": sampled, "valid": valid}
+
+
+def simulate_rounds(greedy, valid, mask, k: int) -> list[int]:
+    """Accepted drafts per round when decoding the sample greedily with chains of ``k``: the first round starts
+    where generation starts, each next one n+1 tokens later, as in real decoding. Rounds whose chain would run
+    past the sample's generated tokens are not simulated. On the target's own greedy output this reproduces
+    the rounds of real speculative decoding exactly (``eagle3nb.spec``)."""
+    gen = mask.nonzero()
+    if len(gen) == 0:
+        return []
+    t, out = int(gen[0]) - 1, []  # draft at t predicts token t+2; the target made token t+1 (prefill)
+    while t < valid.shape[1] and bool(valid[k - 1, t]):
+        n = 0
+        while n < k and greedy[n, t] > 0.5:
+            n += 1
+        out.append(n)
+        t += n + 1
+    return out
 
 
 def conditional_alphas(acc, valid) -> list[float]:
@@ -219,8 +245,51 @@ def summarize_chain(acc, valid, k: int) -> dict[str, Any]:
             "tau_by_k": taus, "acceptance_rate": (taus[k - 1] - 1) / k, "positions": int(valid[0].sum())}
 
 
+def target_probs_for(draft, data, item: dict, temperature: float, chunk: int = 512):
+    """float32 [T, draft_vocab]: the target's probability of each of the *draft's* tokens at ``temperature``.
+    From the stored final state: the full-vocabulary softmax, so mass outside the draft vocabulary counts as
+    never acceptable (exact). From compact (top-k) storage: the data's draft-vocabulary distribution, which
+    must be the draft's vocabulary (and overstates acceptance by the mass outside it)."""
+    import torch
+
+    ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))
+    if "final" in item:
+        head = data.lm_head().float()
+        final = item["final"].float()
+        out = []
+        for s in range(0, final.shape[0], chunk):
+            logits = final[s:s + chunk] @ head.T / temperature
+            out.append(torch.exp(logits[:, ids] - torch.logsumexp(logits, dim=-1, keepdim=True)))
+        return torch.cat(out)
+    if data.d2t.shape != draft.d2t.shape or not torch.equal(data.d2t, draft.d2t.cpu()):
+        raise ValueError("the held-out data stores only top-k probabilities over its own draft vocabulary, which is "
+                         "not the draft's; extract it with storage bf16 (or fp8), or use the draft's vocabulary "
+                         "(eagle3nb doctor: shapes_vocab)")
+    return data.target_probs(item, temperature)
+
+
+def heldout_indices(P: "AcceptParams", data) -> tuple[list[int], str]:
+    """Which samples to measure on, and how they were chosen. With ``data_dir`` unset the data is 03's training
+    data, so only 03_train's held-out split (same id hash, same fraction) is used; a data_dir is used whole."""
+    n = len(data)
+    if P.data_dir is None:
+        from eagle3nb.params import run_params, schema_for
+        from eagle3nb.train.data import split_holdout
+
+        fraction = schema_for("03_train").model_fields["holdout_fraction"].default
+        if P.params_file and Path(P.params_file).parent.is_dir():
+            fraction = run_params(Path(P.params_file).parent, "03_train").get("holdout_fraction", fraction)
+        _, idx = split_holdout([s["id"] for s in data.meta["samples"]], fraction)
+        how = f"03_train's held-out split of the training data ({len(idx)} of {n} samples, fraction {fraction})"
+    else:
+        idx, how = list(range(n)), f"all {n} samples of {P.data_path}"
+    if P.offline_samples is not None and len(idx) > P.offline_samples:
+        idx, how = idx[:P.offline_samples], how + f", first {P.offline_samples}"
+    return idx, how
+
+
 def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0,
-                       think_ids: tuple[int | None, int | None] = (None, None), max_samples: int | None = None,
+                       think_ids: tuple[int | None, int | None] = (None, None), indices: Sequence[int] | None = None,
                        stage_dir: Path | None = None) -> dict[str, Any]:
     """Acceptance of ``draft`` on the held-out hidden states ``data`` (an ``eagle3nb.hidden.HiddenStates``):
     greedy, at ``temperature`` (when > 0), by segment (reasoning / answer) and by prompt category."""
@@ -229,25 +298,27 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
     from eagle3nb.progress import Progress
     from eagle3nb.tokens import segment_ids
 
-    n = len(data) if max_samples is None else min(len(data), max_samples)
-    if n == 0:
-        raise ValueError("the held-out hidden-state data holds no samples; run 02_hidden_states on held-out prompts")
-    prog = Progress(stage_dir, n, "offline acceptance", "samples") if stage_dir else None
-    parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": []}
+    indices = list(range(len(data))) if indices is None else list(indices)
+    if not indices:
+        raise ValueError("no held-out samples to measure on: extract hidden states of held-out prompts (02) and "
+                         "set data_dir, or raise 03_train's holdout_fraction")
+    prog = Progress(stage_dir, len(indices), "offline acceptance", "samples") if stage_dir else None
+    parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": [], "rounds": []}
     skipped = 0
     with torch.inference_mode():
-        for i in range(n):
+        for i in indices:
             item = data[i]
             if item["input_ids"].shape[0] < 3:
                 skipped += 1
                 continue
-            probs = data.target_probs(item, temperature) if temperature > 0 else None
+            probs = target_probs_for(draft, data, item, temperature) if temperature > 0 else None
             r = chain_acceptance(draft, item, data.target_argmax(item), probs, max_k, temperature)
-            ids = item["input_ids"].tolist()
+            parts["rounds"] += simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k)
+            ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
             if think_ids[0] is not None and think_ids[1] is not None:
-                seg = segment_ids(ids, item["loss_mask"].tolist(), think_ids[0], think_ids[1])
+                seg = segment_ids(ids, mask, think_ids[0], think_ids[1])
             else:
-                seg = [0 if not m else 2 for m in item["loss_mask"].tolist()]
+                seg = [2 if m else 0 for m in mask]
             parts["segment"].append(torch.tensor(seg[2:] + [0]))  # segment of the first drafted token t+2
             parts["category"] += [item.get("category")] * (len(ids) - 1)
             for key in ("greedy", "sampled", "valid"):
@@ -257,6 +328,8 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
                 prog.update(1)
     if prog:
         prog.close()
+    if not parts["valid"]:
+        raise ValueError("every held-out sample is shorter than 3 tokens; nothing to draft")
     greedy, valid = torch.cat(parts["greedy"], 1), torch.cat(parts["valid"], 1)
     sampled = torch.cat(parts["sampled"], 1) if parts["sampled"] else None
     segment = torch.cat(parts["segment"])
@@ -272,9 +345,13 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
         return out
 
     everything = block(torch.ones_like(segment, dtype=torch.bool))
+    rounds = parts["rounds"]
+    everything["greedy"]["simulated_acceptance_length"] = 1 + sum(rounds) / len(rounds) if rounds else None
+    everything["greedy"]["simulated_rounds"] = len(rounds)
     head = everything["sampled"] if sampled is not None else everything["greedy"]
     result = {
-        "k": k, "max_k": max_k, "temperature": temperature, "samples": n - skipped, "skipped_short": skipped,
+        "k": k, "max_k": max_k, "temperature": temperature, "samples": len(indices) - skipped,
+        "skipped_short": skipped,
         **{key: head[key] for key in ("per_position", "acceptance_length", "acceptance_rate", "alpha_by_position",
                                       "tau_by_k", "positions")},
         "greedy": everything["greedy"], "sampled": everything.get("sampled"),
@@ -322,6 +399,10 @@ def speedup_by_k(alpha_by_position: Sequence[float], cost_ratio: float, overhead
 # ----------------------------------------------------------------------------------------- verdict
 
 
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def _rate(alpha1: float) -> str:
     return "good" if alpha1 >= 0.7 else "fair" if alpha1 >= 0.4 else "low"
 
@@ -355,13 +436,19 @@ def likely_causes(metrics: dict[str, Any], doctor_results: list | None = None) -
                           "tokens per step): it runs the draft unlike training, e.g. aux ids in the other "
                           "engine's convention or another chat template / thinking mode (doctor: layer_ids, "
                           "server, thinking)")
-    slow = [r for r in metrics.get("online") or [] if r.get("speedup") is not None and r["speedup"] < 1.0
-            and r.get("acceptance_length")]
-    if slow and alpha1 is not None and alpha1 >= 0.4:
+    pred = (metrics.get("prediction") or {}).get("speedup")
+    if pred is not None and pred < 1.0:
+        causes.append(f"the acceptance cannot pay for drafting: tau {off['acceptance_length']:.2f} is less than the "
+                      f"cost of a step with k={off['k']} drafts ({metrics['prediction']['formula']}); raise "
+                      "acceptance first, or lower k")
+    slow = [r for r in metrics.get("online") or [] if r.get("speedup") is not None and r["speedup"] < 0.95
+            and r.get("endpoint") != metrics.get("online_baseline")]
+    if slow and pred is not None and pred >= 1.0:
         levels = ", ".join(str(r["concurrency"]) for r in slow)
-        causes.append(f"acceptance is fine but serving is slower at concurrency {levels}: verifying k+1 tokens per "
-                      "request costs more once the server is compute-bound; use speculation only at low "
-                      "concurrency or lower k")
+        causes.append(f"serving is slower than predicted ({pred:.2f}x) at concurrency {levels}: the verify pass of "
+                      "k+1 tokens per request costs more once the server is compute-bound, and a speculative "
+                      "engine that batches less than the baseline loses throughput (the embedded one runs "
+                      "requests one at a time); use speculation at low concurrency only, or lower k")
     return list(dict.fromkeys(causes))
 
 
@@ -387,8 +474,9 @@ def verdict(metrics: dict[str, Any], doctor_results: list | None = None):
                      f"NO: outputs differ from the target's on prompts {loc.get('mismatched_prompts')}"
                      if same is False else "not checked (sampling)"))
         rows.append(("Acceptance (local, real decoding)",
-                     f"tau = {loc['acceptance_length']:.2f} tokens per target step at k={loc['k']} "
-                     f"(offline said {off.get('greedy', {}).get('acceptance_length', float('nan')):.2f} greedy); "
+                     f"tau = {loc['acceptance_length']:.2f} tokens per target step at k={loc['k']} (offline greedy "
+                     f"said {_num(off.get('greedy', {}).get('acceptance_length'))} over all positions, "
+                     f"{_num(off.get('greedy', {}).get('simulated_acceptance_length'))} replaying decoding rounds); "
                      f"{loc['spec_tokens_per_s']:.1f} vs {loc['plain_tokens_per_s']:.1f} tokens/s plain = "
                      f"{loc['speedup']:.2f}x here."))
     pred = metrics.get("prediction") or {}
@@ -575,10 +663,16 @@ def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:
     data = HiddenStates(P.data_path)
     vocab = tokenizer.get_vocab()
     think = (vocab.get(THINK_START), vocab.get(THINK_END))
+    indices, how = heldout_indices(P, data)
+    print(f"offline acceptance on {how}", flush=True)
     config = {"draft": _fingerprint(P.draft_path), "data": str(P.data_path), "k": P.k, "max_k": P.max_k,
-              "temperature": P.temperature, "samples": P.offline_samples}
-    return cached(P.stage_dir / "offline.json", config, lambda: offline_acceptance(
-        draft, data, P.k, P.max_k, P.temperature, think, P.offline_samples, P.stage_dir))
+              "temperature": P.temperature, "indices": indices}
+
+    def work() -> dict[str, Any]:
+        return {**offline_acceptance(draft, data, P.k, P.max_k, P.temperature, think, indices, P.stage_dir),
+                "data": how}
+
+    return cached(P.stage_dir / "offline.json", config, work)
 
 
 def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:

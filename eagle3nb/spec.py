@@ -133,6 +133,7 @@ class SpecOutput:
     tokens: list[int]
     counters: SpecCounters
     seconds: float
+    accepted_per_round: list[int]  # n accepted drafts in each round (round r starts right after round r-1's tokens)
 
 
 class SpecDecoder:
@@ -190,7 +191,7 @@ class SpecDecoder:
                 out.append(tok)
                 if tok in eos_token_ids or len(out) >= max_new_tokens:
                     break
-        return SpecOutput(out, seq.counters, time.perf_counter() - t0)
+        return SpecOutput(out, seq.counters, time.perf_counter() - t0, seq.rounds)
 
 
 class SpecSequence:
@@ -209,6 +210,7 @@ class SpecSequence:
         self.greedy = _is_greedy(temperature)
         self.tcache, self.dcache = DynamicCache(), DraftCache()
         self.counters = SpecCounters(dec.k)
+        self.rounds: list[int] = []  # accepted drafts per round
         self.last: int | None = None  # the newest token: emitted, not yet run through the target
         self.committed = 0  # draft-cache positions holding verified (target) features
         self.pend_aux: torch.Tensor | None = None  # [1, n, 3H] target aux states the draft has not seen
@@ -262,6 +264,7 @@ class SpecSequence:
             target_p = probs_at(logits, self.temperature, self.top_p)
             n, nxt = verify_sampling(dt.cpu(), torch.stack(qs).cpu(), target_p.cpu(), self.generator)
         self.counters.record(self.dec.k, n)
+        self.rounds.append(n)
         _crop(self.tcache, seq_len + n + 1)
         new = drafts[:n] + [nxt]
         self.pend_aux, self.pend_ids, self.last = aux[:, : n + 1], new, nxt
@@ -278,6 +281,7 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
     plain_s = spec_s = 0.0
     plain_tokens = spec_tokens = 0
     mismatches: list[int] = []
+    rounds: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         g = torch.Generator().manual_seed(seed + i)
         t0 = time.perf_counter()
@@ -289,6 +293,7 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
         plain_tokens += len(ref)
         spec_tokens += len(res.tokens)
         counters.merge(res.counters)
+        rounds.append(res.accepted_per_round)
         if res.tokens != ref:
             mismatches.append(i)
         if progress is not None:
@@ -302,6 +307,7 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
         "mismatched_prompts": mismatches,
         "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
         "speedup": spec_tps / plain_tps if plain_tps else None,
+        "accepted_per_round": rounds,
     }
 
 

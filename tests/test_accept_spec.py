@@ -1,0 +1,139 @@
+"""A trained toy draft, judged three ways on the same held-out prompts: offline on their hidden states, by real
+speculative decoding here (lossless, counted), and through the stage's own steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3nb.params import from_dict
+
+MAX_NEW = 40
+N_PROMPTS = 16
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Two cores shared with other tests: one thread is faster and makes timings less noisy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
+    """02's hidden states of the target's own *greedy* answers to held-out prompts (so offline chains see
+    exactly what decoding sees), and a draft trained briefly on them by 03."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3nb.draft import load_draft
+    from eagle3nb.hidden import HiddenStates, extract
+    from eagle3nb.spec import plain_generate
+    from eagle3nb.synth.prompts import load_prompts
+    from eagle3nb.synth.stream import Template
+    from eagle3nb.train import train
+
+    root = tmp_path_factory.mktemp("accept")
+    target = AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
+    tpl = Template(toy_smoke, thinking=True)
+    eos = [tpl.end_id]
+    rows, prompts = [], []
+    for r in load_prompts("toy:heldout", N_PROMPTS):
+        p = tpl.prompt_ids(r["messages"])
+        out = plain_generate(target, p, MAX_NEW, eos_token_ids=eos)
+        prompts.append(p)
+        rows.append({"id": r["id"], "status": "ok", "messages": r["messages"], "input_ids": p + out,
+                     "loss_mask": [0] * len(p) + [1] * len(out), "category": r["category"], "thinking": True})
+    synth = root / "01"
+    synth.mkdir(parents=True)
+    (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extract(from_dict("02_hidden_states", {"synth_dir": str(synth), "model_path": str(toy_smoke),
+                                           "output_dir": str(root / "02"), "draft_vocab_size": 96,
+                                           "storage": "fp32", "run_name": "test"}))
+    train(from_dict("03_train", dict(run_name="test", data_dir=str(root / "02"), output_dir=str(root / "03"),
+                                      ttt_steps=3, max_length=256, batch_tokens=400, lr=3e-3, warmup_ratio=0.05,
+                                      eval_every=0, save_every=1000, holdout_fraction=0.1, max_steps=30)))
+    draft = load_draft(root / "03" / "draft")
+    return {"root": root, "target": target, "draft": draft, "draft_dir": root / "03" / "draft",
+            "data": HiddenStates(root / "02"), "data_dir": root / "02", "prompts": prompts, "eos": eos,
+            "tpl": tpl}
+
+
+def test_greedy_speculative_decoding_is_identical_to_the_target_on_many_prompts(world):
+    from eagle3nb.spec import SpecDecoder
+
+    target, draft = world["target"], world["draft"]
+    for k in (1, 4):
+        dec = SpecDecoder(target, draft, k)
+        accepted = 0
+        for p in world["prompts"]:
+            ref = target.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False,
+                                  eos_token_id=world["eos"], pad_token_id=0)[0, len(p):].tolist()
+            res = dec.generate(p, MAX_NEW, eos_token_ids=world["eos"])
+            assert res.tokens == ref
+            accepted += res.counters.accepted
+        assert accepted > 0, "the test must exercise accepted drafts, not only the bonus token"
+
+
+def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
+    """Chi-square test on the first two generated tokens of one prompt, speculative vs the target's own
+    distribution (exact, from its logits): the second token comes from a draft-and-verify round."""
+    from eagle3nb.spec import SpecDecoder, probs_at
+
+    target, draft, p = world["target"], world["draft"], world["prompts"][0]
+    T = 1.0
+    with torch.no_grad():
+        p1 = probs_at(target(torch.tensor([p])).logits[0, -1], T)
+        top = p1.topk(4).indices.tolist()
+        p2 = {a: probs_at(target(torch.tensor([p + [a]])).logits[0, -1], T) for a in top}
+    dec = SpecDecoder(target, draft, 2)
+    g = torch.Generator().manual_seed(0)
+    n = 500
+    seqs = [tuple(dec.generate(p, 2, temperature=T, generator=g).tokens) for _ in range(n)]
+    expected = {(a, b): float(p1[a] * p2[a][b]) for a in top for b in p2[a].topk(3).indices.tolist()}
+    expected = {key: v for key, v in expected.items() if v * n >= 5}
+    counts = {key: seqs.count(key) for key in expected}
+    rest, observed_rest = 1.0 - sum(expected.values()), n - sum(counts.values())
+    stat = sum((counts[key] - n * v) ** 2 / (n * v) for key, v in expected.items())
+    stat += (observed_rest - n * rest) ** 2 / (n * rest)
+    df = len(expected)
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / (2 / (9 * df)) ** 0.5  # Wilson-Hilferty
+    assert z < 4.0, (stat, df)
+    assert sum(dec.sequence(p, T).counters.per_pos) == 0  # fresh sequences start from zero counters
+
+
+def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
+    """Same data: offline chains (teacher-forced by the target's greedy tokens) and real decoding see the same
+    inputs, so the rounds they imply agree exactly, and the acceptance lengths closely."""
+    from eagle3nb.accept import chain_acceptance, offline_acceptance, simulate_rounds
+    from eagle3nb.spec import compare_with_plain
+
+    k = 3
+    data, draft, target = world["data"], world["draft"], world["target"]
+    off = offline_acceptance(draft, data, k, 4, think_ids=world["tpl"].think_ids)
+    local = compare_with_plain(target, draft, world["prompts"], k, MAX_NEW, eos_token_ids=world["eos"])
+    assert local["identical_to_target"] is True
+    assert 1.0 < off["acceptance_length"] < k + 1
+
+    # round by round, for every prompt
+    by_id = {s["id"]: i for i, s in enumerate(data.meta["samples"])}
+    rows = [json.loads(line) for line in
+            (world["root"] / "01" / "samples-00000.jsonl").read_text().splitlines()]
+    same = total = 0
+    for row, real in zip(rows, local["accepted_per_round"]):
+        item = data[by_id[row["id"]]]
+        r = chain_acceptance(draft, item, data.target_argmax(item), None, k, 0.0)
+        sim = simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k)
+        same += sum(a == b for a, b in zip(sim, real))
+        total += len(sim)
+    assert total > 50 and same >= 0.97 * total, (same, total)
+
+    sim_tau = off["greedy"]["simulated_acceptance_length"]
+    assert abs(local["acceptance_length"] - sim_tau) < 0.15, (local["acceptance_length"], sim_tau)
+    # the all-positions estimate weights positions differently from decoding; it stays in the same range
+    assert abs(local["acceptance_length"] - off["acceptance_length"]) < 0.5
+    assert set(off["by_segment"]) == {"reasoning", "answer"}
+    assert off["by_category"], "held-out toy prompts carry categories"
