@@ -292,8 +292,7 @@ def extract(P: HiddenParams) -> dict:
                 shard["seconds"] = time.time() - t_shard
                 if pending:
                     finish(pending)
-                pending = (shard, writer.submit(write_shard, stage_dir / shard["file"], tensors,
-                                                {"storage": P.storage, "layer_ids": json.dumps(layer_ids)}))
+                pending = (shard, writer.submit(write_shard, stage_dir / shard["file"], tensors))
             if pending:
                 finish(pending)
         writer.shutdown()

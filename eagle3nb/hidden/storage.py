@@ -115,11 +115,13 @@ def decode(tensors: dict[str, "torch.Tensor"], storage: str) -> dict[str, "torch
             "argmax": tensors["argmax"].to(torch.int64)}
 
 
-def write_shard(path: Path, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str] | None = None) -> dict:
-    """Write a shard atomically (temp name, fsync, rename); return ``{"file", "bytes", "sha256"}``."""
+def write_shard(path: Path, tensors: dict[str, "torch.Tensor"]) -> dict:
+    """Write a shard atomically (temp name, fsync, rename); return ``{"file", "bytes", "sha256"}``. The only
+    metadata is the format name: safetensors writes a metadata map in a random key order, and equal data
+    must give equal bytes (a resumed run is checked against its hashes)."""
     from safetensors.torch import save
 
-    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": FORMAT, **(metadata or {})})
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": FORMAT})
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -1,0 +1,328 @@
+"""02_hidden_states for real: the smoke toy target, real safetensors shards, the embedded server over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3nb.hidden import HiddenStates, check_layer_ids, default_aux_layer_ids, extract, from_sglang, to_sglang
+from eagle3nb.hidden.layers import LayerIdError
+from eagle3nb.hidden.stage import HiddenStatesError
+from eagle3nb.hidden.storage import ShardError, bytes_per_token, file_sha256
+from eagle3nb.hidden.vocab import build_draft_vocab
+from eagle3nb.params import from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_synth(out: Path, model_dir: Path, n: int = 12, seed: int = 0, extra: tuple = ()) -> Path:
+    """01_synth-format samples: toy dialogues rendered with the toy chat template, loss on the reply."""
+    from transformers import AutoTokenizer
+
+    from eagle3nb.toy import dialogues
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        d = dialogues.dialogue(rng, "train")
+        prompt = tok.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        reply = tok(f"<think>{d['reasoning']}</think>{d['answer']}<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids, p = list(prompt) + reply, len(prompt)
+        rows.append({"id": f"s{i:03d}", "status": "ok", "messages": d["messages"], "input_ids": ids,
+                     "loss_mask": [0] * p + [1] * (len(ids) - p), "category": "toy"})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, *extra]))
+    return out
+
+
+def params(synth: Path, out: Path, **kw):
+    """The model is the folder the samples were made with (``synth.parent / "model"``: see the fixture), not
+    ``toy:smoke``, which names whatever the toy build currently is."""
+    values = {"synth_dir": str(synth), "model_path": str(synth.parent / "model"), "output_dir": str(out), "storage": "fp32",
+              "dtype": "float32", "shard_tokens": 200, "tokens_per_batch": 256, "draft_vocab_size": 64, **kw}
+    return from_dict("02_hidden_states", values)
+
+
+@pytest.fixture(scope="module")
+def synth(toy_smoke, tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("world")
+    shutil.copytree(toy_smoke, base / "model")
+    return write_synth(base / "synth", base / "model")
+
+
+@pytest.fixture(scope="module")
+def fp32_run(synth, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fp32")
+    extract(params(synth, out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(synth):
+    from eagle3nb.hidden.capture import load_target
+
+    return load_target(synth.parent / "model", "float32")
+
+
+# ------------------------------------------------------------------------------------------------ layer ids
+
+def test_layer_id_conventions():
+    assert default_aux_layer_ids(61) == [2, 30, 58]  # Kimi-K2.5: vLLM's default
+    assert to_sglang([2, 30, 58]) == [1, 29, 57] and from_sglang([1, 29, 57]) == [2, 30, 58]
+    assert check_layer_ids([2, 4, 5], 8) == [2, 4, 5]
+    with pytest.raises(LayerIdError, match=r"out of range.*\[0, 7\]"):
+        check_layer_ids([2, 4, 8], 8)
+    with pytest.raises(LayerIdError, match="increasing"):
+        check_layer_ids([4, 2, 5], 8)
+    with pytest.warns(UserWarning, match=r"SGLang.*\[2, 30, 58\]"):
+        check_layer_ids([1, 29, 57], 61)
+
+
+# ---------------------------------------------------------------------------------------- what is captured
+
+def test_captured_states_equal_output_hidden_states_exactly(fp32_run, model):
+    """Per batch exactly as extraction ran it: hooks == hidden_states[i] at the ids, final == normed last."""
+    from eagle3nb.hidden.capture import pack_batches, pad_batch
+
+    hs = HiddenStates(fp32_run)
+    ids = hs.meta["layer_ids"]
+    assert ids == [2, 4, 5] and hs.meta["sglang_layer_ids"] == [1, 3, 4]
+    by_shard: dict[str, list[int]] = {}
+    for i, s in enumerate(hs.samples):
+        by_shard.setdefault(s["shard"], []).append(i)
+    checked = 0
+    for rows in by_shard.values():
+        items = [hs[i] for i in rows]
+        for batch in pack_batches([len(it["input_ids"]) for it in items], 256):
+            x, mask = pad_batch([items[b]["input_ids"].tolist() for b in batch])
+            with torch.no_grad():
+                out = model(input_ids=x, attention_mask=mask, output_hidden_states=True)
+            for k, b in enumerate(batch):
+                n = len(items[b]["input_ids"])
+                want = torch.cat([out.hidden_states[i][k, :n] for i in ids], dim=-1)
+                assert torch.equal(items[b]["aux"], want)
+                assert torch.equal(items[b]["final"], out.hidden_states[-1][k, :n])
+                checked += 1
+    assert checked == len(hs) == 12
+    assert sum(len(r) for r in by_shard.values()) == 12 and len(by_shard) > 1
+    # padding never changes a real position beyond float noise: each sample alone gives the same states
+    item = hs[len(hs) - 1]
+    with torch.no_grad():
+        alone = model(item["input_ids"][None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(item["aux"], torch.cat([alone[i][0] for i in ids], -1), atol=1e-5, rtol=0)
+
+
+def test_reader_contract(fp32_run):
+    hs = HiddenStates(fp32_run)
+    item = hs[0]
+    T = len(item["input_ids"])
+    assert item["input_ids"].dtype == torch.int64 and item["loss_mask"].dtype == torch.int64
+    assert item["aux"].shape == (T, 3 * 64) and item["aux"].dtype == torch.float32
+    p = hs.target_probs(item)
+    assert p.shape == (T, 64) and torch.allclose(p.sum(-1), torch.ones(T))
+    # position t predicts token t+1: the target's greedy choice, when in the draft vocab, is the draft argmax
+    argmax = hs.target_argmax(item)
+    in_vocab = hs.t2d[argmax]
+    draft_ids = torch.arange(64) + hs.d2t
+    assert torch.equal(draft_ids[p.argmax(-1)][in_vocab], argmax[in_vocab])
+    assert hs.embed_tokens().shape == hs.lm_head().shape == (718, 64)
+    index = json.loads((fp32_run / "index.json").read_text())
+    assert {"id", "shard", "length", "category"} <= set(index["samples"][0])
+    assert all(len(s["sha256"]) == 64 for s in index["shards"])
+    metrics = json.loads((fp32_run / "metrics.json").read_text())
+    assert metrics["tokens"] == sum(s["length"] for s in index["samples"]) and 0 < metrics["coverage"] <= 1
+    assert metrics["bytes_per_token"] > 0 and metrics["tokens_per_s"] > 0
+
+
+def test_draft_vocab_is_exact_size_sorted_and_padded_when_short():
+    samples = [{"input_ids": [5, 5, 7, 9, 3], "loss_mask": [0, 1, 1, 1, 0]}]
+    v = build_draft_vocab(samples, vocab_size=20, draft_vocab_size=5)
+    target = torch.arange(5) + v["d2t"]
+    assert target.tolist() == sorted(target.tolist()) and len(set(target.tolist())) == 5
+    assert {5, 7, 9} <= set(target.tolist()) and 3 in target.tolist()  # 3: most frequent of the rest
+    assert v["padded"] == 2 and "exactly 5" in v["note"] and v["coverage"] == 1.0
+    assert v["t2d"].sum() == 5 and v["t2d"][target].all()
+    v2 = build_draft_vocab(samples, vocab_size=20, draft_vocab_size=2)
+    assert (torch.arange(2) + v2["d2t"]).tolist() == [5, 7] and v2["coverage"] == pytest.approx(2 / 3)
+
+
+# --------------------------------------------------------------------------------- the vLLM backend, for real
+
+def test_vllm_backend_through_embedded_server_equals_transformers(synth, tmp_path):
+    from eagle3nb.serve import start_server
+
+    with start_server(synth.parent / "model", extra_args=["--hidden-states-dir", str(tmp_path / "srv")]) as srv:
+        extract(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=srv.url, tokens_per_batch=1))
+    assert not list((tmp_path / "srv").iterdir()), "the client deletes each file and its lock after reading"
+    extract(params(synth, tmp_path / "hf", tokens_per_batch=1))  # one sample per forward, as the server runs them
+    a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
+    assert len(a) == len(b) == 12
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x["id"] == y["id"] and torch.equal(x["input_ids"], y["input_ids"])
+        assert torch.equal(x["aux"], y["aux"]) and torch.equal(x["final"], y["final"])
+    assert json.loads((tmp_path / "vllm" / "metrics.json").read_text())["backend"] == "vllm"
+
+
+def test_reader_of_vllm_per_sample_files(synth, fp32_run, tmp_path):
+    """Files exactly as vLLM's connector writes them (token_ids, hidden_states [T, 4, H], id L pre-norm)."""
+    from safetensors.torch import save_file
+
+    from eagle3nb.hidden.vllm_backend import read_connector_file, remove_connector_file
+    from eagle3nb.serve.engine import load_model
+    from eagle3nb.serve.extract import handle_completion_extract
+
+    m, tok = load_model(str(synth.parent / "model"))
+    ours = HiddenStates(fp32_run)
+    picked = [ours[i] for i in (0, 5)]
+    for item in picked:
+        res = handle_completion_extract(m, tok, {"prompt": item["input_ids"].tolist(), "max_tokens": 1,
+                                                 "return_token_ids": True, "temperature": 0}, tmp_path)
+        path = res["kv_transfer_params"]["hidden_states_path"]
+        data = read_connector_file(path)
+        assert data["hidden_states"].shape == (len(item["input_ids"]), 4, 64)
+        remove_connector_file(path)
+        save_file(data, str(tmp_path / f"{item['id']}.safetensors"))
+    with pytest.raises(ValueError, match="model_path"):
+        HiddenStates(tmp_path)
+    theirs = HiddenStates(tmp_path, model_path=synth.parent / "model", draft_vocab_size=64)
+    assert len(theirs) == 2 and "all ones" in theirs.meta["loss_mask"]
+    by_id = {theirs[i]["id"]: theirs[i] for i in range(len(theirs))}
+    for item in picked:
+        other = by_id[item["id"]]
+        assert torch.equal(other["loss_mask"], torch.ones_like(item["loss_mask"]))
+        torch.testing.assert_close(other["aux"], item["aux"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(other["final"], item["final"], atol=1e-5, rtol=0)
+        assert theirs.target_probs(other).shape[-1] == 64
+
+
+# ------------------------------------------------------------------------------------ resume, corruption
+
+def _run_subprocess(yaml_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "EAGLE3NB_ROOT": str(ROOT), "EAGLE3NB_CACHE": os.environ["EAGLE3NB_CACHE"]}
+    return subprocess.Popen([sys.executable, "-m", "eagle3nb.hidden.stage", str(yaml_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_kill_9_and_resume_gives_identical_shards(synth, tmp_path):
+    cfg = {"synth_dir": str(synth), "model_path": str(synth.parent / "model"), "storage": "bf16", "dtype": "float32",
+           "shard_tokens": 60, "tokens_per_batch": 128, "draft_vocab_size": 64}
+    for name in ("ref", "killed"):
+        (tmp_path / f"{name}.yaml").write_text(json.dumps({**cfg, "output_dir": str(tmp_path / name)}))
+    ref = _run_subprocess(tmp_path / "ref.yaml")
+    victim = _run_subprocess(tmp_path / "killed.yaml")
+    plan = tmp_path / "killed" / "plan.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and victim.poll() is None:
+        try:
+            shards = json.loads(plan.read_text())["shards"]
+        except (OSError, ValueError):
+            shards = []
+        if any(s.get("done") for s in shards):
+            victim.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    done_before = sum(bool(s.get("done")) for s in json.loads(plan.read_text())["shards"])
+    assert 0 < done_before < len(shards)
+    resumed = _run_subprocess(tmp_path / "killed.yaml")
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert f"({done_before} already on disk)" in out
+    ref_out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_out
+    a, b = (json.loads((tmp_path / d / "index.json").read_text()) for d in ("ref", "killed"))
+    assert a["shards"] == b["shards"] and a["samples"] == b["samples"]
+    for s in a["shards"]:
+        assert file_sha256(tmp_path / "killed" / s["file"]) == s["sha256"]
+    assert not list((tmp_path / "killed").glob(".*.tmp"))
+
+
+def test_corrupt_or_truncated_shard_is_detected_and_redone(fp32_run, synth, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(fp32_run, out)
+    index = json.loads((out / "index.json").read_text())
+    victim = out / index["shards"][1]["file"]
+    good = victim.read_bytes()
+    victim.write_bytes(good[:-100])
+    with pytest.raises(ShardError, match="truncated"):
+        HiddenStates(out)
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    victim.write_bytes(bytes(bad))
+    HiddenStates(out)  # same size: only the hash can tell
+    metrics = extract(params(synth, out))
+    assert metrics["redone_shards"] == [victim.name] and metrics["resumed_shards"] == len(index["shards"]) - 1
+    assert victim.read_bytes() == good
+
+
+# ---------------------------------------------------------------------------------------- clear errors
+
+def test_wrong_layer_id_is_a_clear_error_before_work(synth, tmp_path):
+    with pytest.raises(LayerIdError, match=r"\[9\] out of range.*8 decoder layers"):
+        extract(params(synth, tmp_path / "o", aux_layer_ids=[2, 4, 9]))
+    assert not list((tmp_path / "o").glob("shard-*"))
+
+
+def test_mismatched_model_is_a_clear_error(synth, toy_smoke, tmp_path):
+    alien = {"id": "alien", "status": "ok", "input_ids": [1, 2, 900], "loss_mask": [0, 1, 1], "category": None}
+    shutil.copytree(toy_smoke, tmp_path / "model")
+    other = write_synth(tmp_path / "synth2", toy_smoke, n=2, extra=(alien,))
+    with pytest.raises(ValueError, match="another tokenizer than model_path"):
+        extract(params(other, tmp_path / "o"))
+    # an output_dir made with other settings (here: another model) is refused, not mixed
+    out = tmp_path / "o2"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps({"config": {"model_fingerprint": "0123"}, "shards": []}))
+    with pytest.raises(HiddenStatesError, match="model_fingerprint"):
+        extract(params(synth, out))
+
+
+def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypatch, capsys):
+    from collections import namedtuple
+
+    from eagle3nb.hidden import stage
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(HiddenStatesError, match="projected disk use.*Not starting.*force"):
+        extract(params(synth, tmp_path / "o"))
+    assert "GB for the whole run" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------- compact storage
+
+def test_compact_storage_halves_bytes_and_keeps_the_training_signal(synth, tmp_path):
+    runs = {}
+    for storage in ("bf16", "fp8", "topk"):
+        m = extract(params(synth, tmp_path / storage, storage=storage, topk=8))
+        runs[storage] = (m, HiddenStates(tmp_path / storage))
+    for storage, (m, _) in runs.items():  # the layout formula is the real file size (headers aside)
+        assert m["layout_bytes_per_token"] == bytes_per_token(storage, 64, 3, 8, 64)
+        assert 0 <= m["bytes_per_token"] - m["layout_bytes_per_token"] < 0.1 * m["layout_bytes_per_token"]
+    assert runs["fp8"][0]["bytes_per_token"] < 0.6 * runs["bf16"][0]["bytes_per_token"]
+    kimi = bytes_per_token("bf16", 7168)  # at Kimi's width: fp8 ~half, topk well under half
+    assert bytes_per_token("fp8", 7168) / kimi < 0.501 and bytes_per_token("topk", 7168, topk=32) / kimi < 0.4
+    from eagle3nb.hidden.report import compare_targets
+
+    ref = runs["bf16"][1]
+    fp8 = compare_targets(ref, runs["fp8"][1])
+    assert fp8["positions"] == runs["bf16"][0]["loss_tokens"]
+    assert fp8["total_variation"] < 0.02 and fp8["argmax_agreement"] > 0.97 and fp8["aux_relative_error"] < 0.05, fp8
+    # top-k changes the loss target by exactly the probability mass it drops (and nothing else)
+    topk = compare_targets(ref, runs["topk"][1])
+    tail = [1 - ref.target_probs(it)[it["loss_mask"].bool()].topk(8).values.sum(-1) for it in (ref[i] for i in range(len(ref)))]
+    assert abs(topk["total_variation"] - torch.cat(tail).mean().item()) < 0.01, topk
+    assert topk["argmax_agreement"] > 0.97 and topk["aux_relative_error"] < 0.05, topk
