@@ -675,6 +675,37 @@ def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:
     return cached(P.stage_dir / "offline.json", config, work)
 
 
+def greedy_hidden_states(model_dir: Path, prompts: str, n: int, max_new_tokens: int, out_dir: Path,
+                         draft_vocab_size: int = 256, thinking: bool = True) -> Path:
+    """Held-out data that matches greedy decoding exactly: the target's own greedy answers to ``n`` prompts
+    (01's sample format in ``out_dir/01``), through 02's extraction (``out_dir/02``, fp32). Offline chains on
+    it see what real greedy speculative decoding sees, round for round."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3nb.hidden import extract
+    from eagle3nb.params import from_dict
+    from eagle3nb.spec import plain_generate
+    from eagle3nb.synth.prompts import load_prompts
+    from eagle3nb.synth.stream import Template
+
+    target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tpl = Template(model_dir, thinking=thinking)
+    rows = []
+    for r in load_prompts(prompts, n):
+        p = tpl.prompt_ids(r["messages"])
+        out = plain_generate(target, p, max_new_tokens, eos_token_ids=[tpl.end_id])
+        rows.append({"id": r["id"], "status": "ok", "messages": r["messages"], "input_ids": p + out,
+                     "loss_mask": [0] * len(p) + [1] * len(out), "category": r["category"], "thinking": thinking})
+    synth = Path(out_dir) / "01"
+    synth.mkdir(parents=True, exist_ok=True)
+    (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extract(from_dict("02_hidden_states", {"synth_dir": str(synth), "model_path": str(model_dir),
+                                           "output_dir": str(Path(out_dir) / "02"), "storage": "fp32",
+                                           "draft_vocab_size": draft_vocab_size, "run_name": "heldout"}))
+    return Path(out_dir) / "02"
+
+
 def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:
     """The first ``n`` prompts rendered with the target's chat template, and the end-of-turn ids."""
     from eagle3nb.synth.prompts import load_prompts

@@ -29,37 +29,22 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
     exactly what decoding sees), and a draft trained briefly on them by 03."""
     from transformers import AutoModelForCausalLM
 
+    from eagle3nb.accept import greedy_hidden_states
     from eagle3nb.draft import load_draft
-    from eagle3nb.hidden import HiddenStates, extract
-    from eagle3nb.spec import plain_generate
-    from eagle3nb.synth.prompts import load_prompts
+    from eagle3nb.hidden import HiddenStates
     from eagle3nb.synth.stream import Template
     from eagle3nb.train import train
 
     root = tmp_path_factory.mktemp("accept")
-    target = AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
-    tpl = Template(toy_smoke, thinking=True)
-    eos = [tpl.end_id]
-    rows, prompts = [], []
-    for r in load_prompts("toy:heldout", N_PROMPTS):
-        p = tpl.prompt_ids(r["messages"])
-        out = plain_generate(target, p, MAX_NEW, eos_token_ids=eos)
-        prompts.append(p)
-        rows.append({"id": r["id"], "status": "ok", "messages": r["messages"], "input_ids": p + out,
-                     "loss_mask": [0] * len(p) + [1] * len(out), "category": r["category"], "thinking": True})
-    synth = root / "01"
-    synth.mkdir(parents=True)
-    (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extract(from_dict("02_hidden_states", {"synth_dir": str(synth), "model_path": str(toy_smoke),
-                                           "output_dir": str(root / "02"), "draft_vocab_size": 96,
-                                           "storage": "fp32", "run_name": "test"}))
-    train(from_dict("03_train", dict(run_name="test", data_dir=str(root / "02"), output_dir=str(root / "03"),
+    data_dir = greedy_hidden_states(toy_smoke, "toy:heldout", N_PROMPTS, MAX_NEW, root, draft_vocab_size=96)
+    train(from_dict("03_train", dict(run_name="test", data_dir=str(data_dir), output_dir=str(root / "03"),
                                       ttt_steps=3, max_length=256, batch_tokens=400, lr=3e-3, warmup_ratio=0.05,
                                       eval_every=0, save_every=1000, holdout_fraction=0.1, max_steps=30)))
-    draft = load_draft(root / "03" / "draft")
-    return {"root": root, "target": target, "draft": draft, "draft_dir": root / "03" / "draft",
-            "data": HiddenStates(root / "02"), "data_dir": root / "02", "prompts": prompts, "eos": eos,
-            "tpl": tpl}
+    tpl = Template(toy_smoke, thinking=True)
+    rows = [json.loads(line) for line in (root / "01" / "samples-00000.jsonl").read_text().splitlines()]
+    return {"root": root, "target": AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval(),
+            "draft": load_draft(root / "03" / "draft"), "data": HiddenStates(data_dir), "rows": rows,
+            "prompts": [r["input_ids"][: r["loss_mask"].index(1)] for r in rows], "eos": [tpl.end_id], "tpl": tpl}
 
 
 def test_greedy_speculative_decoding_is_identical_to_the_target_on_many_prompts(world):
@@ -120,10 +105,8 @@ def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
 
     # round by round, for every prompt
     by_id = {s["id"]: i for i, s in enumerate(data.meta["samples"])}
-    rows = [json.loads(line) for line in
-            (world["root"] / "01" / "samples-00000.jsonl").read_text().splitlines()]
     same = total = 0
-    for row, real in zip(rows, local["accepted_per_round"]):
+    for row, real in zip(world["rows"], local["accepted_per_round"]):
         item = data[by_id[row["id"]]]
         r = chain_acceptance(draft, item, data.target_argmax(item), None, k, 0.0)
         sim = simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k)
