@@ -410,10 +410,12 @@ def _rate(alpha1: float) -> str:
 def likely_causes(metrics: dict[str, Any], doctor_results: list | None = None) -> list[str]:
     """Likeliest causes of a low acceptance or a slowdown, each pointing to an ``eagle3nb doctor`` check."""
     causes: list[str] = []
+    doctor: list[str] = []
     if doctor_results:
         from eagle3nb.doctor import likely_causes as doctor_causes
 
-        causes += doctor_causes(doctor_results)
+        doctor = doctor_causes(doctor_results)
+        causes += [c for c in doctor if " failed: " in c or " warned: " in c]  # evidence first
     off = metrics.get("offline") or {}
     alpha1 = off.get("per_position", [0.0])[0] if off else None
     seg = off.get("by_segment") or {}
@@ -449,7 +451,7 @@ def likely_causes(metrics: dict[str, Any], doctor_results: list | None = None) -
                       "k+1 tokens per request costs more once the server is compute-bound, and a speculative "
                       "engine that batches less than the baseline loses throughput (the embedded one runs "
                       "requests one at a time); use speculation at low concurrency only, or lower k")
-    return list(dict.fromkeys(causes))
+    return list(dict.fromkeys(causes + doctor))
 
 
 def verdict(metrics: dict[str, Any], doctor_results: list | None = None):
@@ -497,7 +499,7 @@ def verdict(metrics: dict[str, Any], doctor_results: list | None = None):
     low = off and (off["per_position"][0] < 0.4 or any(
         (r.get("speedup") or 1.0) < 1.0 for r in metrics.get("online") or []))
     if causes and low:
-        for i, c in enumerate(causes[:4], 1):
+        for i, c in enumerate(causes[:5], 1):
             rows.append((f"Likeliest cause #{i}", c))
     elif off:
         rows.append(("Likeliest cause", "nothing points to a problem; `eagle3nb doctor params/<run>/` checks the "
