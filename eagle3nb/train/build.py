@@ -65,7 +65,8 @@ def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
     model.config.aux_layer_ids = list(meta["layer_ids"])
     notes: dict[str, Any] = {"init": str(init)}
     if not (torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)):
-        shared = int((model.t2d & t2d).sum())
+        ours = set(model.draft_to_target(torch.arange(model.config.draft_vocab_size)).tolist())
+        shared = len(ours & set((d2t + torch.arange(d2t.shape[0])).tolist()))
         if not P.remap_vocab:
             raise DraftMismatchError(
                 f"draft vocabulary: checkpoint {init} has {model.config.draft_vocab_size} ids, the data "

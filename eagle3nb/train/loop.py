@@ -221,8 +221,8 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
     ckpt_dir = out / "checkpoints"
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if not (P.data_path / "index.json").exists():
-        raise FileNotFoundError(f"data_dir {P.data_path}: no index.json; run 02_hidden_states first or point "
+    if not P.data_path.is_dir():
+        raise FileNotFoundError(f"data_dir {P.data_path} does not exist; run 02_hidden_states first or point "
                                 "data_dir at its output folder")
     data = HiddenStates(P.data_path)
     draft, notes = build_draft(P, data)

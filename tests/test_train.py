@@ -1,0 +1,197 @@
+"""03_train on real 02 output of the toy target: learning, fine-tuning, export, resume after kill -9, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from eagle3nb.draft import DraftMismatchError, load_draft, save_draft
+from eagle3nb.params import from_dict
+from eagle3nb.train import read_metrics, train
+from eagle3nb.train.loop import TrainingDiverged, checkpoints
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_data import make_hidden_states  # noqa: E402
+
+# Small and quick: 3 TTT steps, a few dozen steps, micro-batches of ~4 samples.
+BASE = dict(run_name="test", ttt_steps=3, max_length=256, batch_tokens=400, lr=3e-3, warmup_ratio=0.05,
+            eval_every=0, save_every=100, holdout_fraction=0.2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, toy_smoke) -> Path:
+    return make_hidden_states(tmp_path_factory.mktemp("hidden"), toy_smoke, n=40, draft_vocab_size=96)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Two cores shared with other tests: one thread per training process is faster and deterministic."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def params(data_dir: Path, out: Path, **over):
+    return from_dict("03_train", {**BASE, "data_dir": str(data_dir), "output_dir": str(out), **over})
+
+
+def curve(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out) if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("scratch")
+    return out, train(params(data_dir, out, max_steps=40, lr=5e-3))
+
+
+def test_trained_from_scratch_beats_untrained_and_exports_for_vllm_and_sglang(trained, data_dir):
+    out, result = trained
+    before, after = result["initial_heldout"], result["heldout"]
+    assert before["positions"] == after["positions"] > 50
+    assert after["acceptance_length"] > before["acceptance_length"] + 0.4, (before, after)
+    assert after["acc"][0] > before["acc"][0] + 0.2
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 41))
+    assert json.loads((out / "metrics.json").read_text())["heldout"] == after
+    assert json.loads((out / "progress.json").read_text())["state"] == "done"
+    # the export: EAGLE-3 layout with the data's vLLM ids; SGLang's copy with output-of-layer ids
+    meta = json.loads((data_dir / "index.json").read_text())
+    cfg = json.loads((out / "draft" / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == meta["layer_ids"] == [2, 4, 5]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["vocab_size"] == meta["vocab_size"] and cfg["draft_vocab_size"] == 96
+    sg = json.loads((out / "draft-sglang" / "config.json").read_text())
+    assert sg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert (out / "draft-sglang" / "model.safetensors").samefile(out / "draft" / "model.safetensors")
+    vocab = load_file(data_dir / "draft_vocab.safetensors")
+    tensors = load_file(out / "draft" / "model.safetensors")
+    assert torch.equal(tensors["d2t"], vocab["d2t"]) and torch.equal(tensors["t2d"], vocab["t2d"])
+    assert '--speculative-config \'{"method": "eagle3", "model": "' in result["serve"]["vllm"]
+    assert "--speculative-draft-model-path" in result["serve"]["sglang"]
+
+
+def test_finetune_starts_at_the_checkpoints_quality(trained, data_dir, tmp_path):
+    out, result = trained
+    ft = train(params(data_dir, tmp_path, init_from=str(out / "draft"), max_steps=1, lr=1e-7))
+    assert ft["init"] == str(out / "draft")
+    start = ft["initial_heldout"]
+    assert start["acc"] == pytest.approx(result["heldout"]["acc"], abs=1e-9)
+    assert start["acceptance_length"] > result["initial_heldout"]["acceptance_length"] + 0.4
+
+
+def test_checkpoint_that_does_not_fit_the_data_is_refused_before_training(trained, data_dir, tmp_path):
+    out, _ = trained
+    bad = tmp_path / "bad"
+    model = load_draft(out / "draft")
+    model.config.aux_layer_ids = [1, 3, 4]  # SGLang numbering of the same layers
+    save_draft(model, bad)
+    with pytest.raises(DraftMismatchError, match=r"has \[1, 3, 4\], hidden states .* has \[2, 4, 5\].*add 1"):
+        train(params(data_dir, tmp_path / "o1", init_from=str(bad), max_steps=1))
+    # another draft vocabulary: refused unless asked to remap (rows follow their target ids)
+    model = load_draft(out / "draft")
+    model.d2t[:3] = torch.tensor([5, 5, 5]) - torch.arange(3)  # maps 3 ids elsewhere: another vocabulary
+    save_draft(model, bad)
+    with pytest.raises(DraftMismatchError, match="draft vocabulary: checkpoint .* remap_vocab"):
+        train(params(data_dir, tmp_path / "o2", init_from=str(bad), max_steps=1))
+    r = train(params(data_dir, tmp_path / "o3", init_from=str(bad), max_steps=1, remap_vocab=True))
+    assert r["vocab_remap"]["new"] > 0 and not (tmp_path / "o2" / "draft").exists()
+
+
+def test_nan_loss_stops_with_step_and_samples(trained, data_dir, tmp_path):
+    out, _ = trained
+    model = load_draft(out / "draft")
+    with torch.no_grad():
+        model.fc.weight[0, 0] = float("nan")
+    save_draft(model, tmp_path / "nan")
+    with pytest.raises(TrainingDiverged, match=r"NaN/inf at step 1 .*micro-batch 0 with samples \['toy-"):
+        train(params(data_dir, tmp_path / "o", init_from=str(tmp_path / "nan"), max_steps=3))
+
+
+# ---- resume and multi-process: both compared to one uninterrupted single-process run --------------------
+
+RUN = dict(max_steps=30, grad_accum=2, eval_every=10)
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    train(params(data_dir, out, **RUN))
+    return out
+
+
+def final_state(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoints(out / "checkpoints")[-1], weights_only=False)["model"]
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+
+
+def params_dir(tmp_path: Path, values: dict) -> Path:
+    """params/<run>/03_train.yaml as a run folder holds it, for ``python -m eagle3nb.train`` / torchrun."""
+    d = tmp_path / "params" / "test"
+    d.mkdir(parents=True)
+    (d / "03_train.yaml").write_text(yaml.safe_dump(values))
+    return d
+
+
+def test_resume_after_kill9_follows_the_uninterrupted_curve(reference, data_dir, tmp_path):
+    out = tmp_path / "out"
+    values = {**BASE, **RUN, "data_dir": str(data_dir), "output_dir": str(out), "save_every": 1}
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.train", str(params_dir(tmp_path, values))],
+                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        done = checkpoints(out / "checkpoints")
+        if done and int(done[-1].stem.split("-")[1]) >= 4:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = int(checkpoints(out / "checkpoints")[-1].stem.split("-")[1])
+    assert 4 <= killed_at < 30
+    train(from_dict("03_train", values))
+    assert curve(out) == curve(reference)  # exactly: same batches, same optimizer state, same order
+    want, got = final_state(reference), final_state(out)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    evals = [r["step"] for r in read_metrics(out) if r["kind"] == "eval"]
+    assert evals == [0, 10, 20, 30]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(reference, data_dir, tmp_path):
+    out = tmp_path / "out"
+    values = {**BASE, **RUN, "data_dir": str(data_dir), "output_dir": str(out)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "eagle3nb.train", str(params_dir(tmp_path, values)),
+           "--set", "grad_accum=1"]
+    run = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 process(es) x grad_accum 1" in run.stdout
+    assert json.loads((out / "metrics.json").read_text())["processes"] == 2
+    assert curve(out) == pytest.approx(curve(reference), rel=1e-5)
+    want, got = final_state(reference), final_state(out)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    ev = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    ref = [r for r in read_metrics(reference) if r["kind"] == "eval"]
+    assert [a for r in ev for a in r["acc"]] == pytest.approx([a for r in ref for a in r["acc"]], abs=1e-3)
