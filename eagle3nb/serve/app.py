@@ -142,11 +142,16 @@ class Server:
             if not finished:
                 self.engine.abort(req)
 
+    async def complete(self, prompt_ids: list[int], params: SamplingParams) -> Update:
+        """The finished output of one request."""
+        final = None
+        async for u in self.generate(prompt_ids, params):
+            final = u
+        return final
+
     def split(self, text: str, thinking: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) as vLLM's kimi_k2 parser gives them."""
-        if not self.reasoning_parser:
-            return None, text
-        if not thinking:
+        if not (self.reasoning_parser and thinking):
             return None, text
         head, sep, rest = text.partition(THINK_START)
         text = rest if sep else head
@@ -176,9 +181,7 @@ class Server:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(self.chat_stream(body, prompt_ids, params, thinking, rid, created))
-        final = None
-        async for u in self.generate(prompt_ids, params):
-            final = u
+        final = await self.complete(prompt_ids, params)
         reasoning, content = self.split(final.text, thinking)
         message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
                    "function_call": None, **self.reasoning_fields(reasoning)}
@@ -234,13 +237,7 @@ class Server:
         if body.stream:
             return _sse(self.completion_stream(body, prompts[0], params[0], rid, created))
 
-        async def one(p, sp):
-            final = None
-            async for u in self.generate(p, sp):
-                final = u
-            return final
-
-        finals = await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+        finals = await asyncio.gather(*(self.complete(p, sp) for p, sp in zip(prompts, params)))
         choices = [{"index": i, "text": u.text, "logprobs": None, "finish_reason": u.finish_reason,
                     "stop_reason": u.stop_reason,
                     "token_ids": u.token_ids if body.return_token_ids else None,
