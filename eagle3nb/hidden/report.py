@@ -101,3 +101,26 @@ def compare_targets(ref, other, max_samples: int | None = None, temperature: flo
         n += int(m.sum())
     return {"positions": n, "total_variation": tv / n, "kl_other_to_ref": kl / n, "argmax_agreement": agree / n,
             "aux_relative_error": aux_err / n}
+
+
+def storage_cost(P, samples: int = 16, storages: tuple[str, ...] = ("fp8", "topk")):
+    """Extract the first ``samples`` samples in bf16 and in each compact storage (under
+    ``<stage_dir>/storage_check/``) and compare the loss targets they yield: one row per storage."""
+    import pandas as pd
+
+    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.hidden.stage import extract
+
+    base = P.stage_dir / "storage_check"
+    runs = {}
+    for s in ("bf16", *storages):
+        q = P.model_copy(update={"storage": s, "output_dir": str(base / s), "max_samples": samples, "force": True})
+        runs[s] = (extract(q), HiddenStates(base / s))
+    bf16 = runs["bf16"][0]["bytes_per_token"]
+    rows = [{"storage": "bf16", "bytes/token": bf16, "vs bf16": 1.0, "total_variation": 0.0, "kl_other_to_ref": 0.0,
+             "argmax_agreement": 1.0, "aux_relative_error": 0.0}]
+    for s in storages:
+        c = compare_targets(runs["bf16"][1], runs[s][1])
+        rows.append({"storage": s, "bytes/token": runs[s][0]["bytes_per_token"],
+                     "vs bf16": runs[s][0]["bytes_per_token"] / bf16, **{k: v for k, v in c.items() if k != "positions"}})
+    return pd.DataFrame(rows)

@@ -155,6 +155,25 @@ def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
     return report
 
 
+def preview(P: HiddenParams) -> dict:
+    """What a run will do, before doing it: the target's shape, the layers (both conventions), the samples and
+    tokens, bytes/token of every storage option, and the vLLM command line for the vllm backend."""
+    from eagle3nb.hidden.report import storage_table
+    from eagle3nb.hidden.vllm_backend import vllm_command
+    from eagle3nb.toy import resolve_model_path
+
+    model_dir = resolve_model_path(P.model_path)
+    info = target_info(model_dir)
+    L = info["num_layers"]
+    layer_ids = check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(L), L)
+    samples, report = prepare_samples(P)
+    tokens = sum(len(s["input_ids"]) for s in samples)
+    return {**info, "model_dir": str(model_dir), "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
+            "samples": len(samples), "tokens": tokens, **report,
+            "storage_table": storage_table(info["hidden_size"], tokens, len(layer_ids), P.topk, P.draft_vocab_size),
+            "vllm_command": vllm_command(P.model_path, layer_ids, L, P.max_length, P.api_key_env)}
+
+
 class TransformersSource:
     """The target loaded here; one forward per token-budget batch, hooks keep only the chosen states."""
 

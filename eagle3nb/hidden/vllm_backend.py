@@ -29,14 +29,21 @@ class VllmBackendError(RuntimeError):
     """The server's answer breaks the extract_hidden_states contract (wrong ids, layers, model, files)."""
 
 
-def vllm_command(model_path: str, layer_ids: list[int], num_layers: int, storage_dir: str = "/dev/shm/eagle3nb-hidden",
-                 extra: str = "--tensor-parallel-size 8 --trust-remote-code") -> str:
-    """The ``vllm serve`` command line that serves what this backend expects: aux ids plus id ``L``."""
+def vllm_command(model_path: str, layer_ids: list[int], num_layers: int, max_length: int | None = None,
+                 api_key_env: str | None = None, tensor_parallel_size: int = 8,
+                 storage_dir: str = "/dev/shm/eagle3nb-hidden") -> str:
+    """The ``vllm serve`` command line that serves what this backend expects: the aux ids plus id ``L`` (the
+    final state), the file connector writing under ``storage_dir``, chunked prefill off (required)."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*layer_ids, num_layers]}}}
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": storage_dir}}
-    return (f"vllm serve {model_path} {extra} --no-enable-chunked-prefill \\\n"
+    opts = f"--tensor-parallel-size {tensor_parallel_size} --trust-remote-code --no-enable-chunked-prefill"
+    if max_length:
+        opts += f" --max-model-len {max_length + 1}"
+    if api_key_env:
+        opts += f" --api-key ${api_key_env}"
+    return (f"vllm serve {model_path} {opts} \\\n"
             f"  --speculative-config '{json.dumps(spec, separators=(',', ':'))}' \\\n"
             f"  --kv-transfer-config '{json.dumps(kv, separators=(',', ':'))}'")
 
