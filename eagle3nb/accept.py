@@ -277,8 +277,8 @@ def heldout_indices(P: "AcceptParams", data) -> tuple[list[int], str]:
         from eagle3nb.train.data import split_holdout
 
         fraction = schema_for("03_train").model_fields["holdout_fraction"].default
-        if P.params_file and Path(P.params_file).parent.is_dir():
-            fraction = run_params(Path(P.params_file).parent, "03_train").get("holdout_fraction", fraction)
+        if P.params_file and resolve(P.params_file).parent.is_dir():
+            fraction = run_params(resolve(P.params_file).parent, "03_train").get("holdout_fraction", fraction)
         _, idx = split_holdout([s["id"] for s in data.meta["samples"]], fraction)
         how = f"03_train's held-out split of the training data ({len(idx)} of {n} samples, fraction {fraction})"
     else:
