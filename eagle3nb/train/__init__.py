@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from eagle3nb.train.params import TrainParams
 
-__all__ = ["TrainParams", "train", "evaluate", "export", "read_metrics", "plot_metrics", "LivePlot"]
+__all__ = ["TrainParams", "train", "describe", "evaluate", "export", "read_metrics", "plot_metrics", "LivePlot"]
 
 
 def __getattr__(name: str):
-    if name in ("train", "evaluate", "export", "read_metrics"):
+    if name in ("train", "describe", "evaluate", "export", "read_metrics"):
         from eagle3nb.train import loop
 
         return getattr(loop, name)

@@ -208,6 +208,39 @@ def evaluate(objective: TTTObjective, data, batches: list[list[int]], P: TrainPa
 # ---- training -------------------------------------------------------------------------------------
 
 
+def layout(P: TrainParams, meta: dict[str, Any], world: int = 1):
+    """(train indices, held-out indices, the step plan, leftover micro-batches) for 02's index."""
+    samples = meta["samples"]
+    lengths = [int(s["length"]) for s in samples]
+    train_idx, held_idx = split_holdout([s["id"] for s in samples], P.holdout_fraction)
+    plan, dropped = schedule(train_idx, lengths, batch_tokens=P.batch_tokens, max_length=P.max_length,
+                             seed=P.seed, per_step=P.grad_accum * world, epochs=P.epochs, max_steps=P.max_steps)
+    return train_idx, held_idx, plan, dropped
+
+
+def describe(P: TrainParams, world: int = 1) -> dict[str, Any]:
+    """What a run will do, before it starts: the data, the split, the steps, the layers and where things go."""
+    from eagle3nb.hidden import HiddenStates
+    from eagle3nb.hidden.layers import to_sglang
+
+    meta = HiddenStates(P.data_path).meta
+    train_idx, held_idx, plan, dropped = layout(P, meta, world)
+    lengths = [int(s["length"]) for s in meta["samples"]]
+    return {
+        "data_dir": str(P.data_path), "target": meta.get("model_path"),
+        "target hidden size / vocab": f"{meta['hidden_size']} / {meta['vocab_size']}",
+        "aux layers (vLLM ids | SGLang ids)": f"{meta['layer_ids']} | {to_sglang(meta['layer_ids'])}",
+        "draft vocab": meta.get("draft_vocab_size"), "storage": meta.get("storage"),
+        "train / held-out samples": f"{len(train_idx)} / {len(held_idx)}",
+        "train tokens": sum(min(lengths[i], P.max_length) for i in train_idx),
+        "samples cut at max_length": sum(1 for i in train_idx if lengths[i] > P.max_length),
+        "optimizer steps": len(plan), "micro-batches per step": P.grad_accum * world,
+        "leftover micro-batches (reshuffled into later epochs)": dropped,
+        "init": str(P.init_path) if P.init_path else "fresh (target's embedding and lm_head rows)",
+        "output_dir": str(P.stage_dir),
+    }
+
+
 def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train (or fine-tune) the draft per ``P``; resume if a checkpoint exists; export; return metrics.json.
 
@@ -236,10 +269,8 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
 
     samples = data.meta["samples"]
     lengths = [int(s["length"]) for s in samples]
-    train_idx, held_idx = split_holdout([s["id"] for s in samples], P.holdout_fraction)
+    train_idx, held_idx, plan, dropped = layout(P, data.meta, world)
     per_step = P.grad_accum * world
-    plan, dropped = schedule(train_idx, lengths, batch_tokens=P.batch_tokens, max_length=P.max_length,
-                             seed=P.seed, per_step=per_step, epochs=P.epochs, max_steps=P.max_steps)
     held_batches = [[i] for i in held_idx]  # one sample each: evaluation does not depend on the process count
     total = len(plan)
 
