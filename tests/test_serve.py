@@ -353,6 +353,33 @@ def test_metrics_counters_move(server, toy_smoke):
     assert key("vllm:num_requests_running") in after and key("vllm:num_requests_waiting") in after
 
 
+def test_client_that_leaves_frees_its_slot(server, toy_smoke):
+    """A stream closed by its client stops generating (no success counted, far fewer tokens than asked)."""
+    def scrape(metric: str) -> float:  # summed over its labelled series
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(metric + "{"))
+
+    success, generated = scrape("vllm:request_success_total"), scrape("vllm:generation_tokens_total")
+    body = {"model": model_name(toy_smoke), "messages": [{"role": "user", "content": questions(1)[0]}],
+            "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert scrape("vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 30
+    while scrape("vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert scrape("vllm:num_requests_running") == 0
+    assert scrape("vllm:request_success_total") == success
+    assert scrape("vllm:generation_tokens_total") - generated < 900
+
+
+def test_ignore_eos_runs_to_max_tokens(server, toy_smoke, tokenizer):
+    r = chat(server, toy_smoke, questions(1)[0], max_tokens=150, extra_body={"ignore_eos": True}).choices[0]
+    assert r.finish_reason == "length" and len(r.token_ids) == 150
+
+
 def test_concurrent_requests_are_batched_faster_with_identical_outputs(server, toy_smoke):
     """The same 12 greedy requests, one at a time and then all at once: same tokens, much less wall time."""
     qs = questions(12, seed=13)

@@ -59,6 +59,7 @@ class _Body(BaseModel):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
@@ -117,7 +118,8 @@ class Server:
             max_tokens=max_tokens if max_tokens is not None else limit - prompt_len,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed, stop=[s for s in stop if s], stop_token_ids=list(body.stop_token_ids or []))
+            seed=body.seed, stop=[s for s in stop if s], stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Update]:
         """Submit to the engine and yield output snapshots until finished (aborts if the client leaves)."""

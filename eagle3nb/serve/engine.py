@@ -92,6 +92,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (fixed-length benchmarks)
 
 
 @dataclass
@@ -337,7 +338,7 @@ class Engine:
             req.text = text
         if len(req.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
             req.finish_reason = "length"
-        elif tok in self.eos_ids:
+        elif tok in self.eos_ids and not p.ignore_eos:
             req.finish_reason = "stop"
         elif tok in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", tok
