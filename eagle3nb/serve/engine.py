@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
