@@ -163,10 +163,11 @@ class SpecDecoder:
         self.d2t_ids = self.d2t_ids.to(self.device)
         self.vocab = target.config.vocab_size
 
-    def target_forward(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward over ``ids`` after the cache: (logits [n, V], aux [1, n, 3H] at the draft's layers)."""
+    def target_forward(self, ids: list[int], cache, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward over ``ids`` after the cache: (logits [n, V] (the last ``keep`` only, if > 0), aux
+        [1, n, 3H] at the draft's layers)."""
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
-                          output_hidden_states=True)
+                          output_hidden_states=True, logits_to_keep=keep)
         return out.logits[0], torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
 
     def draft_probs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -218,7 +219,7 @@ class SpecSequence:
 
     @torch.inference_mode()
     def prefill(self) -> int:
-        logits, aux = self.dec.target_forward(self.prompt, self.tcache)
+        logits, aux = self.dec.target_forward(self.prompt, self.tcache, keep=1)
         self.last = _pick(logits[-1], self.temperature, self.top_p, self.generator)
         self.pend_aux, self.pend_ids = aux, self.prompt[1:] + [self.last]
         return self.last
