@@ -280,3 +280,37 @@ def test_exactly_concurrency_requests_in_flight(tmp_path, toy_smoke):
     assert peak == 6  # never more than asked, and the pool really fills
     assert m["session"]["in_flight_ratio"] > 0.8  # no waves: slots refill as answers come back
     assert m["counts"]["ok"] == 48
+
+
+def test_sigterm_stops_cleanly_with_everything_saved(tmp_path, toy_smoke):
+    """SIGTERM (and Ctrl-C, the same path) mid-run: in-flight requests dropped, every finished answer on disk,
+    progress says stopped, and the next run picks up exactly the rest."""
+    import os
+    import signal
+    import threading
+    import time
+
+    write_jsonl(tmp_path / "p.jsonl", prompt_rows(40))
+    out = tmp_path / "out"
+
+    def terminate_after_four_samples():
+        deadline = time.time() + 60
+        while time.time() < deadline and sum(f.read_bytes().count(b"\n") for f in sample_files(out)) < 4:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with FaultServer(latency_s=(0.1, 0.3)) as srv:
+        P = synth_params(tmp_path, vllm_url=srv.url, concurrency=2)
+        threading.Thread(target=terminate_after_four_samples, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt, match="Run it again with the same parameters to resume"):
+            run(P)
+        assert signal.getsignal(signal.SIGTERM) == before  # our handler was removed again
+        text = "".join(f.read_text() for f in sample_files(out))
+        assert text.endswith("\n") and all(json.loads(line)["status"] == "ok" for line in text.splitlines())
+        assert json.loads((out / "progress.json").read_text())["state"] == "stopped"
+        saved = len(text.splitlines())
+        assert 4 <= saved < 40 and json.loads((out / "metrics.json").read_text())["missing"] == 40 - saved
+
+        m = run(synth_params(tmp_path, vllm_url=srv.url, concurrency=8))  # concurrency does not change the data
+    assert m["counts"]["ok"] == 40 and m["session"]["samples"] == 40 - saved

@@ -78,7 +78,7 @@ def test_reasoning_content_field_with_server_ids(tmp_path, servers, tpl, toy_smo
             formed += 1
             assert r["ids_match"] is True  # server ids == template rendering of reasoning_content + content
             assert tpl.decode(completion) == f"{THINK_START}{r['reasoning']}{THINK_END}{r['content'] or ''}{IM_END}"
-        elif THINK_END not in completion:
+        elif tpl.think_ids[1] not in completion:
             assert r["ids_match"] is False  # the template would invent a </think> the model never wrote
     assert formed >= 1, "the toy target wrote no well-formed <think>..</think>..<|im_end|> answer: its training regressed"
     assert m["ids_compared"] == 8 and m["ids_mismatch"] == sum(r["ids_match"] is False for r in rows)
