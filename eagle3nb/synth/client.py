@@ -26,6 +26,10 @@ class FatalServerError(RuntimeError):
     """A problem every request would hit; the run stops at once with the fix."""
 
 
+class MalformedResponse(ValueError):
+    """A 200 answer without a usable choice (a proxy's error page, a cut-off body): retried."""
+
+
 def base_url(url: str) -> str:
     """``http://host:8000`` -> ``http://host:8000/v1`` (the story passes the bare address)."""
     url = url.rstrip("/")
@@ -114,7 +118,8 @@ def classify(exc: BaseException) -> str:
     """``retry`` (transient), ``fatal`` (every request would fail) or ``error`` (this request is bad)."""
     import openai
 
-    if isinstance(exc, (openai.APIConnectionError, json.JSONDecodeError, openai.APIResponseValidationError)):
+    if isinstance(exc, (openai.APIConnectionError, json.JSONDecodeError, openai.APIResponseValidationError,
+                        MalformedResponse)):
         return "retry"  # timeouts, dropped connections, cut-off JSON
     if isinstance(exc, openai.APIStatusError):
         if exc.status_code in RETRY_STATUS or exc.status_code >= 500:
@@ -136,9 +141,12 @@ async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int
     extra: dict[str, Any] = {"chat_template_kwargs": template_kwargs}
     if return_token_ids:
         extra["return_token_ids"] = True
-    return await ep.client.chat.completions.create(
+    resp = await ep.client.chat.completions.create(
         model=ep.model, messages=messages, max_completion_tokens=max_completion_tokens, temperature=temperature,
         top_p=top_p, seed=seed, extra_body=extra)
+    if not getattr(resp, "choices", None) or getattr(resp.choices[0], "message", None) is None:
+        raise MalformedResponse(f"no choices[0].message in the answer: {str(resp)[:200]}")
+    return resp
 
 
 async def with_retries(call, *, max_retries: int, backoff_s: float, in_flight: InFlight,

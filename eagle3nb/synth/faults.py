@@ -1,7 +1,7 @@
 """A scripted OpenAI-compatible chat server for proving the synth client robust and fast.
 
 It answers at once, after a random latency, or with the faults real servers produce under load: 5xx, 429,
-a hang past the client's timeout, a dropped connection, a 200 whose JSON is cut short, a 400. Faults are
+a hang past the client's timeout, a dropped connection, a 200 whose JSON is cut short or has no choice, a 400. Faults are
 planned per conversation and attempt, deterministically from a seed, so a test knows what to expect.
 It speaks raw HTTP/1.1 over asyncio (keep-alive included): a dropped connection is really dropped, and the
 server costs little enough to measure a client against it. Runs on a thread (``with FaultServer(...)``) or
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-FAULTS = ("500", "503", "429", "timeout", "drop", "malformed", "400")
+FAULTS = ("500", "503", "429", "timeout", "drop", "malformed", "nochoice", "400")
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
            503: "Service Unavailable"}
 
@@ -97,6 +97,8 @@ class FaultServer:
             await self._send(writer, int(fault), json.dumps(err).encode())
         elif fault == "malformed":
             await self._send(writer, 200, json.dumps(self.answer(body)).encode()[:40])
+        elif fault == "nochoice":
+            await self._send(writer, 200, json.dumps({**self.answer(body), "choices": []}).encode())
         else:
             await self._send(writer, 200, json.dumps(self.answer(body)).encode())
         return True

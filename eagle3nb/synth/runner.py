@@ -23,7 +23,7 @@ from eagle3nb.synth.client import Endpoint, FatalServerError, InFlight, chat, co
 from eagle3nb.synth.params import STAGE, SynthParams
 from eagle3nb.synth.prompts import load_prompts
 from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
-from eagle3nb.synth.store import SampleWriter, check_run_config, latest
+from eagle3nb.synth.store import HEAVY, SampleWriter, check_run_config, latest
 from eagle3nb.synth.stream import StreamError, Template, build, naive_text
 from eagle3nb.tokens import segment_ids
 
@@ -193,7 +193,7 @@ class Session:
         self.writer.write(recs)
         for rec in recs:
             self.early_check(rec)
-            self.records.append({k: v for k, v in rec.items() if k not in ("messages", "input_ids", "loss_mask")})
+            self.records.append({k: v for k, v in rec.items() if k not in HEAVY})
         elapsed = max(time.time() - self.t0, 1e-9)
         out_tokens = sum(r["tokens"]["reasoning"] + r["tokens"]["content"] for r in self.records)
         self.progress.update(len(recs), ok=sum(r["status"] == "ok" for r in self.records),
