@@ -13,6 +13,7 @@ from typing import Any
 
 from eagle3nb.doctor import FAIL, PASS, SKIP, WARN, CheckResult
 from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Unavailable
+from eagle3nb.formulas import speedup
 from eagle3nb.tokens import THINK_END, THINK_START
 
 # data_health: shares of samples (of all ids) above which the data is suspect / unusable
@@ -28,8 +29,9 @@ COVERAGE_TOKENS = 4096
 DISK_WARN = 0.8
 # draft_sanity: position-0 acceptance (greedy) on a few held-out samples
 SANITY_SAMPLES, SANITY_K = 8, 3
-SANITY_WARN = 0.5
 CHANCE_MARGIN = 0.10  # a draft is "near chance" below chance + this
+# warn when the predicted speedup at typical costs (a 1-layer draft of a deep target) is marginal
+TYPICAL_COST_RATIO, TYPICAL_OVERHEAD, SPEEDUP_WARN = 0.05, 0.10, 1.2
 
 
 def _result(name: str, problems: list[tuple[str, str, str]], measured: str, details: dict) -> CheckResult:
@@ -237,7 +239,7 @@ def check_layer_ids(ctx: Context) -> CheckResult:
     except LayerIdError as e:
         problems.append((FAIL, str(e), ""))
     said = [f"{src} {data} (HF/vLLM; SGLang {to_sglang(data)}) for {L} layers"]
-    engine_key = "top-level" if ctx.serving_engine == "vllm" else "eagle_config."
+    engine_key = "top-level " if ctx.serving_engine == "vllm" else "eagle_config."
     for label, d in ctx.drafts:
         cfg = json.loads((d / "config.json").read_text())
         top = cfg.get("eagle_aux_hidden_state_layer_ids")
@@ -555,18 +557,20 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.think_ids)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])
+    gain = speedup(tau, SANITY_K, TYPICAL_COST_RATIO, TYPICAL_OVERHEAD)
     details = {"per_position": res["per_position"], "acceptance_length": tau, "chance": chance,
-               "samples": len(data), "draft": str(drafts[0])}
+               "predicted_speedup": gain, "samples": len(data), "draft": str(drafts[0])}
     measured = (f"{len(data)} held-out samples, greedy k={SANITY_K}: first-token acceptance {a0:.1%} "
-                f"(chance {chance:.1%}), tau {tau:.2f}")
+                f"(chance {chance:.1%}), tau {tau:.2f}, ~{gain:.2f}x at typical costs (c={TYPICAL_COST_RATIO}, "
+                f"overhead {TYPICAL_OVERHEAD})")
     if a0 < chance + CHANCE_MARGIN:
         causes = rank_causes(prior)
         details["likely_causes"] = causes
         return CheckResult("draft_sanity", FAIL, f"the draft is near chance: {measured}",
                            "likeliest causes: " + " | ".join(f"{i + 1}. {c}" for i, c in enumerate(causes[:4])),
                            details)
-    if a0 < SANITY_WARN:
-        return CheckResult("draft_sanity", WARN, f"low acceptance: {measured}",
+    if gain < SPEEDUP_WARN:
+        return CheckResult("draft_sanity", WARN, f"acceptance too low to pay off: {measured}",
                            "train longer or on more data (03_train max_steps / 01 max_samples)", details)
     return CheckResult("draft_sanity", PASS, measured, "", details)
 
