@@ -96,6 +96,8 @@ def test_params_errors_say_what_to_fix(tmp_path):
         from_dict("01_synth", {"vllm_url": "localhost:8000"})
     with pytest.raises(ParamsError, match=r"'prompts'.*does not exist"):
         from_dict("01_synth", {"prompts": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(ParamsError, match="unknown toy model 'toy:large'"):
+        from_dict("01_synth", {"model_path": "toy:large"})
     P = from_dict("01_synth", {"vllm_url": ["http://a:8000", "http://b:8000/v1"]})
     assert P.urls == ["http://a:8000", "http://b:8000/v1"]
 

@@ -86,7 +86,15 @@ class SynthParams(StageParams):
         return {k: getattr(self, k) for k in DATA_KEYS}
 
     def check_paths(self) -> None:
+        from eagle3nb.toy.build import SIZES
+
         src = self.params_file or "the notebook's parameters cell"
+        if self.model_path.startswith("toy:") and self.model_path[4:] not in SIZES:
+            raise ParamsError(f"parameter 'model_path' in {src}: unknown toy model {self.model_path!r}; use "
+                              f"{' or '.join('toy:' + k for k in SIZES)}, or a Hugging Face model folder")
+        if self.prompts.startswith("toy:") and self.prompts not in ("toy:train", "toy:heldout"):
+            raise ParamsError(f"parameter 'prompts' in {src}: unknown toy prompt set {self.prompts!r}; use "
+                              f"toy:train or toy:heldout, or a JSONL / parquet file")
         if not self.model_path.startswith("toy:") and not resolve(self.model_path).is_dir():
             raise ParamsError(f"parameter 'model_path' in {src}: folder {resolve(self.model_path)} does not exist; "
                               f"point it at the target's Hugging Face folder (tokenizer + chat template) or use toy:demo")

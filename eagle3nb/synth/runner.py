@@ -100,6 +100,7 @@ class Session:
     def __init__(self, P: SynthParams, tpl: Template, todo: list[dict], progress: Progress):
         self.P, self.tpl, self.todo, self.progress = P, tpl, todo, progress
         self.halt = threading.Event()
+        self.progress_lock = threading.Lock()  # the writer thread and the loop's heartbeat both report
         self.fatal: BaseException | None = None
         self.in_flight = InFlight()
         self.records: list[dict] = []  # this session's records, heavy fields dropped
@@ -107,6 +108,7 @@ class Session:
         self.endpoints: list[Endpoint] = []
         self.rr = 0
         self.checked: list[bool] = []
+        self.n_ok = self.out_tokens = 0
         self.writer: SampleWriter | None = None
         self.urls = P.urls
         self.t0 = self.t1 = 0.0
@@ -194,11 +196,19 @@ class Session:
         for rec in recs:
             self.early_check(rec)
             self.records.append({k: v for k, v in rec.items() if k not in HEAVY})
+            self.n_ok += rec["status"] == "ok"
+            self.out_tokens += rec["tokens"]["reasoning"] + rec["tokens"]["content"]
         elapsed = max(time.time() - self.t0, 1e-9)
-        out_tokens = sum(r["tokens"]["reasoning"] + r["tokens"]["content"] for r in self.records)
-        self.progress.update(len(recs), ok=sum(r["status"] == "ok" for r in self.records),
-                             not_ok=sum(r["status"] != "ok" for r in self.records),
-                             out_tok_s=round(out_tokens / elapsed, 1), in_flight=self.in_flight.now)
+        with self.progress_lock:
+            self.progress.update(len(recs), ok=self.n_ok, not_ok=len(self.records) - self.n_ok,
+                                 out_tok_s=round(self.out_tokens / elapsed, 1), in_flight=self.in_flight.now)
+
+    async def heartbeat(self, every_s: float = 5.0) -> None:
+        """Keep the progress line and file alive while long answers are still being generated."""
+        while True:
+            await asyncio.sleep(every_s)
+            with self.progress_lock:
+                self.progress.update(0, in_flight=self.in_flight.now)
 
     async def write_loop(self, results: asyncio.Queue) -> None:
         final = False
@@ -225,6 +235,7 @@ class Session:
             writer = asyncio.create_task(self.write_loop(results))
             workers = [asyncio.create_task(self.worker(results)) for _ in range(min(P.concurrency, len(self.todo)))]
             halted = asyncio.ensure_future(asyncio.to_thread(self.halt.wait))
+            beat = asyncio.create_task(self.heartbeat())
             all_done = asyncio.gather(*workers, return_exceptions=True)
             await asyncio.wait([all_done, halted, writer], return_when=asyncio.FIRST_COMPLETED)
             if writer.done() and writer.exception() is not None:
@@ -233,6 +244,7 @@ class Session:
                 for w in workers:
                     w.cancel()
             outcomes = await all_done
+            beat.cancel()
             self.halt.set()  # releases the waiting thread
             await halted
             await results.put(None)
@@ -288,6 +300,9 @@ def run(P: SynthParams) -> dict[str, Any]:
             state = "stopped"
             raise KeyboardInterrupt(f"01_synth stopped; {len(session.records)} new samples saved in {stage_dir}. "
                                     f"Run it again with the same parameters to resume.")
+    except KeyboardInterrupt:
+        state = "stopped"
+        raise
     except BaseException:
         if state == "done":
             state = "failed"
