@@ -23,11 +23,13 @@ ROWS = [
      "category": "math"},
     {"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Red."}]},
     {"prompt": "Say hi."},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "bye."}]}]},
 ]
 EXPECTED = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
     [{"role": "user", "content": "Name a colour."}],  # the dataset's own answer is dropped
     [{"role": "user", "content": "Say hi."}],
+    [{"role": "user", "content": "Say bye."}],  # OpenAI content parts joined
 ]
 
 

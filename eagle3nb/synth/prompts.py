@@ -38,11 +38,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _text(content: Any) -> Any:
+    """OpenAI content parts ``[{"type": "text", "text": ...}]`` joined into one string; other values as given."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(p.get("text") or "" for p in content)
+    return content
+
+
 def to_messages(row: dict, where: str) -> list[dict]:
     """OpenAI-style messages of one row, ending with a user turn."""
     if row.get("messages") is not None:
         raw = _plain(row["messages"])
-        msgs = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in raw]
+        msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} if isinstance(m, dict) else m for m in raw]
     elif row.get("conversations") is not None:
         msgs = []
         for m in _plain(row["conversations"]):
