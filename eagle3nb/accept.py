@@ -635,26 +635,34 @@ def cached(path: Path, config: dict[str, Any], fn) -> dict[str, Any]:
 
 
 def load_models(P: AcceptParams, need_target: bool = True):
-    """(target or None, draft, tokenizer) for the stage; the draft gets the target's embedding when its
-    checkpoint carries none."""
+    """(target or None, draft, tokenizer) for the stage, after checking that the draft fits both the held-out
+    data and the target (sizes, vocabulary, aux layers), so a mismatch stops here, naming both sides. The
+    draft gets the target's embedding when its checkpoint carries none."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft import check_fits, load_draft
+    from eagle3nb.hidden import HiddenStates
     from eagle3nb.toy import resolve_model_path
 
     model_dir = resolve_model_path(P.model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+    data = HiddenStates(P.data_path)
     target = None
-    embed = None
     if need_target:
         target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         embed = target.get_input_embeddings().weight.detach()
-    if embed is None:
-        from eagle3nb.hidden import HiddenStates
-
-        embed = HiddenStates(P.data_path).embed_tokens()
+    else:
+        embed = data.embed_tokens()
     draft = load_draft(P.draft_path, embed_tokens=embed)
+    meta = data.meta
+    check_fits(draft.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
+               layer_ids=meta["layer_ids"], num_layers=meta["num_layers"], draft=f"the draft {P.draft_path}",
+               data=f"the held-out data {P.data_path}")
+    tc = json.loads((model_dir / "config.json").read_text())
+    tc = tc.get("text_config") or tc
+    check_fits(draft.config, hidden_size=tc["hidden_size"], vocab_size=tc["vocab_size"], layer_ids=None,
+               num_layers=tc["num_hidden_layers"], draft=f"the draft {P.draft_path}", data=f"the target {model_dir}")
     return target, draft, tokenizer
 
 
