@@ -262,6 +262,10 @@ def test_reasoning_content_and_missing_reasoning_stop_early(tmp_path, toy_smoke)
         m = run(synth_params(tmp_path, vllm_url=srv.url, max_samples=6))
         assert m["counts"]["ok"] == 6
         assert all(r["reasoning"].startswith("The user asks") for r in load_samples(tmp_path / "out"))
+        asked = len(srv.served)
+        with pytest.raises(ParamsError, match="max_completion_tokens: 256 -> 512"):
+            run(synth_params(tmp_path, vllm_url=srv.url, max_samples=12, max_completion_tokens=512))
+        assert len(srv.served) == asked  # refused before any request
     out2 = tmp_path / "noparser"
     with FaultServer(reasoning_field=None) as srv:  # a server without a reasoning parser
         with pytest.raises(SynthError, match="--reasoning-parser kimi_k2"):
