@@ -45,8 +45,9 @@ class RunLocked(RuntimeError):
     """Another live run holds this output folder."""
 
 
-class _Interrupted(BaseException):
-    """Raised from the SIGTERM/SIGHUP handler so the running stage is recorded as killed."""
+class _Interrupted(KeyboardInterrupt):
+    """Raised from the signal handler so the running stage is recorded as killed. A KeyboardInterrupt,
+    because asyncio (under papermill) re-raises those from its callbacks but swallows other exceptions."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -176,6 +177,7 @@ def _lock(out_dir: Path, fd: int | None = None) -> int:
         raise RunLocked(
             f"{out_dir} is in use by run pid {holder} (it holds {path}); refusing to start a second run there. "
             f"Follow it with `eagle3nb status {out_dir}`, wait for it, or stop it with `kill {holder}`.") from None
+    os.set_inheritable(fd, False)  # an fd handed over by a detaching parent goes no further
     _write_pid(fd, os.getpid())
     return fd
 
