@@ -43,7 +43,10 @@ def prepare_samples(P: HiddenParams) -> tuple[list[dict], dict]:
 
     if not P.synth_path.is_dir():
         raise HiddenStatesError(f"synth_dir {P.synth_path} does not exist: run 01_synth first or set synth_dir")
-    records = sorted(load_samples(P.synth_path, statuses=None), key=lambda r: r["id"])
+    try:
+        records = sorted(load_samples(P.synth_path, statuses=None), key=lambda r: r["id"])
+    except FileNotFoundError as e:
+        raise HiddenStatesError(str(e)) from None
     dropped: dict[str, int] = {}
     keep = []
     for r in records:
