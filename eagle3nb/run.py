@@ -125,7 +125,7 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
     requested = parse_stages(stages)
     chosen = requested or list(STAGES)
     nb_dir = _user_path(notebooks_dir) if notebooks_dir else project_root() / "notebooks"
-    root = _user_path(output_root) if output_root else project_root() / "outputs"
+    root = Path(output_root).expanduser().resolve() if output_root else project_root() / "outputs"
     values, stage_dirs, problems, notes = {}, {}, [], []
     for stage in chosen:
         if not (params_dir / f"{stage}.yaml").exists():
@@ -450,9 +450,12 @@ def status(run_out_dir: str | os.PathLike) -> dict[str, Any]:
     out = _user_path(run_out_dir)
     st = _load_status(out)
     if st is None:
-        hint = (f"{out} is a parameter folder; status takes the run's output folder, outputs/{out.name}/"
-                if any(out.glob("*.yaml")) else f"nothing has run into {out} yet; start a run with "
-                f"`eagle3nb run params/<run>/`")
+        if any(out.glob("*.yaml")):
+            hint = f"{out} is a parameter folder; status takes the run's output folder, outputs/{out.name}/"
+        elif (out / LOG_FILE).exists():
+            hint = f"the run has not recorded a stage yet; see {_rel(out / LOG_FILE)}"
+        else:
+            hint = f"nothing has run into {out} yet; start a run with `eagle3nb run params/<run>/`"
         raise FileNotFoundError(f"no {STATUS_FILE} in {out}: {hint}")
     alive = _pid_alive(st.get("pid"), st.get("pid_started"))
     st["pid_alive"] = alive
