@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -331,7 +332,7 @@ def test_detach_survives_its_terminal_and_refuses_a_second_run(world):
     hold.touch()
     w.set("03_train", steps=2, hold_at=1, hold_file=str(hold))
     said = w.data.parent / "terminal.txt"
-    cmd = " ".join(map(repr, w.run_args("--stages", "03", "--detach")))
+    cmd = shlex.join(w.run_args("--stages", "03", "--detach"))
     # a "terminal": the shell stays after the parent returns, so its process group can be killed later
     term = subprocess.Popen(["bash", "-c", f"{cmd} > {said} 2>&1; echo parent-returned-$? >> {said}; exec sleep 300"],
                             cwd=ROOT, env=w.env, start_new_session=True, stdin=subprocess.DEVNULL)
