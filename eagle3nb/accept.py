@@ -145,26 +145,28 @@ class AcceptParams(StageParams):
 # ----------------------------------------------------------------------------------------- offline
 
 
-def chain_logits(draft, aux, input_ids, steps: int) -> list:
-    """Draft logits of a K-step chain from every position, in parallel (training-time-test attention).
+def chain_logits(draft, aux, input_ids, steps: int):
+    """Draft logits of a K-step chain from every position, in parallel (training-time-test attention), one
+    step at a time (a generator, so only one step's logits are held).
 
-    aux [T, 3H], input_ids [T]. Step j at position t feeds the token t+1+j and predicts token t+2+j; returns
-    ``steps`` tensors [T-1, draft_vocab]. Positions follow decoding: step j sits at position t + j."""
+    aux [T, 3H], input_ids [T]. Step j at position t feeds the token t+1+j and predicts token t+2+j; yields
+    ``steps`` tensors [T-1, draft_vocab] on the draft's device. Positions follow decoding: step j sits at
+    position t + j."""
     import torch
 
     from eagle3nb.draft import TTTCache
 
+    dev = draft.fc.weight.device
     T = input_ids.shape[0]
     cache = TTTCache()
-    pos = torch.arange(T - 1)[None]
-    hidden = draft.fuse(aux[None, :-1])
-    out = []
+    pos = torch.arange(T - 1, device=dev)[None]
+    hidden = draft.fuse(aux[None, :-1].to(dev))
+    input_ids = input_ids.to(dev)
     for j in range(steps):
-        ids = torch.zeros(T - 1, dtype=torch.long)
+        ids = torch.zeros(T - 1, dtype=torch.long, device=dev)
         ids[: max(0, T - 1 - j)] = input_ids[1 + j:]
         hidden, logits = draft(hidden, ids[None], pos + j, cache=cache)
-        out.append(logits[0].float())
-    return out
+        yield logits[0].float()
 
 
 def expected_acceptance(q, p):
@@ -181,28 +183,32 @@ def chain_acceptance(draft, item: dict, target_argmax, target_probs, steps: int,
     only when the tokens t+2..t+2+j exist and are all generated ones, i.e. in the loss mask)."""
     import torch
 
-    ids, mask = item["input_ids"], item["loss_mask"].bool()
+    dev = draft.fc.weight.device
+    ids, mask = item["input_ids"], item["loss_mask"].bool().to(dev)
+    target_argmax = target_argmax.to(dev)
+    target_probs = target_probs.to(dev) if target_probs is not None else None
     T = ids.shape[0]
-    logits = chain_logits(draft, item["aux"], ids, steps)
     n = T - 1
-    greedy = torch.zeros(steps, n)
-    sampled = torch.zeros(steps, n) if target_probs is not None else None
-    valid = torch.zeros(steps, n, dtype=torch.bool)
-    ok = torch.ones(n, dtype=torch.bool)
-    for j, lg in enumerate(logits):
-        m = n - 1 - j  # positions t whose step-j target (the target's distribution at t+1+j) exists
-        if m <= 0:
-            break
-        tgt = torch.zeros(n, dtype=torch.bool)
-        tgt[:m] = mask[2 + j:]
-        ok = ok & tgt
-        valid[j] = ok
-        pred = draft.draft_to_target(lg[:m].argmax(-1))
-        greedy[j, :m] = (pred == target_argmax[1 + j: 1 + j + m]).float()
-        if sampled is not None:
-            q = torch.softmax(lg[:m] / temperature, dim=-1)
-            sampled[j, :m] = expected_acceptance(q, target_probs[1 + j: 1 + j + m])
-    return {"greedy": greedy, "sampled": sampled, "valid": valid}
+    greedy = torch.zeros(steps, n, device=dev)
+    sampled = torch.zeros(steps, n, device=dev) if target_probs is not None else None
+    valid = torch.zeros(steps, n, dtype=torch.bool, device=dev)
+    ok = torch.ones(n, dtype=torch.bool, device=dev)
+    with torch.no_grad():  # evaluation only, whoever calls it
+        for j, lg in enumerate(chain_logits(draft, item["aux"], ids, steps)):
+            m = n - 1 - j  # positions t whose step-j target (the target's distribution at t+1+j) exists
+            if m <= 0:
+                break
+            tgt = torch.zeros(n, dtype=torch.bool, device=dev)
+            tgt[:m] = mask[2 + j:]
+            ok = ok & tgt
+            valid[j] = ok
+            pred = draft.draft_to_target(lg[:m].argmax(-1))
+            greedy[j, :m] = (pred == target_argmax[1 + j: 1 + j + m]).float()
+            if sampled is not None:
+                q = torch.softmax(lg[:m] / temperature, dim=-1)
+                sampled[j, :m] = expected_acceptance(q, target_probs[1 + j: 1 + j + m])
+    return {"greedy": greedy.cpu(), "sampled": sampled.cpu() if sampled is not None else None,
+            "valid": valid.cpu()}
 
 
 def simulate_rounds(greedy, valid, mask, k: int) -> list[int]:
@@ -245,17 +251,18 @@ def summarize_chain(acc, valid, k: int) -> dict[str, Any]:
             "tau_by_k": taus, "acceptance_rate": (taus[k - 1] - 1) / k, "positions": int(valid[0].sum())}
 
 
-def target_probs_for(draft, data, item: dict, temperature: float, chunk: int = 512):
+def target_probs_for(draft, data, item: dict, temperature: float, head=None, chunk: int = 512):
     """float32 [T, draft_vocab]: the target's probability of each of the *draft's* tokens at ``temperature``.
-    From the stored final state: the full-vocabulary softmax, so mass outside the draft vocabulary counts as
-    never acceptable (exact). From compact (top-k) storage: the data's draft-vocabulary distribution, which
-    must be the draft's vocabulary (and overstates acceptance by the mass outside it)."""
+    From the stored final state: the full-vocabulary softmax through ``head`` (the target's lm_head [V, H],
+    on the draft's device), so mass outside the draft vocabulary counts as never acceptable (exact). From
+    compact (top-k) storage: the data's draft-vocabulary distribution, which must be the draft's vocabulary
+    (and overstates acceptance by the mass outside it)."""
     import torch
 
-    ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))
+    ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
     if "final" in item:
-        head = data.lm_head().float()
-        final = item["final"].float()
+        head = data.lm_head().float().to(ids.device) if head is None else head
+        final = item["final"].float().to(head.device)
         out = []
         for s in range(0, final.shape[0], chunk):
             logits = final[s:s + chunk] @ head.T / temperature
@@ -302,6 +309,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
     if not indices:
         raise ValueError("no held-out samples to measure on: extract hidden states of held-out prompts (02) and "
                          "set data_dir, or raise 03_train's holdout_fraction")
+    head = data.lm_head().float().to(draft.fc.weight.device) if temperature > 0 else None
     prog = Progress(stage_dir, len(indices), "offline acceptance", "samples") if stage_dir else None
     parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": [], "rounds": []}
     skipped = 0
@@ -311,7 +319,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
             if item["input_ids"].shape[0] < 3:
                 skipped += 1
                 continue
-            probs = target_probs_for(draft, data, item, temperature) if temperature > 0 else None
+            probs = target_probs_for(draft, data, item, temperature, head) if temperature > 0 else None
             r = chain_acceptance(draft, item, data.target_argmax(item), probs, max_k, temperature)
             parts["rounds"] += simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k)
             ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
@@ -648,13 +656,14 @@ def load_models(P: AcceptParams, need_target: bool = True):
     model_dir = resolve_model_path(P.model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
     data = HiddenStates(P.data_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     target = None
     if need_target:
-        target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
         embed = target.get_input_embeddings().weight.detach()
     else:
         embed = data.embed_tokens()
-    draft = load_draft(P.draft_path, embed_tokens=embed)
+    draft = load_draft(P.draft_path, embed_tokens=embed, device=device)
     meta = data.meta
     check_fits(draft.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
                layer_ids=meta["layer_ids"], num_layers=meta["num_layers"], draft=f"the draft {P.draft_path}",

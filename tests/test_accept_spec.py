@@ -120,3 +120,24 @@ def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
     assert abs(local["acceptance_length"] - off["acceptance_length"]) < 0.5
     assert set(off["by_segment"]) == {"reasoning", "answer"}
     assert off["by_category"], "held-out toy prompts carry categories"
+
+
+def test_sampled_offline_acceptance_is_one_minus_tv_against_the_targets_full_distribution(world):
+    """At T=1 the offline acceptance of a position equals sum_v min(p_v, q_v) with p the target's own softmax
+    over its whole vocabulary (from a fresh forward pass) and q the draft's, placed on the target vocabulary."""
+    from eagle3nb.accept import chain_acceptance, chain_logits, offline_acceptance, target_probs_for
+
+    data, draft, target = world["data"], world["draft"], world["target"]
+    off = offline_acceptance(draft, data, 3, 3, temperature=1.0)
+    assert off["sampled"] is not None and off["per_position"] == off["sampled"]["per_position"]
+    assert 0.0 < off["per_position"][0] < 1.0
+
+    item = data[0]
+    r = chain_acceptance(draft, item, data.target_argmax(item), target_probs_for(draft, data, item, 1.0), 1, 1.0)
+    with torch.no_grad():
+        p = torch.softmax(target(item["input_ids"][None]).logits[0].float(), dim=-1)
+        q_draft = torch.softmax(next(chain_logits(draft, item["aux"], item["input_ids"], 1)), dim=-1)
+    ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))
+    t = int(item["loss_mask"].nonzero()[0])  # draft at t predicts token t+2, the target's distribution at t+1
+    q = torch.zeros(p.shape[-1]).index_copy(0, ids, q_draft[t])
+    assert float(r["sampled"][0, t]) == pytest.approx(float(torch.minimum(p[t + 1], q).sum()), abs=1e-4)
