@@ -81,7 +81,8 @@ def test_reasoning_content_field_with_server_ids(tmp_path, servers, tpl, toy_smo
         elif tpl.think_ids[1] not in completion:
             assert r["ids_match"] is False  # the template would invent a </think> the model never wrote
     assert formed >= 1, "the toy target wrote no well-formed <think>..</think>..<|im_end|> answer: its training regressed"
-    assert m["ids_compared"] == 8 and m["ids_mismatch"] == sum(r["ids_match"] is False for r in rows)
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert m["ids_compared"] == len(ok) and m["ids_mismatch"] == sum(r["ids_match"] is False for r in ok)
 
 
 def test_inline_think_tags_without_server_ids(tmp_path, servers, tpl, toy_smoke):

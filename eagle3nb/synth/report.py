@@ -27,7 +27,7 @@ def metrics(stage_dir: Path, prompts: list[dict], session: Any, torn: list[str])
     ok = [r for r in recs.values() if r["status"] == "ok"]
     tokens = {k: sum(r["tokens"][k] for r in ok) for k in ("prompt", "reasoning", "content")}
     answered = [r for r in recs.values() if r["status"] != "error"]
-    compared = [r["ids_match"] for r in answered if r.get("ids_match") is not None]
+    compared = [r["ids_match"] for r in ok if r.get("ids_match") is not None]  # what training will read
     errors = Counter(r["error"].split(":")[0] for r in recs.values() if r["status"] == "error" and r.get("error"))
     mine = session.records
     wall = max(session.t1 - session.t0, 1e-9) if mine else 0.0
@@ -72,7 +72,8 @@ def summary(m: dict[str, Any]) -> str:
                      f"{s['output_tokens_per_s']:.1f} output tok/s, {s['retries']} retries, "
                      f"{s['in_flight_mean']:.1f} in flight on average")
     if m["ids_compared"]:
-        lines.append(f"  server token ids vs template rendering: {m['ids_mismatch']} of {m['ids_compared']} differ")
+        lines.append(f"  server token ids vs template rendering: {m['ids_mismatch']} of {m['ids_compared']} ok samples differ "
+                     f"(the server ids are kept; eagle3nb doctor explains the differences)")
     return "\n".join(lines)
 
 
