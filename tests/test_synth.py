@@ -274,6 +274,10 @@ def test_reasoning_content_and_missing_reasoning_stop_early(tmp_path, toy_smoke)
     saved = load_samples(out2, statuses=None)
     assert saved and all(r["status"] == "no_reasoning" for r in saved)
     assert json.loads((out2 / "progress.json").read_text())["state"] == "failed"
+    with FaultServer(fault_rate=1.0, faults=("400",), max_faults=1) as srv:  # every request rejected
+        with pytest.raises(SynthError, match=r"the first 8 requests all failed, e.g. BadRequestError 400"):
+            run(synth_params(tmp_path, vllm_url=srv.url, output_dir=str(tmp_path / "rejected"), concurrency=2))
+        assert len(srv.served) < 30
 
 
 def test_exactly_concurrency_requests_in_flight(tmp_path, toy_smoke):

@@ -107,7 +107,8 @@ class Session:
         self.next_index = 0
         self.endpoints: list[Endpoint] = []
         self.rr = 0
-        self.checked: list[bool] = []
+        self.checked: list[bool] = []  # reasoning present, for the first answers
+        self.first: list[dict] = []  # the first records, to catch a run where everything fails
         self.n_ok = self.out_tokens = 0
         self.writer: SampleWriter | None = None
         self.urls = P.urls
@@ -182,12 +183,19 @@ class Session:
         return rec
 
     def early_check(self, rec: dict) -> None:
-        """Stop when thinking is on and the first responses all lack reasoning (the story's broken data)."""
-        if not self.P.thinking or rec["status"] == "error" or len(self.checked) >= EARLY_CHECK:
+        """Stop after the first few answers when every one failed (a setting the server rejects) or, with
+        thinking on, every one lacks reasoning (the story's broken data): minutes lost, not hours."""
+        n = min(EARLY_CHECK, len(self.todo))
+        if len(self.first) < n:
+            self.first.append(rec)
+            if len(self.first) == n and all(r["status"] == "error" for r in self.first):
+                self.stop(SynthError(f"the first {n} requests all failed, e.g. {self.first[0]['error']}; fix the "
+                                     f"setting or server it names, then run again"))
+        if not self.P.thinking or rec["status"] == "error" or len(self.checked) >= n:
             return
         self.checked.append(rec["reasoning"] is not None)
-        if len(self.checked) == min(EARLY_CHECK, len(self.todo)) and not any(self.checked):
-            self.stop(SynthError(NO_REASONING_FIX.format(n=len(self.checked), kwarg=self.P.thinking_kwarg)))
+        if len(self.checked) == n and not any(self.checked):
+            self.stop(SynthError(NO_REASONING_FIX.format(n=n, kwarg=self.P.thinking_kwarg)))
 
     def process(self, batch: list[tuple]) -> None:
         """Writer thread: records for a batch of answers, appended and fsynced in one go, then progress."""
