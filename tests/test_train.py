@@ -195,3 +195,15 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(referen
     ev = [r for r in read_metrics(out) if r["kind"] == "eval"]
     ref = [r for r in read_metrics(reference) if r["kind"] == "eval"]
     assert [a for r in ev for a in r["acc"]] == pytest.approx([a for r in ref for a in r["acc"]], abs=1e-3)
+
+
+def test_device_targets_equal_the_readers(data_dir):
+    """The loss targets computed on the training device are the reader's, exactly (here both on CPU)."""
+    from eagle3nb.hidden import HiddenStates
+    from eagle3nb.train.data import DeviceTargets
+
+    data = HiddenStates(data_dir)
+    targets = DeviceTargets(data, torch.device("cpu"))
+    for i in range(3):
+        probs, argmax = targets(data[i])
+        assert torch.equal(probs, data.target_probs(data[i])) and torch.equal(argmax, data.target_argmax(data[i]))

@@ -60,26 +60,52 @@ def schedule(train_idx: list[int], lengths: list[int], *, batch_tokens: int, max
     return steps, dropped
 
 
-def collate(data: Any, indices: list[int], max_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+class DeviceTargets:
+    """The loss targets of ``HiddenStates.target_probs`` / ``target_argmax``, computed on the training device
+    from the stored final state. On CPU per sample they would dominate a big run (Kimi's argmax alone is
+    2 x 7168 x 163840 FLOPs per token); on the GPU they are two matmuls against the target's lm_head.
+    Data stored without the final state (top-k storage) keeps the reader's own cheap path."""
+
+    def __init__(self, data: Any, device: torch.device):
+        self.data, self.device = data, device
+        self.head: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+
+    def __call__(self, item: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "final" not in item:
+            return self.data.target_probs(item).to(self.device), self.data.target_argmax(item).to(self.device)
+        if self.head is None:
+            self.head = self.data.lm_head().to(self.device, torch.float32)
+            d2t = self.data.d2t.to(self.device)
+            self.rows = self.head[d2t + torch.arange(d2t.shape[0], device=self.device)]
+        final = item["final"].to(self.device, torch.float32)
+        probs = torch.softmax(final @ self.rows.T, dim=-1)
+        argmax = torch.cat([(final[s:s + 1024] @ self.head.T).argmax(-1) for s in range(0, final.shape[0], 1024)])
+        return probs, argmax
+
+
+def collate(data: Any, indices: list[int], max_length: int, device: torch.device,
+            targets: DeviceTargets | None = None) -> dict[str, torch.Tensor]:
     """Right-padded batch of samples ``indices`` from a ``HiddenStates``. Padding never needs an attention
     mask (causal attention never looks right) and has loss mask 0."""
+    targets = targets or DeviceTargets(data, device)
     items = [data[i] for i in indices]
     T = max(min(len(it["input_ids"]), max_length) for it in items)
     B = len(items)
     width = items[0]["aux"].shape[-1]
-    vd = data.d2t.shape[0]
     out = {
         "aux": torch.zeros(B, T, width),
         "input_ids": torch.zeros(B, T, dtype=torch.int64),
         "loss_mask": torch.zeros(B, T, dtype=torch.int64),
-        "target_argmax": torch.zeros(B, T, dtype=torch.int64),
-        "target_probs": torch.zeros(B, T, vd),
     }
+    argmax = torch.zeros(B, T, dtype=torch.int64, device=device)
+    probs = torch.zeros(B, T, data.d2t.shape[0], device=device)
     for b, it in enumerate(items):
         n = min(len(it["input_ids"]), max_length)
         out["aux"][b, :n] = it["aux"][:n].float()
         out["input_ids"][b, :n] = it["input_ids"][:n]
         out["loss_mask"][b, :n] = it["loss_mask"][:n]
-        out["target_argmax"][b, :n] = data.target_argmax(it)[:n]
-        out["target_probs"][b, :n] = data.target_probs(it)[:n].float()
-    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
+        p, a = targets(it)
+        probs[b, :n], argmax[b, :n] = p[:n], a[:n]
+    batch = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    return {**batch, "target_argmax": argmax, "target_probs": probs}

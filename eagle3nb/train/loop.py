@@ -19,7 +19,7 @@ import torch
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.progress import Progress, write_json_atomic
 from eagle3nb.train.build import build_draft
-from eagle3nb.train.data import collate, schedule, split_holdout
+from eagle3nb.train.data import DeviceTargets, collate, schedule, split_holdout
 from eagle3nb.train.params import CURVE_KEYS, TrainParams
 from eagle3nb.train.ttt import TTTObjective
 
@@ -193,14 +193,14 @@ def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
 
 @torch.no_grad()
 def evaluate(objective: TTTObjective, data, batches: list[list[int]], P: TrainParams, device: torch.device,
-             rank: int = 0, world: int = 1) -> dict[str, Any]:
+             rank: int = 0, world: int = 1, targets: DeviceTargets | None = None) -> dict[str, Any]:
     """Held-out loss, per-step accuracy (draft argmax == target argmax) and simulated acceptance length."""
     was = objective.training
     objective.eval()
     stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
     for mb in batches[rank::world]:
         with autocast_for(P.autocast, device):
-            stats += objective(collate(data, mb, P.max_length, device))[1]
+            stats += objective(collate(data, mb, P.max_length, device, targets))[1]
     objective.train(was)
     return summarize(_all_reduce(stats, world).cpu(), P.step_decay)
 
@@ -258,6 +258,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
         raise FileNotFoundError(f"data_dir {P.data_path} does not exist; run 02_hidden_states first or point "
                                 "data_dir at its output folder")
     data = HiddenStates(P.data_path)
+    targets = DeviceTargets(data, device)
     draft, notes = build_draft(P, data)
     draft.to(device)
     objective = TTTObjective(draft, P.ttt_steps, P.step_decay)
@@ -302,7 +303,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
 
     first_eval = None
     if start == 0:
-        first_eval = evaluate(objective, data, held_batches, P, device, rank, world)
+        first_eval = evaluate(objective, data, held_batches, P, device, rank, world, targets)
         log({"kind": "eval", "step": 0, **first_eval})
     tokens, t0 = 0, time.time()
     for step in range(start, total):
@@ -311,7 +312,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
         stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
         bad = torch.zeros(per_step, device=device)
         for j, mb in enumerate(mine):
-            batch = collate(data, mb, P.max_length, device)
+            batch = collate(data, mb, P.max_length, device, targets)
             sync = j == len(mine) - 1 or world == 1
             with (contextlib.nullcontext() if sync else model.no_sync()), autocast_for(P.autocast, device):
                 loss, st = model(batch)
@@ -338,7 +339,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
             progress.update(1, loss=round(s["loss"], 4), acc0=round(s["acc"][0], 3), lr=row["lr"])
         done = step + 1 == total
         if (P.eval_every and (step + 1) % P.eval_every == 0) or done:
-            ev = evaluate(objective, data, held_batches, P, device, rank, world)
+            ev = evaluate(objective, data, held_batches, P, device, rank, world, targets)
             log({"kind": "eval", "step": step + 1, **ev})
             if rank == 0:
                 print(f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
