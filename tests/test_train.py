@@ -54,7 +54,7 @@ def curve(out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("scratch")
-    return out, train(params(data_dir, out, max_steps=40, lr=5e-3))
+    return out, train(params(data_dir, out, max_steps=40, lr=5e-3, export_format="both"))
 
 
 def test_trained_from_scratch_beats_untrained_and_exports_for_vllm_and_sglang(trained, data_dir):
@@ -79,6 +79,10 @@ def test_trained_from_scratch_beats_untrained_and_exports_for_vllm_and_sglang(tr
     vocab = load_file(data_dir / "draft_vocab.safetensors")
     tensors = load_file(out / "draft" / "model.safetensors")
     assert torch.equal(tensors["d2t"], vocab["d2t"]) and torch.equal(tensors["t2d"], vocab["t2d"])
+    spec = json.loads((out / "draft-speculators" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == meta["model_path"]
+    a, b = load_draft(out / "draft").state_dict(), load_draft(out / "draft-speculators").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
     assert '--speculative-config \'{"method": "eagle3", "model": "' in result["serve"]["vllm"]
     assert "--speculative-draft-model-path" in result["serve"]["sglang"]
 

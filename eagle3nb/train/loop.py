@@ -144,7 +144,11 @@ class Metrics:
         os.replace(tmp, self.path)
         self.tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError("report_to: tensorboard needs the tensorboard package: pip install tensorboard "
+                                  "(or set report_to: none)") from None
 
             self.tb = SummaryWriter(str(out / "tensorboard"))
 
@@ -367,7 +371,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
         "initial_heldout": evals[0] if evals else first_eval, "heldout": evals[-1] if evals else None,
         **notes,
     }
-    result.update(export(draft, P))
+    result.update(export(draft, P, verifier=data.meta.get("model_path")))
     write_json_atomic(out / "metrics.json", result)
     return result
 
@@ -375,9 +379,9 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
 # ---- export ---------------------------------------------------------------------------------------
 
 
-def export(draft, P: TrainParams) -> dict[str, Any]:
+def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]:
     """Write ``draft/`` (EAGLE-3 layout, vLLM ids), ``draft-sglang/`` (same weights, SGLang's output-of-layer
-    ids) and, on request, ``draft-speculators/``; print the serving flags."""
+    ids) and, on request, ``draft-speculators/`` (naming ``verifier``, the target); print the serving flags."""
     from eagle3nb.draft import draft_config_json, save_draft
     from eagle3nb.hidden.layers import to_sglang
 
@@ -402,7 +406,7 @@ def export(draft, P: TrainParams) -> dict[str, Any]:
     if P.export_format in ("speculators", "both"):
         paths["speculators_dir"] = str(save_draft(draft, out / "draft-speculators", format="speculators",
                                                   dtype=dtype, include_embed=P.export_embed_tokens,
-                                                  num_speculative_tokens=k))
+                                                  verifier=verifier, num_speculative_tokens=k))
     paths["serve"] = serve_commands(paths, k)
     for line in paths["serve"].values():
         print(line, flush=True)
