@@ -174,6 +174,9 @@ def test_resume_after_kill9_follows_the_uninterrupted_curve(reference, data_dir,
     assert all(torch.equal(want[k], got[k]) for k in want)
     evals = [r["step"] for r in read_metrics(out) if r["kind"] == "eval"]
     assert evals == [0, 10, 20, 30]
+    # a finished run run again (the notebook after a torchrun run): nothing retrained, the same report
+    again = train(from_dict("03_train", values))
+    assert curve(out) == curve(reference) and again["heldout"]["step"] == 30
 
 
 def free_port() -> int:
