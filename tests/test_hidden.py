@@ -160,10 +160,14 @@ def test_draft_vocab_is_exact_size_sorted_and_padded_when_short():
 # --------------------------------------------------------------------------------- the vLLM backend, for real
 
 def test_vllm_backend_through_embedded_server_equals_transformers(synth, tmp_path):
+    from eagle3nb.hidden.vllm_backend import VllmBackendError
     from eagle3nb.serve import start_server
 
     with start_server(synth.parent / "model", extra_args=["--hidden-states-dir", str(tmp_path / "srv")]) as srv:
         extract(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=srv.url, tokens_per_batch=1))
+        # a server started with other layers than this run's is caught (here: it writes 4 states, we want 3)
+        with pytest.raises(VllmBackendError, match="returns 4 hidden states per token, this run expects 3"):
+            extract(params(synth, tmp_path / "other", backend="vllm", vllm_url=srv.url, aux_layer_ids=[2, 4]))
     assert not list((tmp_path / "srv").iterdir()), "the client deletes each file and its lock after reading"
     extract(params(synth, tmp_path / "hf", tokens_per_batch=1))  # one sample per forward, as the server runs them
     a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
@@ -216,33 +220,39 @@ def _run_subprocess(yaml_path: Path) -> subprocess.Popen:
 
 
 def test_kill_9_and_resume_gives_identical_shards(synth, tmp_path):
+    import threading
+
     cfg = {"synth_dir": str(synth), "model_path": str(synth.parent / "model"), "storage": "bf16", "dtype": "float32",
            "shard_tokens": 60, "tokens_per_batch": 128, "draft_vocab_size": 64}
-    for name in ("ref", "killed"):
-        (tmp_path / f"{name}.yaml").write_text(json.dumps({**cfg, "output_dir": str(tmp_path / name)}))
-    ref = _run_subprocess(tmp_path / "ref.yaml")
+    (tmp_path / "killed.yaml").write_text(json.dumps({**cfg, "output_dir": str(tmp_path / "killed")}))
     victim = _run_subprocess(tmp_path / "killed.yaml")
     plan = tmp_path / "killed" / "plan.json"
-    deadline = time.time() + 240
-    while time.time() < deadline and victim.poll() is None:
-        try:
-            shards = json.loads(plan.read_text())["shards"]
-        except (OSError, ValueError):
-            shards = []
-        if any(s.get("done") for s in shards):
-            victim.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
+    seen: dict = {}
+
+    def kill_after_first_shard() -> None:
+        deadline = time.time() + 240
+        while time.time() < deadline and victim.poll() is None:
+            try:
+                seen["shards"] = json.loads(plan.read_text())["shards"]
+            except (OSError, ValueError):
+                seen["shards"] = []
+            if any(s.get("done") for s in seen["shards"]):
+                victim.send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=kill_after_first_shard)
+    watcher.start()
+    extract(from_dict("02_hidden_states", {**cfg, "output_dir": str(tmp_path / "ref")}))  # meanwhile, the reference
+    watcher.join()
     victim.wait()
     assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     done_before = sum(bool(s.get("done")) for s in json.loads(plan.read_text())["shards"])
-    assert 0 < done_before < len(shards)
+    assert 0 < done_before < len(seen["shards"])
     resumed = _run_subprocess(tmp_path / "killed.yaml")
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out
     assert f"({done_before} already on disk)" in out
-    ref_out, _ = ref.communicate(timeout=300)
-    assert ref.returncode == 0, ref_out
     a, b = (json.loads((tmp_path / d / "index.json").read_text()) for d in ("ref", "killed"))
     assert a["shards"] == b["shards"] and a["samples"] == b["samples"]
     for s in a["shards"]:
