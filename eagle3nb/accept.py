@@ -538,6 +538,7 @@ def plot_alpha(metrics: dict[str, Any]):
     for label, ys, style in series:
         ax.plot(range(1, len(ys) + 1), ys, style, label=label)
     ax.set_ylim(0, 1.02)
+    ax.set_xticks(range(1, max([len(ys) for _, ys, _ in series] + [1]) + 1))
     ax.set_xlabel("draft position i")
     ax.set_ylabel("alpha_i = P(accept i | accepted < i)")
     ax.set_title("Acceptance per position")
@@ -558,6 +559,7 @@ def plot_tau(offline: dict[str, Any], prediction: dict[str, Any] | None = None):
     for a in (0.15, 0.5, 0.85):
         ax.plot(ks, [tau_iid(a, k) for k in ks], color="gray", lw=0.8, ls=":")
         ax.annotate(f"iid a={a}", (ks[-1], tau_iid(a, ks[-1])), fontsize=7, color="gray")
+    ax.set_xticks(ks)
     ax.set_xlabel("k (drafted tokens per step)")
     ax.set_ylabel("tau = tokens per target step")
     ax.set_title("Acceptance length vs k")

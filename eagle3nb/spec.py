@@ -278,6 +278,9 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
     """Decode every prompt plainly and speculatively, side by side: identical outputs (greedy), counters,
     tokens/s of each and the speedup. The local, lossless ground truth for the offline prediction."""
     dec = SpecDecoder(target, draft, k)
+    if prompts:  # warm-up, untimed: first calls pay one-time allocation and dispatch costs
+        plain_generate(target, prompts[0], 4)
+        dec.generate(prompts[0], 4)
     counters = SpecCounters(k)
     plain_s = spec_s = 0.0
     plain_tokens = spec_tokens = 0
