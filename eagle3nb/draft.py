@@ -63,7 +63,6 @@ class Eagle3Config:
 
     def llama_dict(self) -> dict[str, Any]:
         """The Llama decoder-layer keys both layouts share."""
-        rope_scaling = self.rope_scaling
         return {
             "model_type": "llama",
             "num_hidden_layers": 1,
@@ -75,7 +74,7 @@ class Eagle3Config:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": rope_scaling,
+            "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "attention_bias": False,
@@ -398,8 +397,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                             "point at the draft checkpoint folder")
 
 
-def _config_from_json(d: dict[str, Any], path: Path) -> tuple[Eagle3Config, str]:
-    """(config, layout) for an EAGLE-3-layout or speculators-layout config.json."""
+def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
+    """The draft's shape from an EAGLE-3-layout or speculators-layout config.json."""
     if d.get("speculators_model_type") is not None:
         if d["speculators_model_type"] != "eagle3":
             raise DraftMismatchError(f"{path}/config.json: speculators_model_type is "
@@ -411,7 +410,7 @@ def _config_from_json(d: dict[str, Any], path: Path) -> tuple[Eagle3Config, str]
         if d.get("norm_before_residual"):
             raise DraftMismatchError(f"{path}: norm_before_residual=true drafts are not supported "
                                      "(the residual would be the normed feature)")
-        return cfg, "speculators"
+        return cfg
     if "hidden_size" not in d:
         raise DraftMismatchError(f"{path}/config.json is neither an EAGLE-3 draft config (LlamaForCausalLMEagle3) "
                                  "nor a speculators config (speculators_model_type)")
@@ -420,7 +419,7 @@ def _config_from_json(d: dict[str, Any], path: Path) -> tuple[Eagle3Config, str]
     if d.get("num_hidden_layers", 1) != 1:
         raise DraftMismatchError(f"{path}: num_hidden_layers={d['num_hidden_layers']}; only 1-layer EAGLE-3 "
                                  "drafts are supported")
-    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None), "eagle3"
+    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None)
 
 
 def _normalise_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -444,7 +443,7 @@ def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, devic
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file} not found; point at a draft checkpoint folder (config.json + "
                                 "model.safetensors)")
-    cfg, _layout = _config_from_json(json.loads(cfg_file.read_text()), path)
+    cfg = _config_from_json(json.loads(cfg_file.read_text()), path)
     tensors = _normalise_names(_read_tensors(path))
     model = Eagle3Draft(cfg)
     expected = dict(model.state_dict())

@@ -254,10 +254,17 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
 
     rank, world, local_rank = _dist_setup(P.device)
     device = pick_device(P.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     out = P.stage_dir
     ckpt_dir = out / "checkpoints"
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if not P.resume and checkpoints(ckpt_dir):
+            print(f"[03_train] resume: false, so the {len(checkpoints(ckpt_dir))} checkpoints of the previous run "
+                  f"in {ckpt_dir} are removed", flush=True)
+            for old in checkpoints(ckpt_dir):
+                old.unlink()
     if not P.data_path.is_dir():
         raise FileNotFoundError(f"data_dir {P.data_path} does not exist; run 02_hidden_states first or point "
                                 "data_dir at its output folder")
@@ -305,10 +312,8 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
               f"{truncated} samples cut at max_length {P.max_length}, "
               f"{'resuming at step ' + str(start) if start else 'starting fresh'}", flush=True)
 
-    first_eval = None
     if start == 0:
-        first_eval = evaluate(objective, data, held_batches, P, device, rank, world, targets)
-        log({"kind": "eval", "step": 0, **first_eval})
+        log({"kind": "eval", "step": 0, **evaluate(objective, data, held_batches, P, device, rank, world, targets)})
     tokens, t0 = 0, time.time()
     for step in range(start, total):
         epoch, global_mbs = plan[step]
@@ -368,7 +373,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
         "truncated_samples": truncated, "leftover_micro_batches": dropped,
         "tokens_per_s": next((r["tokens_per_s"] for r in reversed(rows) if r["kind"] == "train"), None),
         "final_loss": next((r["loss"] for r in reversed(rows) if r["kind"] == "train"), None),
-        "initial_heldout": evals[0] if evals else first_eval, "heldout": evals[-1] if evals else None,
+        "initial_heldout": evals[0] if evals else None, "heldout": evals[-1] if evals else None,
         **notes,
     }
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
