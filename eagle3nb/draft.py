@@ -414,6 +414,10 @@ def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
     if "hidden_size" not in d:
         raise DraftMismatchError(f"{path}/config.json is neither an EAGLE-3 draft config (LlamaForCausalLMEagle3) "
                                  "nor a speculators config (speculators_model_type)")
+    arch = [a for a in d.get("architectures") or [] if a not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")]
+    if arch:
+        raise DraftMismatchError(f"{path}: architecture {arch[0]} is not a Llama-layer EAGLE-3 draft (e.g. an MLA "
+                                 "draft); only LlamaForCausalLMEagle3 checkpoints can be loaded and trained here")
     ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
     if d.get("num_hidden_layers", 1) != 1:
