@@ -165,10 +165,15 @@ class TTTCache:
     Step 0 runs over the whole sequence with the target's features and attends causally. Step i >= 1 runs the
     whole sequence again, one position further into the future; at position t it attends to the causal step-0
     keys 0..t plus the keys that steps 1..i produced *at position t* (the "diagonal"), exactly what position t
-    would see when decoding i tokens ahead with a KV cache. Diagonal scores are computed element-wise, so a
-    step costs one causal attention plus O(i) vector products."""
+    would see when decoding i tokens ahead with a KV cache.
 
-    def __init__(self):
+    Two equal ways to compute it: ``dense=False`` scores the step-0 keys with one matmul and the diagonal
+    element-wise (least compute; the default on CPU); ``dense=True`` hands all keys of steps 0..i to fused
+    attention with a block mask [causal | identity | ...], which never materialises T x T scores (the default
+    on GPUs, where long sequences would not fit otherwise)."""
+
+    def __init__(self, dense: bool | None = None):
+        self.dense = dense
         self.k0: torch.Tensor | None = None
         self.v0: torch.Tensor | None = None
         self.ks: list[torch.Tensor] = []
@@ -186,11 +191,15 @@ class TTTCache:
             return _sdpa(q, k, v, attention_mask, past=0)
         self.ks.append(k)
         self.vs.append(v)
-        scale = 1.0 / math.sqrt(q.shape[-1])
         T = q.shape[2]
-        scores0 = torch.matmul(q, self.k0.transpose(2, 3)) * scale
         allowed = _causal(T, T, 0, q.device) if attention_mask is None else _as_bool_mask(attention_mask)
-        scores0 = scores0.masked_fill(~allowed, float("-inf"))
+        if self.dense if self.dense is not None else q.is_cuda:
+            diagonal = torch.eye(T, dtype=torch.bool, device=q.device).expand_as(allowed)
+            mask = torch.cat([allowed] + [diagonal] * len(self.ks), dim=-1)
+            keys, values = torch.cat([self.k0, *self.ks], dim=2), torch.cat([self.v0, *self.vs], dim=2)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores0 = (torch.matmul(q, self.k0.transpose(2, 3)) * scale).masked_fill(~allowed, float("-inf"))
         diag = torch.stack([(q * kj).sum(-1) for kj in self.ks], dim=-1) * scale  # [B, nh, T, i]
         w = torch.softmax(torch.cat([scores0, diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(w[..., :T], self.v0)

@@ -53,15 +53,17 @@ def test_decoding_with_cache_equals_one_causal_pass_and_crop_rewinds():
     torch.testing.assert_close(again, full[:, 7:8], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @torch.no_grad()
-def test_ttt_step_i_sees_causal_step0_keys_plus_its_own_diagonal():
+def test_ttt_step_i_sees_causal_step0_keys_plus_its_own_diagonal(dense):
     """Each TTT step, at every position t, equals decoding i tokens ahead of t with a KV cache: prefill the
-    target features 0..t, then feed the draft's own feature back at positions t+1..t+i."""
+    target features 0..t, then feed the draft's own feature back at positions t+1..t+i. Both ways of computing
+    the TTT attention (element-wise diagonal; fused attention with a block mask) are held to it."""
     m = tiny_draft()
     aux, ids, pos = inputs(B=1)
     steps = 3
     step_ids = [torch.roll(ids, -i, dims=1) for i in range(steps)]  # any token per (step, position)
-    cache, hidden, ttt = TTTCache(), m.fuse(aux), []
+    cache, hidden, ttt = TTTCache(dense=dense), m.fuse(aux), []
     for i in range(steps):
         hidden, logits = m(hidden, step_ids[i], pos + i, cache)
         ttt.append((hidden, logits))
