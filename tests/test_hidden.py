@@ -97,7 +97,7 @@ def test_captured_states_equal_output_hidden_states_exactly(fp32_run, model):
 
     hs = HiddenStates(fp32_run)
     ids = hs.meta["layer_ids"]
-    assert ids == [2, 4, 5] and hs.meta["sglang_layer_ids"] == [1, 3, 4]
+    assert ids == default_aux_layer_ids(hs.meta["num_layers"]) and hs.meta["sglang_layer_ids"] == to_sglang(ids)
     by_shard: dict[str, list[int]] = {}
     for i, s in enumerate(hs.samples):
         by_shard.setdefault(s["shard"], []).append(i)
@@ -125,10 +125,10 @@ def test_captured_states_equal_output_hidden_states_exactly(fp32_run, model):
 
 def test_reader_contract(fp32_run):
     hs = HiddenStates(fp32_run)
-    item = hs[0]
+    item, H = hs[0], hs.meta["hidden_size"]
     T = len(item["input_ids"])
     assert item["input_ids"].dtype == torch.int64 and item["loss_mask"].dtype == torch.int64
-    assert item["aux"].shape == (T, 3 * 64) and item["aux"].dtype == torch.float32
+    assert item["aux"].shape == (T, 3 * H) and item["aux"].dtype == torch.float32
     p = hs.target_probs(item)
     assert p.shape == (T, 64) and torch.allclose(p.sum(-1), torch.ones(T))
     # position t predicts token t+1: the target's greedy choice, when in the draft vocab, is the draft argmax
@@ -136,7 +136,7 @@ def test_reader_contract(fp32_run):
     in_vocab = hs.t2d[argmax]
     draft_ids = torch.arange(64) + hs.d2t
     assert torch.equal(draft_ids[p.argmax(-1)][in_vocab], argmax[in_vocab])
-    assert hs.embed_tokens().shape == hs.lm_head().shape == (718, 64)
+    assert hs.embed_tokens().shape == hs.lm_head().shape == (hs.meta["vocab_size"], H)
     index = json.loads((fp32_run / "index.json").read_text())
     assert {"id", "shard", "length", "category"} <= set(index["samples"][0])
     assert all(len(s["sha256"]) == 64 for s in index["shards"])
@@ -195,7 +195,7 @@ def test_reader_of_vllm_per_sample_files(synth, fp32_run, tmp_path):
                                                  "return_token_ids": True, "temperature": 0}, tmp_path)
         path = res["kv_transfer_params"]["hidden_states_path"]
         data = read_connector_file(path)
-        assert data["hidden_states"].shape == (len(item["input_ids"]), 4, 64)
+        assert data["hidden_states"].shape == (len(item["input_ids"]), 4, ours.meta["hidden_size"])
         remove_connector_file(path)
         save_file(data, str(tmp_path / f"{item['id']}.safetensors"))
     with pytest.raises(ValueError, match="model_path"):
@@ -281,13 +281,14 @@ def test_corrupt_or_truncated_shard_is_detected_and_redone(fp32_run, synth, tmp_
 # ---------------------------------------------------------------------------------------- clear errors
 
 def test_wrong_layer_id_is_a_clear_error_before_work(synth, tmp_path):
-    with pytest.raises(LayerIdError, match=r"\[9\] out of range.*8 decoder layers"):
-        extract(params(synth, tmp_path / "o", aux_layer_ids=[2, 4, 9]))
+    L = json.loads((synth.parent / "model" / "config.json").read_text())["num_hidden_layers"]
+    with pytest.raises(LayerIdError, match=rf"\[{L + 1}\] out of range.*{L} decoder layers"):
+        extract(params(synth, tmp_path / "o", aux_layer_ids=[2, 4, L + 1]))
     assert not list((tmp_path / "o").glob("shard-*"))
 
 
 def test_mismatched_model_is_a_clear_error(synth, toy_smoke, tmp_path):
-    alien = {"id": "alien", "status": "ok", "input_ids": [1, 2, 900], "loss_mask": [0, 1, 1], "category": None}
+    alien = {"id": "alien", "status": "ok", "input_ids": [1, 2, 10**6], "loss_mask": [0, 1, 1], "category": None}
     shutil.copytree(toy_smoke, tmp_path / "model")
     other = write_synth(tmp_path / "synth2", toy_smoke, n=2, extra=(alien,))
     with pytest.raises(ValueError, match="another tokenizer than model_path"):
@@ -319,8 +320,9 @@ def test_compact_storage_halves_bytes_and_keeps_the_training_signal(synth, tmp_p
     for storage in ("bf16", "fp8", "topk"):
         m = extract(params(synth, tmp_path / storage, storage=storage, topk=8))
         runs[storage] = (m, HiddenStates(tmp_path / storage))
+    H = runs["bf16"][1].meta["hidden_size"]
     for storage, (m, _) in runs.items():  # the layout formula is the real file size (headers aside)
-        assert m["layout_bytes_per_token"] == bytes_per_token(storage, 64, 3, 8, 64)
+        assert m["layout_bytes_per_token"] == bytes_per_token(storage, H, 3, 8, 64)
         assert 0 <= m["bytes_per_token"] - m["layout_bytes_per_token"] < 0.1 * m["layout_bytes_per_token"]
     assert runs["fp8"][0]["bytes_per_token"] < 0.6 * runs["bf16"][0]["bytes_per_token"]
     kimi = bytes_per_token("bf16", 7168)  # at Kimi's width: fp8 ~half, topk well under half

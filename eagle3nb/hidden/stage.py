@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -177,6 +178,15 @@ def preview(P: HiddenParams) -> dict:
             "vllm_command": vllm_command(P.model_path, layer_ids, L, P.max_length, P.api_key_env)}
 
 
+def write_head(path: Path, tensors: dict) -> None:
+    """The target's embed_tokens / lm_head / norm weights beside the data (temp name, then rename)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
 class TransformersSource:
     """The target loaded here; one forward per token-budget batch, hooks keep only the chosen states."""
 
@@ -265,9 +275,8 @@ def extract(P: HiddenParams) -> dict:
     save_plan()
     save_draft_vocab(stage_dir / VOCAB_FILE, vocab)
     head_tensors = read_head_tensors(model_dir)
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in head_tensors.items()}, str(stage_dir / HEAD_FILE))
+    if not resume["resumed_shards"] or not (stage_dir / HEAD_FILE).exists():  # same config: same model, same head
+        write_head(stage_dir / HEAD_FILE, head_tensors)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     head = TargetHead(head_tensors["lm_head.weight"], draft_target_ids(vocab["d2t"]), head_tensors["norm.weight"],
                       info["rms_norm_eps"], device=device)
@@ -291,8 +300,7 @@ def extract(P: HiddenParams) -> dict:
             for shard in todo:
                 rows_samples = [by_id[i] for i in shard["samples"]]
                 tensors: dict = {}
-                t_shard = time.time()
-                t0 = time.time()
+                t_shard = t0 = time.time()
                 for rows, aux, final in source.batches(rows_samples):
                     enc = {k: v.cpu() for k, v in encode(aux, final, P.storage, head, P.topk).items()}
                     n_tok = 0
