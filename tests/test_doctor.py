@@ -151,6 +151,7 @@ def test_split_think_tokens_fail_token_stream(healthy, server, toy_smoke, tmp_pa
     r = report["token_stream"]
     assert r.status == FAIL, r
     assert "'<think>' encodes to" in r.measured and "'</think>' encodes to" in r.measured
+    assert "server ids differ from our chat-template rendering" in r.measured  # and the streams disagree
     assert "single special tokens" in r.fix
     assert report["server"].status == PASS  # the server itself is fine: the fault is on our side
 

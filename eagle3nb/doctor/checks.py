@@ -16,6 +16,7 @@ from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Unav
 from eagle3nb.formulas import speedup
 from eagle3nb.tokens import THINK_END, THINK_START
 
+ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 # data_health: shares of samples (of all ids) above which the data is suspect / unusable
 TRUNCATED_WARN, TRUNCATED_FAIL = 0.05, 0.30
 NO_REASONING_WARN, NO_REASONING_FAIL = 0.01, 0.10
@@ -42,7 +43,7 @@ def _result(name: str, problems: list[tuple[str, str, str]], measured: str, deta
         return CheckResult(name, PASS, measured, "", details)
     status = FAIL if fails else WARN
     what = "; ".join(p[1] for p in worst)
-    fix = " ".join(dict.fromkeys(p[2] for p in worst if p[2]))
+    fix = "; ".join(dict.fromkeys(p[2] for p in worst if p[2]))
     return CheckResult(name, status, f"{what} ({measured})" if measured else what, fix, details)
 
 
@@ -72,9 +73,9 @@ def check_server(ctx: Context) -> CheckResult:
         try:
             ctx.probe_all(url, P1.thinking)
             pr = ctx.probe(url, PROBE_QUESTION, P1.thinking)
-        except openai.APIError as e:
-            problems.append((FAIL, f"{url}: the probe {PROBE_QUESTION!r} failed ({type(e).__name__}: {e})",
-                             "check the server log; the probe is a plain chat completion with chat_template_kwargs"))
+        except Unavailable as e:
+            problems.append((FAIL, str(e), "check the server log; the probe is a plain chat completion with "
+                                           "chat_template_kwargs and return_token_ids"))
             continue
         fields = [f for f in ("reasoning", "reasoning_content") if pr["fields"].get(f)]
         details["urls"].append({"url": url, "model": model, "reasoning_fields": fields, **pr})
@@ -87,7 +88,7 @@ def check_server(ctx: Context) -> CheckResult:
                                    f"({pr['raw_content'][:60]!r}...): the server runs without a reasoning parser",
                              NO_PARSER_FIX))
         elif P1.thinking:
-            why = (f"no reasoning within {ctx.probe_max_tokens()} tokens (finish_reason=length)"
+            why = (f"no reasoning within {pr['max_tokens']} tokens (finish_reason=length)"
                    if pr["finish_reason"] == "length" else "no reasoning at all")
             problems.append((FAIL, f"{said}{why}; content {(pr['content'] or '')[:60]!r}",
                              f"{NO_PARSER_FIX}; check that {pr['kwarg']!r} is the template kwarg your model reads "
@@ -132,7 +133,11 @@ def check_token_stream(ctx: Context) -> CheckResult:
     thinking = ctx.p("01_synth").thinking
     compared, prompts_only, no_ids = 0, 0, 0
     for q in STREAM_PROBES:
-        pr = ctx.probe(url, q, thinking)
+        try:
+            pr = ctx.probe(url, q, thinking)
+        except Unavailable as e:
+            measured.append(f"server streams not compared: {e}")
+            break
         if pr["prompt_token_ids"] is None or pr["token_ids"] is None:
             no_ids += 1
             continue
@@ -196,8 +201,7 @@ def check_thinking(ctx: Context) -> CheckResult:
     details["data_thinking"] = data
     if ctx.serving_thinking is not None:
         serving, how = ctx.serving_thinking, "as given"
-    elif ctx.use_server:
-        pr = ctx.probe(ctx.server_urls()[0], PROBE_QUESTION, None)
+    elif ctx.use_server and (pr := _default_probe(ctx)) is not None:
         serving, how = pr["source"] != "none", "the server's default (probe without chat_template_kwargs)"
     else:
         if problems:
@@ -214,6 +218,13 @@ def check_thinking(ctx: Context) -> CheckResult:
                          f"01_synth, or serve with chat_template_kwargs {{{P1.thinking_kwarg!r}: "
                          f"{str(data).lower()}}}; a drafter trained on one mode collapses on the other"))
     return _result("thinking", problems, said, details)
+
+
+def _default_probe(ctx: Context) -> dict | None:
+    try:
+        return ctx.probe(ctx.server_urls()[0], PROBE_QUESTION, None)
+    except Unavailable:
+        return None
 
 
 # -- 4. layer ids -------------------------------------------------------------------------------------------------
@@ -252,13 +263,13 @@ def check_layer_ids(ctx: Context) -> CheckResult:
         if ids is None:
             default = default_aux_layer_ids(L) if ctx.serving_engine == "vllm" else to_sglang(default_aux_layer_ids(L))
             problems.append((FAIL, f"{label} config.json has no {engine_key}eagle_aux_hidden_state_layer_ids: "
-                                   f"{ctx.serving_engine} would silently use its default {default}",
+                                   f"{ENGINES[ctx.serving_engine]} would silently use its default {default}",
                              f"write eagle_aux_hidden_state_layer_ids {data} (vLLM convention) at the top level and in "
                              f"eagle_config of {d / 'config.json'}"))
             continue
         ids = [int(i) for i in ids]
         hf = ids if ctx.serving_engine == "vllm" else from_sglang(ids)
-        said.append(f"{label} {ids} ({ctx.serving_engine} -> HF {hf})")
+        said.append(f"{label} {ids} ({ENGINES[ctx.serving_engine]} -> HF {hf})")
         if hf == data:
             continue
         if ctx.serving_engine == "vllm" and from_sglang(ids) == data:
@@ -587,13 +598,17 @@ CAUSES = {
 UNDERTRAINED = "too little training: more samples (01 max_samples) or steps (03 max_steps)"
 
 
+def _short(text: str, n: int = 140) -> str:
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
 def rank_causes(results: list[CheckResult]) -> list[str]:
     """Causes of a low acceptance, likeliest first: failed checks, then warnings, then plain undertraining
     (what remains when every check passes), then the checks that could not run (not ruled out)."""
     by_name = {r.name: r for r in results}
 
     def with_status(status: str, tag: str) -> list[str]:
-        return [f"{cause} [{name} {tag}: {by_name[name].measured}]" for name, cause in CAUSES.items()
+        return [f"{cause} [{name} {tag}: {_short(by_name[name].measured)}]" for name, cause in CAUSES.items()
                 if name in by_name and by_name[name].status == status]
 
     out = with_status(FAIL, "failed") + with_status(WARN, "warned") + [UNDERTRAINED] + with_status(SKIP, "skipped")

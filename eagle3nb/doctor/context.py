@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb.params import STAGES, ParamsError, StageParams, from_dict, run_params
-from eagle3nb.paths import resolve
+from eagle3nb.paths import project_root, resolve
 
 PROBE_QUESTION = "What is 2+2?"
 # Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
 STREAM_PROBES = [PROBE_QUESTION, "How many letters are in the word apple?"]
 
 
+# Enough for a reasoning model to answer 2+2 (never more than the run's own max_completion_tokens).
+PROBE_MAX_TOKENS = 2048
 # Prompt length assumed when projecting disk use before any sample exists.
 PROMPT_TOKENS_GUESS = 512
 
@@ -35,6 +37,7 @@ class Context:
         self.use_server = True  # False when the check-up leaves the server out (a later stage's cell)
         self._servers: list[Any] = []
         self._probes: dict[tuple, dict] = {}
+        self._models: dict[str, tuple[str, list[str]]] = {}
 
     # -- construction -------------------------------------------------------------------------------------
 
@@ -53,10 +56,10 @@ class Context:
 
     @classmethod
     def from_stage(cls, stage: str, P: StageParams, **kw) -> "Context":
-        """A notebook's validated ``P`` for ``stage``, plus its siblings from P's run folder when it has one."""
-        ctx = cls({}, {}, **kw)
-        if P.params_file and (resolve(P.params_file).parent / f"{stage}.yaml").exists():
-            ctx = cls.from_run_dir(resolve(P.params_file).parent, **kw)
+        """A notebook's validated ``P`` for ``stage``, plus the other stages' params from P's run folder
+        (the folder of ``params_file``, else ``params/<run_name>/``) when there is one."""
+        folder = resolve(P.params_file).parent if P.params_file else project_root() / "params" / P.run_name
+        ctx = cls.from_run_dir(folder, **kw) if folder.is_dir() else cls({}, {}, **kw)
         ctx.params[stage] = P
         ctx.problems.pop(stage, None)
         return ctx
@@ -238,19 +241,19 @@ class Context:
             urls = [handle.base_url]
         return [u.rstrip("/") if u.rstrip("/").endswith("/v1") else u.rstrip("/") + "/v1" for u in urls]
 
-    def api_key(self) -> str:
-        return self.p("01_synth").api_key() if "01_synth" in self.params else "EMPTY"
-
     def client(self, base_url: str):
         import openai
 
-        return openai.OpenAI(base_url=base_url, api_key=self.api_key(), timeout=self.timeout_s, max_retries=0)
+        return openai.OpenAI(base_url=base_url, api_key=self.p("01_synth").api_key(), timeout=self.timeout_s,
+                             max_retries=0)
 
     def served_model(self, base_url: str) -> tuple[str, list[str]]:
-        """(the model name to ask for, the names the server lists)."""
-        names = [m.id for m in self.client(base_url).models.list().data]
-        wanted = getattr(self.params.get("01_synth"), "served_model_name", None)
-        return (wanted or (names[0] if names else "")), names
+        """(the model name to ask for, the names the server lists); raises openai.APIError when unreachable."""
+        if base_url not in self._models:
+            names = [m.id for m in self.client(base_url).models.list().data]
+            wanted = self.p("01_synth").served_model_name
+            self._models[base_url] = (wanted or (names[0] if names else "")), names
+        return self._models[base_url]
 
     def probe_all(self, base_url: str, thinking: bool) -> None:
         """Send every probe the check-up will read at once (the server batches them): the stream probes in
@@ -263,34 +266,40 @@ class Context:
 
     def probe(self, base_url: str, question: str, thinking: bool | None) -> dict:
         """One chat completion at temperature 0 (``thinking`` None: the server's default mode), with
-        ``return_token_ids``; cached. Returns the message fields, reasoning source and token ids."""
+        ``return_token_ids``; cached. Returns the message fields, reasoning source and token ids. A server
+        that does not answer raises Unavailable (the server check reports it)."""
+        import openai
+
         from eagle3nb.synth.reasoning import REASONING_FIELDS, extract, field
 
         key = (base_url, question, thinking)
-        if key not in self._probes:
+        if key in self._probes:
+            return self._probes[key]
+        P1 = self.p("01_synth")
+        extra: dict[str, Any] = {"return_token_ids": True}
+        if thinking is not None:
+            extra["chat_template_kwargs"] = {P1.thinking_kwarg: thinking}
+        messages = [{"role": "user", "content": question}]
+        try:
             model, _ = self.served_model(base_url)
-            extra: dict[str, Any] = {"return_token_ids": True}
-            kwarg = getattr(self.params.get("01_synth"), "thinking_kwarg", "thinking")
-            if thinking is not None:
-                extra["chat_template_kwargs"] = {kwarg: thinking}
-            messages = [{"role": "user", "content": question}]
             resp = self.client(base_url).chat.completions.create(
-                model=model, messages=messages, temperature=0.0, max_tokens=self.probe_max_tokens(),
+                model=model, messages=messages, temperature=0.0, max_tokens=min(PROBE_MAX_TOKENS,
+                                                                                P1.max_completion_tokens),
                 extra_body=extra)
-            choice = resp.choices[0]
-            reasoning, content, source = extract(choice.message)
-            self._probes[key] = {
-                "fields": {f: field(choice.message, f) for f in REASONING_FIELDS}, "messages": messages, "thinking": thinking, "kwarg": kwarg, "model": model,
-                "reasoning": reasoning, "content": content, "source": source,
-                "raw_content": field(choice.message, "content"), "finish_reason": choice.finish_reason,
-                "prompt_token_ids": field(resp, "prompt_token_ids"), "token_ids": field(choice, "token_ids"),
-            }
+        except openai.APIError as e:
+            raise Unavailable(f"the server at {base_url} did not answer a probe ({type(e).__name__}: {e}); see "
+                              "the server check") from None
+        choice = resp.choices[0]
+        reasoning, content, source = extract(choice.message)
+        self._probes[key] = {
+            "messages": messages, "thinking": thinking, "kwarg": P1.thinking_kwarg, "model": model,
+            "reasoning": reasoning, "content": content, "source": source,
+            "fields": {f: field(choice.message, f) for f in REASONING_FIELDS},
+            "raw_content": field(choice.message, "content"), "finish_reason": choice.finish_reason,
+            "max_tokens": min(PROBE_MAX_TOKENS, P1.max_completion_tokens),
+            "prompt_token_ids": field(resp, "prompt_token_ids"), "token_ids": field(choice, "token_ids"),
+        }
         return self._probes[key]
-
-    def probe_max_tokens(self) -> int:
-        """Enough for a reasoning model to answer 2+2, never more than the run's own budget."""
-        budget = getattr(self.params.get("01_synth"), "max_completion_tokens", 2048)
-        return min(2048, budget)
 
 
 class Subset:
