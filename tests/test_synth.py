@@ -326,3 +326,10 @@ def test_sigterm_stops_cleanly_with_everything_saved(tmp_path, toy_smoke):
 
         m = run(synth_params(tmp_path, vllm_url=srv.url, concurrency=8))  # concurrency does not change the data
     assert m["counts"]["ok"] == 40 and m["session"]["samples"] == 40 - saved
+
+
+def test_url_list_is_served_round_robin(tmp_path, toy_smoke):
+    write_jsonl(tmp_path / "p.jsonl", prompt_rows(20))
+    with FaultServer() as a, FaultServer() as b:
+        m = run(synth_params(tmp_path, vllm_url=[a.url, b.url + "/v1"], concurrency=4))
+        assert m["counts"]["ok"] == 20 and len(a.served) == len(b.served) == 10
