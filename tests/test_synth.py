@@ -333,3 +333,20 @@ def test_url_list_is_served_round_robin(tmp_path, toy_smoke):
     with FaultServer() as a, FaultServer() as b:
         m = run(synth_params(tmp_path, vllm_url=[a.url, b.url + "/v1"], concurrency=4))
         assert m["counts"]["ok"] == 20 and len(a.served) == len(b.served) == 10
+
+
+def test_api_key_from_the_named_variable_never_in_outputs(tmp_path, toy_smoke, monkeypatch):
+    write_jsonl(tmp_path / "p.jsonl", prompt_rows(6))
+    monkeypatch.setenv("SYNTH_TEST_KEY", "sk-secret-123")
+    with FaultServer() as srv:
+        P = synth_params(tmp_path, vllm_url=srv.url, api_key_env="SYNTH_TEST_KEY")
+        assert run(P)["counts"]["ok"] == 6
+        assert srv.auth == {"Bearer sk-secret-123"}
+    assert not any("sk-secret-123" in f.read_text() for f in (tmp_path / "out").iterdir())
+    with FaultServer(fault_rate=1.0, faults=("401",), max_faults=1) as srv:  # the server refuses the key
+        with pytest.raises(SynthError, match="refused the API key: set api_key_env"):
+            run(synth_params(tmp_path, vllm_url=srv.url, output_dir=str(tmp_path / "refused")))
+        assert len(srv.served) <= 4  # stopped at once, no retries
+    monkeypatch.delenv("SYNTH_TEST_KEY")
+    with pytest.raises(ParamsError, match="SYNTH_TEST_KEY.*not set"):
+        run(P)

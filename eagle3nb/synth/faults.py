@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible chat server for proving the synth client robust and fast.
 
 It answers at once, after a random latency, or with the faults real servers produce under load: 5xx, 429,
-a hang past the client's timeout, a dropped connection, a 200 whose JSON is cut short or has no choice, a 400. Faults are
+a hang past the client's timeout, a dropped connection, a 200 whose JSON is cut short or has no choice, a 400,
+and (not in the default mix, as no retry fixes it) a 401. Faults are
 planned per conversation and attempt, deterministically from a seed, so a test knows what to expect.
 It speaks raw HTTP/1.1 over asyncio (keep-alive included): a dropped connection is really dropped, and the
 server costs little enough to measure a client against it. Runs on a thread (``with FaultServer(...)``) or
@@ -21,7 +22,7 @@ import time
 from typing import Any
 
 FAULTS = ("500", "503", "429", "timeout", "drop", "malformed", "nochoice", "400")
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
            503: "Service Unavailable"}
 
 
@@ -41,6 +42,7 @@ class FaultServer:
         self.attempts: dict[str, int] = {}
         self.served: list[tuple[str, str]] = []  # (conversation key, fault or "ok") in arrival order
         self.intervals: list[tuple[float, float]] = []
+        self.auth: set[str] = set()  # Authorization headers seen
         self._rng = random.Random(seed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -92,7 +94,7 @@ class FaultServer:
             return False
         if fault == "timeout":
             await asyncio.sleep(self.hang_s)
-        if fault in ("500", "503", "429", "400"):
+        if fault in ("500", "503", "429", "400", "401"):
             err = {"error": {"message": f"injected {fault}", "type": "fault", "code": int(fault)}}
             await self._send(writer, int(fault), json.dumps(err).encode())
         elif fault == "malformed":
@@ -116,6 +118,7 @@ class FaultServer:
                     headers[k.strip().lower()] = v.strip()
                 raw = await reader.readexactly(int(headers.get("content-length", 0) or 0))
                 path = target.split("?")[0].rstrip("/")
+                self.auth.add(headers.get("authorization", ""))
                 if method == "POST" and path.endswith("/chat/completions"):
                     t0 = time.time()
                     alive = await self._chat(writer, json.loads(raw))
