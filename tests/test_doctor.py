@@ -158,10 +158,15 @@ def test_split_think_tokens_fail_token_stream(healthy, server, toy_smoke, tmp_pa
 
 # -- 3. thinking -----------------------------------------------------------------------------------------------------
 
-def test_thinking_data_vs_serving_mode(healthy):
+def test_thinking_data_vs_serving_mode(healthy, tmp_path):
     r = by_name(run_checks(healthy["run"], "03", serving_thinking=False))["thinking"]
     assert r.status == FAIL and "serving runs with thinking off" in r.measured, r
+    assert "chat_template_kwargs {'thinking': true}" in r.fix
     assert by_name(run_checks(healthy["run"], "03", serving_thinking=True))["thinking"].status == PASS
+    # without --serving-thinking, a stage's check-up takes the mode 04 serves with
+    run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"thinking": False}})
+    r = by_name(run_checks(run, "03"))["thinking"]
+    assert r.status == FAIL and "04_acceptance's thinking" in r.measured, r
 
 
 # -- 4. layer ids ------------------------------------------------------------------------------------------------------

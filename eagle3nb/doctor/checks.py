@@ -203,6 +203,8 @@ def check_thinking(ctx: Context) -> CheckResult:
         serving, how = ctx.serving_thinking, "as given"
     elif ctx.use_server and (pr := _default_probe(ctx)) is not None:
         serving, how = pr["source"] != "none", "the server's default (probe without chat_template_kwargs)"
+    elif "04_acceptance" in ctx.params:
+        serving, how = ctx.params["04_acceptance"].thinking, "04_acceptance's thinking, as served"
     else:
         if problems:
             return _result("thinking", problems, data_said, details)
