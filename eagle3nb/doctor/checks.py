@@ -263,11 +263,13 @@ def check_layer_ids(ctx: Context) -> CheckResult:
             problems.append((FAIL, f"{label} config.json disagrees with itself: top-level {top}, eagle_config {nested}",
                              f"write the same ids in both places ({d / 'config.json'})"))
         if ids is None:
-            default = default_aux_layer_ids(L) if ctx.serving_engine == "vllm" else to_sglang(default_aux_layer_ids(L))
+            default = f" {default_aux_layer_ids(L)}" if ctx.serving_engine == "vllm" else ""
             problems.append((FAIL, f"{label} config.json has no {engine_key}eagle_aux_hidden_state_layer_ids: "
-                                   f"{ENGINES[ctx.serving_engine]} would silently use its default {default}",
+                                   f"{ENGINES[ctx.serving_engine]} would silently use its default{default}",
                              f"write eagle_aux_hidden_state_layer_ids {data} (vLLM convention) at the top level and in "
-                             f"eagle_config of {d / 'config.json'}"))
+                             f"eagle_config of {d / 'config.json'}" if ctx.serving_engine == "vllm" else
+                             f"write eagle_aux_hidden_state_layer_ids {to_sglang(data)} (SGLang's output-of-layer ids) "
+                             f"in eagle_config of {d / 'config.json'}"))
             continue
         ids = [int(i) for i in ids]
         hf = ids if ctx.serving_engine == "vllm" else from_sglang(ids)

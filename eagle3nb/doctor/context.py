@@ -14,8 +14,6 @@ from eagle3nb.paths import project_root, resolve
 PROBE_QUESTION = "What is 2+2?"
 # Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
 STREAM_PROBES = [PROBE_QUESTION, "How many letters are in the word apple?"]
-
-
 # Enough for a reasoning model to answer 2+2 (never more than the run's own max_completion_tokens).
 PROBE_MAX_TOKENS = 2048
 # Prompt length assumed when projecting disk use before any sample exists.
@@ -213,21 +211,24 @@ class Context:
 
     @cached_property
     def drafts(self) -> list[tuple[str, Path]]:
-        """(label, dir) of each draft checkpoint the run uses that exists: 03's init_from, the trained draft."""
+        """(label, dir) of each draft checkpoint the run uses that exists: 03's init_from, the trained draft
+        (its ``-sglang`` export when judging for SGLang)."""
         out = []
         P3, P4 = self.params.get("03_train"), self.params.get("04_acceptance")
         if P3 is not None and P3.init_path:
             out.append(("init_from", P3.init_path))
-        if P4 is not None:
-            out.append(("draft", P4.draft_path))
-        elif P3 is not None:
-            out.append(("draft", P3.stage_dir / "draft"))
+        trained = P4.draft_path if P4 is not None else P3.stage_dir / "draft" if P3 is not None else None
+        if trained is not None:
+            sglang = trained.with_name(trained.name + "-sglang")  # 03 exports SGLang's ids beside vLLM's
+            out.append(("draft", sglang if self.serving_engine == "sglang" and sglang.is_dir() else trained))
         return [(label, d) for label, d in out if (d / "config.json").exists()]
 
     # -- the server -------------------------------------------------------------------------------------------
 
     def server_urls(self) -> list[str]:
         """Base URLs (ending in /v1) of the server 01_synth talks to; 'embedded' starts one for the target."""
+        from eagle3nb.synth.client import base_url
+
         if self.server_url:
             urls = [self.server_url]
         else:
@@ -239,7 +240,7 @@ class Context:
             self._servers.append(handle)
             self.server_url = handle.base_url
             urls = [handle.base_url]
-        return [u.rstrip("/") if u.rstrip("/").endswith("/v1") else u.rstrip("/") + "/v1" for u in urls]
+        return [base_url(u) for u in urls]
 
     def client(self, base_url: str):
         import openai
