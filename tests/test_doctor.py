@@ -216,6 +216,30 @@ def test_d2t_t2d_that_disagree_fail(healthy, tmp_path):
     assert "d2t and t2d disagree" in r.measured and "first: draft 3" in r.measured
 
 
+# -- 6. data health -------------------------------------------------------------------------------------------------
+
+def test_reasoning_wrappers_lost_and_truncations_fail_data_health(healthy, toy_smoke, tmp_path):
+    from eagle3nb.synth.store import read_records
+    from eagle3nb.synth.stream import Template
+
+    think = set(Template(toy_smoke, True).think_ids)
+    rows = list(read_records(healthy["out"] / "01_synth"))
+    for r in rows[:8]:  # the story's bug: reasoning and answer joined without the think tokens
+        keep = [i for i, t in enumerate(r["input_ids"]) if t not in think]
+        r["input_ids"] = [r["input_ids"][i] for i in keep]
+        r["loss_mask"] = [r["loss_mask"][i] for i in keep]
+    for r in rows[8:12]:
+        r["status"], r["finish_reason"] = "truncated", "length"
+    synth = tmp_path / "synth"
+    synth.mkdir()
+    (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = variant(healthy, tmp_path / "run", **{"02_hidden_states": {"synth_dir": synth}})
+    r = by_name(run_checks(run, "02"))["data_health"]
+    assert r.status == FAIL, r
+    assert "8/28 thinking samples have no <think> token" in r.measured and "the story's bug" in r.measured
+    assert "4 truncated" in r.measured
+
+
 # -- 7. disk ---------------------------------------------------------------------------------------------------------
 
 def test_projected_size_beyond_free_space_fails(healthy, tmp_path):

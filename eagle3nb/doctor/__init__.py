@@ -13,6 +13,7 @@ In a notebook, at the start of a stage: ``eagle3nb.doctor.check_stage("01_synth"
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -149,8 +150,10 @@ def likely_causes(results: list[CheckResult]) -> list[str]:
 def _cmd(args: argparse.Namespace) -> int:
     thinking = None if args.serving_thinking is None else args.serving_thinking == "on"
     try:
-        report = run_checks(args.params_dir, args.stage, serving_engine=args.serving_engine,
-                            serving_thinking=thinking, server_url=args.server_url, timeout_s=args.timeout)
+        # what the libraries print on the way (a toy build, progress) goes to stderr: stdout is the report
+        with contextlib.redirect_stdout(sys.stderr):
+            report = run_checks(args.params_dir, args.stage, serving_engine=args.serving_engine,
+                                serving_thinking=thinking, server_url=args.server_url, timeout_s=args.timeout)
     except ValueError as e:
         print(f"eagle3nb doctor: {e}", file=sys.stderr)
         return 2
