@@ -568,7 +568,11 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
         raise Unavailable("no trained draft yet (run 03_train)")
     data = ctx.heldout()
     data = Subset(data, range(min(SANITY_SAMPLES, len(data))))
-    model = load_draft(drafts[0], embed_tokens=data.embed_tokens())
+    import torch
+
+    # the target's embedding (V x H: GBs for Kimi) only when the checkpoint does not carry one
+    embed = None if "embed_tokens.weight" in _draft_tensors(drafts[0])["shapes"] else data.embed_tokens()
+    model = load_draft(drafts[0], embed_tokens=embed, device="cuda" if torch.cuda.is_available() else "cpu")
     res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.think_ids)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])
