@@ -14,6 +14,7 @@ from typing import Any
 from eagle3nb.doctor import FAIL, PASS, SKIP, WARN, CheckResult
 from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Unavailable
 from eagle3nb.formulas import speedup
+from eagle3nb.params import ParamsError
 from eagle3nb.tokens import THINK_END, THINK_START
 
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -643,6 +644,8 @@ def run_one(name: str, ctx: Context, prior: list[CheckResult]) -> CheckResult:
         return FUNCS[name](ctx)
     except Unavailable as e:
         return CheckResult(name, SKIP, str(e), "")
+    except ParamsError as e:  # e.g. api_key_env names an unset variable: the message says what to do
+        return CheckResult(name, FAIL, str(e), "fix the parameter or environment variable named above")
     except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
         return CheckResult(name, FAIL, f"the check could not run: {type(e).__name__}: {e}",
                            "fix the artifact named above (or report a doctor bug with details.traceback)",

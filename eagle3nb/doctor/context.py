@@ -287,7 +287,7 @@ class Context:
                 model=model, messages=messages, temperature=0.0, max_tokens=min(PROBE_MAX_TOKENS,
                                                                                 P1.max_completion_tokens),
                 extra_body=extra)
-        except openai.APIError as e:
+        except (openai.APIError, ParamsError) as e:
             raise Unavailable(f"the server at {base_url} did not answer a probe ({type(e).__name__}: {e}); see "
                               "the server check") from None
         choice = resp.choices[0]
