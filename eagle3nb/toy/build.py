@@ -17,30 +17,30 @@ import time
 from pathlib import Path
 
 from eagle3nb import paths
-from eagle3nb.tokens import IM_END
+from eagle3nb.tokens import IM_END, THINK_END
 from eagle3nb.toy import dialogues
 from eagle3nb.toy.tokenizer import build_tokenizer
 
 # Model and training settings per size. ``threads`` is fixed so the weights are identical on any machine.
 SIZES: dict[str, dict] = {
-    "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=300, batch=16, lr=6e-3,
+    "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=500, batch=8, lr=6e-3,
                   warmup=20, threads=1),
-    "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=400, batch=32, lr=2e-3,
-                 warmup=20, threads=1),
+    "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=700, batch=16, lr=4e-3,
+                 warmup=30, threads=1),
 }
 MAX_POSITIONS = 1024
 SAMPLE_TOKENS = 128  # length cap of the sample generations printed after a build
 TRAIN_VERSION = 2  # bump when the training code below changes the weights (the cache key includes it)
-SOURCES = ["tokenizer.py", "dialogues.py"]  # their source is part of the cache key
 MARKER = "toy_build.json"
+# The tokenizer and dialogue code as loaded now (read at import, so a long-lived process that imported older
+# code never files its build under the key of newer code on disk).
+SOURCE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / f).read_bytes() for f in ["tokenizer.py", "dialogues.py"]))
 
 
 def settings_hash(size: str, seed: int) -> str:
     """Cache key: this size's settings, the seed, the training version and the tokenizer/dialogue source."""
-    h = hashlib.sha256(json.dumps({"size": SIZES[size], "seed": seed, "v": TRAIN_VERSION}, sort_keys=True).encode())
-    for name in SOURCES:
-        h.update((Path(__file__).parent / name).read_bytes())
-    return h.hexdigest()[:12]
+    key = {"size": SIZES[size], "seed": seed, "v": TRAIN_VERSION, "src": SOURCE_HASH.hexdigest()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def render(tokenizer, d: dict) -> tuple[str, str]:
@@ -132,6 +132,7 @@ def train(out: Path, size: str, seed: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(f"train:{seed}")
     model.train()
+    last = t0
     for step, (x, y) in enumerate(batches(tokenizer, rng, s["steps"], s["batch"], "train")):
         lr = s["lr"] * min(1.0, (step + 1) / s["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / s["steps"]))
         for g in opt.param_groups:
@@ -141,7 +142,8 @@ def train(out: Path, size: str, seed: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == s["steps"] - 1:
+        if time.time() - last > 15 or step == s["steps"] - 1:
+            last = time.time()
             print(f"toy {size}: step {step + 1}/{s['steps']} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
     model.eval()
     report = {"size": size, "seed": seed, "settings": s, "heldout_loss": heldout_loss(model, tokenizer, seed),
@@ -174,7 +176,9 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
     out = Path(out) if out is not None else paths.cache_dir() / f"toy-{size}-{settings_hash(size, seed)}"
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    locks = paths.cache_dir() / "locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / hashlib.sha256(str(out).encode()).hexdigest()[:16], "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent build of the same folder waits, then reuses it
         if (out / MARKER).exists():
             return out
@@ -196,5 +200,7 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
     print(f"toy {size} built in {report['train_seconds']}s -> {out}")
     print(f"held-out loss {report['heldout_loss']:.3f}")
     for smp in report["samples"]:
-        print(f"  [{'think' if smp['thinking'] else 'no-think'}] {smp['question']!r} -> {smp['output']!r}")
+        right = smp["output"].split(THINK_END)[-1] == smp["expected"] + IM_END
+        print(f"  [{'think' if smp['thinking'] else 'no-think'}, {'right' if right else 'wrong'}] "
+              f"{smp['question']!r} -> {smp['output']!r}")
     return out

@@ -39,16 +39,18 @@ PLACES = ["Units", "Tens", "Hundreds"]
 # Every fixed phrase the generator writes, so the tokenizer can hold each word as one piece.
 PHRASES = (
     ADD_QUESTIONS + LEN_QUESTIONS + COUNT_QUESTIONS + REV_QUESTIONS + UPPER_QUESTIONS + UNIT_QUESTIONS + PLACES
-    + ["write carry So The answer is", "Spell it", "The word has letters", "yes no appears times",
-       "Letters Backwards Joined", "to In capitals", "Sure Here is another one", "user assistant system tool"]
+    + ["write carry So is", "Spell it", "The word has letters", "yes no appears times", "Letters Backwards Joined",
+       "to In capitals", "user assistant system tool"]
 )
 
 
 def words_for_vocab() -> list[str]:
-    """All words the generator can write (placeholders removed), for the tokenizer's word pieces."""
+    """The words of the generator's fixed phrases and units, for the tokenizer's word pieces. The WORDS that
+    questions spell, reverse or count stay out: they tokenize letter by letter, so those tasks are copying,
+    which a small model learns fast, rather than memorising every word's spelling."""
     text = " ".join(re.sub(r"\{\w+\}", " ", p) for p in PHRASES)
-    text += " " + " ".join(WORDS) + " " + " ".join(f"{u} {v}" for u, v, _, _ in UNITS)
-    return sorted(set(re.findall(r"[A-Za-z]+", text)))
+    text += " " + " ".join(f"{u} {v}" for u, v, _, _ in UNITS)
+    return sorted(set(re.findall(r"[A-Za-z]+", text)) - set(WORDS))
 
 
 def split_of(key: str) -> str:
@@ -58,8 +60,7 @@ def split_of(key: str) -> str:
 
 
 def _addition(rng: random.Random) -> tuple[str, str, str, str]:
-    a = rng.randint(1, 99) if rng.random() < 0.2 else rng.randint(10, 99)
-    b = rng.randint(10, 99)
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
     s = a + b
     steps, carry = [], 0
     for i, place in enumerate(PLACES[:2]):
