@@ -23,7 +23,7 @@ from eagle3nb.synth.client import Endpoint, FatalServerError, InFlight, chat, co
 from eagle3nb.synth.params import STAGE, SynthParams
 from eagle3nb.synth.prompts import load_prompts
 from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
-from eagle3nb.synth.store import HEAVY, SampleWriter, check_run_config, latest
+from eagle3nb.synth.store import HEAVY, SampleWriter, check_run_config, exclusive, latest
 from eagle3nb.synth.stream import StreamError, Template, build, naive_text
 from eagle3nb.tokens import segment_ids
 
@@ -108,7 +108,7 @@ class Session:
         self.endpoints: list[Endpoint] = []
         self.rr = 0
         self.checked: list[bool] = []  # reasoning present, for the first answers
-        self.first: list[dict] = []  # the first records, to catch a run where everything fails
+        self.first_errors: list[str | None] = []  # the first outcomes, to catch a run where everything fails
         self.n_ok = self.out_tokens = 0
         self.writer: SampleWriter | None = None
         self.urls = P.urls
@@ -146,6 +146,7 @@ class Session:
             except FatalServerError as e:
                 self.stop(e)
                 return
+            self.early_check(resp, err)
             await results.put((item, resp, attempts, err, time.time() - t0))
 
     def record(self, item: dict, resp: Any, attempts: int, err: str | None, latency: float) -> dict:
@@ -182,18 +183,19 @@ class Session:
         rec["finished_at"] = round(time.time(), 3)
         return rec
 
-    def early_check(self, rec: dict) -> None:
+    def early_check(self, resp: Any, err: str | None) -> None:
         """Stop after the first few answers when every one failed (a setting the server rejects) or, with
-        thinking on, every one lacks reasoning (the story's broken data): minutes lost, not hours."""
+        thinking on, every one lacks reasoning (the story's broken data): minutes lost, not hours. Runs on
+        the loop as each answer arrives, so no further request goes out once it has decided."""
         n = min(EARLY_CHECK, len(self.todo))
-        if len(self.first) < n:
-            self.first.append(rec)
-            if len(self.first) == n and all(r["status"] == "error" for r in self.first):
-                self.stop(SynthError(f"the first {n} requests all failed, e.g. {self.first[0]['error']}; fix the "
+        if len(self.first_errors) < n:
+            self.first_errors.append(err)
+            if len(self.first_errors) == n and all(self.first_errors):
+                self.stop(SynthError(f"the first {n} requests all failed, e.g. {self.first_errors[0]}; fix the "
                                      f"setting or server it names, then run again"))
-        if not self.P.thinking or rec["status"] == "error" or len(self.checked) >= n:
+        if not self.P.thinking or resp is None or len(self.checked) >= n:
             return
-        self.checked.append(rec["reasoning"] is not None)
+        self.checked.append(extract(resp.choices[0].message)[0] is not None)
         if len(self.checked) == n and not any(self.checked):
             self.stop(SynthError(NO_REASONING_FIX.format(n=n, kwarg=self.P.thinking_kwarg)))
 
@@ -202,7 +204,6 @@ class Session:
         recs = [self.record(*b) for b in batch]
         self.writer.write(recs)
         for rec in recs:
-            self.early_check(rec)
             self.records.append({k: v for k, v in rec.items() if k not in HEAVY})
             self.n_ok += rec["status"] == "ok"
             self.out_tokens += rec["tokens"]["reasoning"] + rec["tokens"]["content"]
@@ -283,6 +284,13 @@ def run(P: SynthParams) -> dict[str, Any]:
     if P.served_model_name is None:
         early.pop("served_model_name")
     check_run_config(stage_dir, early, P.force, write=False)
+    with exclusive(stage_dir):
+        return _answer(P, prompts, model_dir, tpl)
+
+
+def _answer(P: SynthParams, prompts: list[dict], model_dir: Path, tpl: Template) -> dict[str, Any]:
+    """The run proper, with the output folder to ourselves: resume point, session, metrics."""
+    stage_dir = P.stage_dir
     torn: list[str] = []
     done = latest(stage_dir, light=True, torn=torn)
     todo = [p for p in prompts if needs_request(done.get(p["id"]), P.retry_errors)]

@@ -7,6 +7,8 @@ keep the latest record per id, so a retried error is superseded, never duplicate
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -91,6 +93,26 @@ class SampleWriter:
         self._f.close()
         if self.written == 0:
             self.path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def exclusive(synth_dir: Path) -> Iterator[None]:
+    """One writer per output folder: a second run (a notebook opened twice) would ask for the same ids."""
+    synth_dir.mkdir(parents=True, exist_ok=True)
+    with open(synth_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ParamsError(f"another 01_synth run (pid {f.read().strip() or '?'}) is writing to {synth_dir}; "
+                              f"let it finish or stop it, or use another output_dir") from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_run_config(synth_dir: Path, config: dict[str, Any], force: bool, write: bool = True) -> None:
