@@ -100,7 +100,7 @@ def figures(stage_dir: str | Path) -> dict[str, Any]:
         ax2 = ax.twinx()
         ax2.plot(edges[:-1], n / width, color="tab:orange", label="samples/s")
         ax2.set_ylabel("samples/s")
-        fig.legend(loc="upper right")
+        fig.legend(loc="outside lower center", ncols=2)
     ax.set_xlabel("seconds since the first answer (gaps = restarts)")
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput over time")

@@ -27,7 +27,7 @@ from eagle3nb.synth.store import HEAVY, SampleWriter, check_run_config, exclusiv
 from eagle3nb.synth.stream import StreamError, Template, build, naive_text
 from eagle3nb.tokens import segment_ids
 
-EARLY_CHECK = 8  # responses looked at before deciding the server does not return reasoning
+EARLY_CHECK = 8  # first answers looked at to decide that reasoning is missing or every request fails
 DONE_STATUSES = ("ok", "truncated")  # never requested again; error / no_reasoning are, with retry_errors
 
 
