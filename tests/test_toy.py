@@ -20,7 +20,7 @@ toy_build = importlib.import_module("eagle3nb.toy.build")
 
 REPLY = re.compile(r"<think>(.*)</think>(.*)<\|im_end\|>", re.S)
 U = {"role": "user", "content": "What is 2 + 3?"}
-TOKEN_ACCURACY = 0.55  # measured on the smoke build: 0.64 (untrained: ~0)
+TOKEN_ACCURACY = 0.5  # measured on the smoke build: 0.61 (untrained: ~0)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ learnable column by column.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from eagle3nb.tokens import IM_END, SPECIAL_TOKENS
 
@@ -91,7 +90,3 @@ def build_tokenizer(words: list[str]):
         chat_template=CHAT_TEMPLATE,
         model_max_length=1024,
     )
-
-
-def save_tokenizer(tokenizer, out: Path) -> None:
-    tokenizer.save_pretrained(str(out))
