@@ -201,6 +201,8 @@ def test_same_seed_same_weights(tmp_path, monkeypatch):
     seed = 1
     c = weights(tmp_path / "c")
     assert a == b != c
+    with pytest.raises(FileExistsError, match="pick another --out"):
+        toy_build.build(tmp_path / "a", size="tiny", seed=5)
     assert not list(tmp_path.glob(".*.tmp"))  # built in a temporary folder, renamed into place
 
 

@@ -181,6 +181,10 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
     with open(locks / hashlib.sha256(str(out).encode()).hexdigest()[:16], "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent build of the same folder waits, then reuses it
         if (out / MARKER).exists():
+            held = json.loads((out / MARKER).read_text())
+            if (held["size"], held["seed"], held["settings"]) != (size, seed, SIZES[size]):
+                raise FileExistsError(f"{out} holds a toy build of size {held['size']!r}, seed {held['seed']} with "
+                                      "other settings: pick another --out or remove that folder")
             return out
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"{out} exists and is not a toy build: pick another --out or remove it")
