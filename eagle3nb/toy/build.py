@@ -25,7 +25,7 @@ from eagle3nb.toy.tokenizer import build_tokenizer
 SIZES: dict[str, dict] = {
     "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=350, batch=8, lr=8e-3,
                   warmup=20, threads=1),
-    "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=700, batch=16, lr=4e-3,
+    "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=1200, batch=8, lr=5e-3,
                  warmup=30, threads=1),
 }
 MAX_POSITIONS = 1024
