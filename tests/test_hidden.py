@@ -206,8 +206,9 @@ def test_reader_of_vllm_per_sample_files(synth, fp32_run, tmp_path):
     for item in picked:
         other = by_id[item["id"]]
         assert torch.equal(other["loss_mask"], torch.ones_like(item["loss_mask"]))
-        torch.testing.assert_close(other["aux"], item["aux"], atol=1e-5, rtol=0)
-        torch.testing.assert_close(other["final"], item["final"], atol=1e-5, rtol=0)
+        # alone vs in a padded batch: float noise only (states reach ~20 in magnitude, so relative too)
+        torch.testing.assert_close(other["aux"], item["aux"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(other["final"], item["final"], atol=1e-5, rtol=1e-5)
         assert theirs.target_probs(other).shape[-1] == 64
 
 
