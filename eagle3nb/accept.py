@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,26 +99,12 @@ class AcceptParams(StageParams):
         return self
 
     @property
-    def stage_dir(self) -> Path:
-        return self.out_dir(self.output_dir, STAGE)
-
-    @property
     def draft_path(self) -> Path:
         return resolve(self.draft_dir) if self.draft_dir else self.out_dir(None, "03_train") / "draft"
 
     @property
     def data_path(self) -> Path:
         return self.out_dir(self.data_dir, "02_hidden_states")
-
-    def api_key(self) -> str:
-        """The key from the environment (``EMPTY`` when no variable is named)."""
-        if not self.api_key_env:
-            return "EMPTY"
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise ParamsError(f"api_key_env names {self.api_key_env!r} but that environment variable is not set: "
-                              f"export {self.api_key_env}=<key> before starting, or set api_key_env: null")
-        return key
 
     def check_paths(self) -> None:
         src = self.params_file or "the notebook's parameters cell"

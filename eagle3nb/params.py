@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import types
 from pathlib import Path
 from typing import Any, ClassVar
@@ -46,6 +47,23 @@ class StageParams(BaseModel):
 
     run_name: str = "demo"
     params_file: str | None = None
+
+    @property
+    def stage_dir(self) -> Path:
+        """This stage's output folder: ``output_dir`` if set, else ``outputs/<run_name>/<stage>``."""
+        return self.out_dir(getattr(self, "output_dir", None), self.stage)
+
+    def api_key(self) -> str:
+        """The key from the environment variable ``api_key_env`` names (``EMPTY`` when none is named:
+        vLLM's default accepts anything). Keys never live in parameter files."""
+        name = getattr(self, "api_key_env", None)
+        if not name:
+            return "EMPTY"
+        key = os.environ.get(name)
+        if not key:
+            raise ParamsError(f"api_key_env names {name!r} but that environment variable is not set: "
+                              f"export {name}=<key> before starting, or set api_key_env: null")
+        return key
 
     def out_dir(self, value: str | None, default_sub: str) -> Path:
         """Resolve a stage's output folder: the given value, else ``outputs/<run_name>/<default_sub>``."""

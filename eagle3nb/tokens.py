@@ -18,17 +18,16 @@ def segment_ids(input_ids: list[int], loss_mask: list[int], think_start: int, th
     wrappers included), 2 answer (after </think>). Used for reasoning-vs-answer breakdowns."""
     out: list[int] = []
     inside = False
-    seen_end = False
     for tok, m in zip(input_ids, loss_mask):
         if not m:
             out.append(0)
-            inside, seen_end = False, False
+            inside = False
             continue
         if tok == think_start:
-            inside, seen_end = True, False
+            inside = True
             out.append(1)
         elif tok == think_end:
-            inside, seen_end = False, True
+            inside = False
             out.append(1)
         else:
             out.append(1 if inside else 2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -72,22 +71,8 @@ class HiddenParams(StageParams):
         return self
 
     @property
-    def stage_dir(self) -> Path:
-        return self.out_dir(self.output_dir, STAGE)
-
-    @property
     def synth_path(self) -> Path:
         return self.out_dir(self.synth_dir, "01_synth")
-
-    def api_key(self) -> str:
-        """The key from the environment (``EMPTY`` when no variable is named)."""
-        if not self.api_key_env:
-            return "EMPTY"
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise ParamsError(f"api_key_env names {self.api_key_env!r} but that environment variable is not set: "
-                              f"export {self.api_key_env}=<key> before starting, or set api_key_env: null")
-        return key
 
     def data_config(self) -> dict:
         """The data-affecting settings, stored with the shards and compared on resume."""

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 from pydantic import Field, field_validator
 
@@ -64,22 +62,8 @@ class SynthParams(StageParams):
         return v
 
     @property
-    def stage_dir(self) -> Path:
-        return self.out_dir(self.output_dir, STAGE)
-
-    @property
     def urls(self) -> list[str]:
         return [self.vllm_url] if isinstance(self.vllm_url, str) else list(self.vllm_url)
-
-    def api_key(self) -> str:
-        """The key from the environment (``EMPTY`` when no variable is named: vLLM's default accepts anything)."""
-        if not self.api_key_env:
-            return "EMPTY"
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise ParamsError(f"api_key_env names {self.api_key_env!r} but that environment variable is not set: "
-                              f"export {self.api_key_env}=<key> before starting, or set api_key_env: null")
-        return key
 
     def data_config(self) -> dict:
         """The data-affecting settings, as stored in run_config.json."""

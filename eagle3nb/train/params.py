@@ -64,10 +64,6 @@ class TrainParams(StageParams):
         return self
 
     @property
-    def stage_dir(self) -> Path:
-        return self.out_dir(self.output_dir, STAGE)
-
-    @property
     def data_path(self) -> Path:
         return self.out_dir(self.data_dir, "02_hidden_states")
 
