@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from eagle3nb.hidden.capture import pack_batches
+
 
 def split_holdout(ids: list[str], fraction: float) -> tuple[list[int], list[int]]:
     """(train, held-out) sample indices. Chosen by a hash of the id, so the split does not depend on sample
@@ -24,18 +26,10 @@ def split_holdout(ids: list[str], fraction: float) -> tuple[list[int], list[int]
 
 
 def pack(indices: list[int], lengths: list[int], batch_tokens: int, max_length: int) -> list[list[int]]:
-    """Greedy micro-batches in the given order: samples x longest (cut at max_length) <= batch_tokens."""
-    batches, cur, longest = [], [], 0
-    for i in indices:
-        n = min(lengths[i], max_length)
-        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
+    """Greedy micro-batches in the given order: samples x longest (cut at max_length) <= batch_tokens
+    (02's token-budget packing, over sample indices)."""
+    batches = pack_batches([min(lengths[i], max_length) for i in indices], batch_tokens)
+    return [[indices[j] for j in batch] for batch in batches]
 
 
 def schedule(train_idx: list[int], lengths: list[int], *, batch_tokens: int, max_length: int, seed: int,
