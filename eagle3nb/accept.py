@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -81,13 +80,6 @@ class AcceptParams(StageParams):
     def _levels(cls, v: list[int]) -> list[int]:
         if not v or any(c < 1 for c in v):
             raise ValueError("give at least one concurrency level, each >= 1")
-        return v
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_name(cls, v: str | None) -> str | None:
-        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError("api_key_env is the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
         return v
 
     @model_validator(mode="after")

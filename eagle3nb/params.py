@@ -12,12 +12,13 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import re
 import types
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from eagle3nb.paths import project_root, resolve
 
@@ -47,6 +48,14 @@ class StageParams(BaseModel):
 
     run_name: str = "demo"
     params_file: str | None = None
+
+    @field_validator("api_key_env", check_fields=False)
+    @classmethod
+    def _key_is_a_name(cls, v: str | None) -> str | None:
+        """Stages that talk to a server take the NAME of the variable holding the key, never the key."""
+        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("api_key_env is the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
+        return v
 
     @property
     def stage_dir(self) -> Path:
@@ -123,11 +132,12 @@ def from_dict(stage: str, values: dict[str, Any], source: str | None = None, che
     except ValidationError as e:
         for err in e.errors():
             key = _fmt_loc(err["loc"])
-            got = err.get("input")
+            # a value put where a key's variable NAME belongs may be the key itself: never echo it
+            got = "<hidden>" if "key" in key else repr(err.get("input"))
             field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
             want = f" ({field.description})" if field is not None and field.description else ""
             problems.append(
-                f"parameter {key!r} in {src}: {err['msg']} (got {got!r}); "
+                f"parameter {key!r} in {src}: {err['msg']} (got {got}); "
                 f"fix the value in {src}{want}"
             )
         raise ParamsError("\n".join(problems)) from None

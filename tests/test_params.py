@@ -45,6 +45,14 @@ def test_missing_path_names_key_file_and_fix(tmp_path):
     assert "'prompts'" in msg and "p.yaml" in msg and str(missing) in msg
 
 
+def test_a_key_given_instead_of_its_variable_name_is_refused_without_echoing_it():
+    secret = "sk-live-0123456789abcdef"
+    with pytest.raises(ParamsError) as e:
+        from_dict("01_synth", {"params_file": "p.yaml", "api_key_env": secret}, check_paths=False)
+    assert "'api_key_env'" in str(e.value) and "NAME of an environment variable" in str(e.value)
+    assert secret not in str(e.value)
+
+
 def test_malformed_yaml_names_file_and_line(tmp_path):
     bad = tmp_path / "01_synth.yaml"
     bad.write_text("max_samples: 10\nconcurrency: [1, 2\n")

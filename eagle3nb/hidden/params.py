@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -52,13 +51,6 @@ class HiddenParams(StageParams):
         bad = [s for s in v if s not in SYNTH_STATUSES]
         if bad or not v:
             raise ValueError(f"statuses must be a non-empty subset of {list(SYNTH_STATUSES)}")
-        return v
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_name(cls, v: str | None) -> str | None:
-        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError("api_key_env is the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
         return v
 
     @model_validator(mode="after")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 
 from pydantic import Field, field_validator
 
@@ -52,13 +51,6 @@ class SynthParams(StageParams):
                 raise ValueError(f"{u!r} is not a URL: use http://host:port, a list of them, or 'embedded'")
         if isinstance(v, list) and "embedded" in v and len(v) > 1:
             raise ValueError("'embedded' cannot be mixed with other URLs")
-        return v
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_name(cls, v: str | None) -> str | None:
-        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError("api_key_env is the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
         return v
 
     @property
