@@ -23,14 +23,14 @@ from eagle3nb.toy.tokenizer import build_tokenizer
 
 # Model and training settings per size. ``threads`` is fixed so the weights are identical on any machine.
 SIZES: dict[str, dict] = {
-    "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=350, batch=8, lr=8e-3,
+    "smoke": dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=560, batch=4, lr=1e-2,
                   warmup=20, threads=1),
     "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=1200, batch=8, lr=5e-3,
                  warmup=30, threads=1),
 }
 MAX_POSITIONS = 1024
 SAMPLE_TOKENS = 128  # length cap of the sample generations printed after a build
-TRAIN_VERSION = 2  # bump when the training code below changes the weights (the cache key includes it)
+TRAIN_VERSION = 3  # bump when the training code below changes the weights (the cache key includes it)
 MARKER = "toy_build.json"
 # The tokenizer and dialogue code as loaded now (read at import, so a long-lived process that imported older
 # code never files its build under the key of newer code on disk).

@@ -1,9 +1,10 @@
 """Generated reasoning dialogues for the toy target: arithmetic, counting, string operations, unit conversions.
 
-Each problem has a canonical key (e.g. ``add:47:38``); a hash of the key puts it in the train or the held-out
-split, so the two prompt sets never share a question. Reasoning is a short, regular chain of thought (column
-addition, letter-by-letter spelling, one multiplication), which makes the target's outputs structured,
-mostly correct and predictable enough for a draft to learn.
+Each problem has a canonical key (e.g. ``unit:km:m:47``); a hash of the key puts it in the train or the held-out
+split, so the two prompt sets never share a question. The tasks are easy for a tiny model (one-digit sums, a
+word's length, its first or last letter, power-of-ten unit facts) and the reasoning is a short, regular chain of
+thought whose last sentence is the answer, so the target's outputs are structured, mostly correct and predictable
+enough for a draft to learn.
 """
 
 from __future__ import annotations
@@ -21,35 +22,37 @@ WORDS = (
     "apple banana cat dog house river green table chair water light music paper stone cloud bread horse tiger "
     "lemon plant train smile dream ocean pencil garden window rabbit orange planet forest candle rocket silver "
     "bottle button castle dragon flower guitar island jacket kitten ladder magnet needle parrot puzzle summer "
-    "winter yellow zebra moon star fish bird tree book lamp door ring frog kite nest leaf sand snow rain wind fire"
+    "winter yellow zebra moon star fish bird tree book lamp door ring frog kite nest leaf sand snow rain wind fire "
+    "bag bed box bus cup egg fan hat jam key map net owl pen pig pot rug sun toy van web yak ant bee cow fox hen "
+    "bell boat cake coat desk drum duck farm gate goat hill jar king lake lion milk nose pear road rock rose salt "
+    "ship shoe sock soup tent town wall wolf yarn bench brush chalk clock crown grape heart juice knife mouse "
+    "peach plate queen sheep shirt spoon storm sugar tooth truck whale wheel"
 ).split()
 
-# (from, to, factor, largest n)
-UNITS = [("km", "m", 1000, 99), ("m", "cm", 100, 99), ("kg", "g", 1000, 99), ("cm", "mm", 10, 99),
-         ("h", "min", 60, 12), ("min", "s", 60, 12)]
+# (from, to, factor): fixed power-of-ten facts, so a conversion is a copy of the number plus some zeros
+UNITS = [("km", "m", 1000), ("m", "cm", 100), ("kg", "g", 1000), ("cm", "mm", 10), ("m", "mm", 1000)]
 
-ADD_QUESTIONS = ["What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}."]
-LEN_QUESTIONS = ["How many letters are in the word {w}?", "Count the letters in {w}."]
-COUNT_QUESTIONS = ["How many times does the letter {c} appear in {w}?"]
-REV_QUESTIONS = ["Reverse the word {w}.", "Write {w} backwards."]
-UPPER_QUESTIONS = ["Write {w} in capitals."]
+ADD_QUESTIONS = ["What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}.", "What is the sum of {a} and {b}?"]
+LEN_QUESTIONS = ["How many letters are in the word {w}?", "Count the letters in {w}.", "How long is the word {w}?"]
+LETTER_QUESTIONS = {"first": ["What is the first letter of {w}?", "Which letter does {w} start with?"],
+                    "last": ["What is the last letter of {w}?", "Which letter does {w} end with?"]}
+# The reasoning ends with the answer sentence, so the reply copies it token for token.
+ANSWER = "The answer is {}."
 UNIT_QUESTIONS = ["Convert {n} {u} to {v}.", "How many {v} are in {n} {u}?"]
-PLACES = ["Units", "Tens", "Hundreds"]
 
 # Every fixed phrase the generator writes, so the tokenizer can hold each word as one piece.
 PHRASES = (
-    ADD_QUESTIONS + LEN_QUESTIONS + COUNT_QUESTIONS + REV_QUESTIONS + UPPER_QUESTIONS + UNIT_QUESTIONS + PLACES
-    + ["write carry So is", "Spell it", "The word has letters", "yes no appears times", "Letters Backwards Joined",
-       "to In capitals", "user assistant system tool"]
+    ADD_QUESTIONS + LEN_QUESTIONS + LETTER_QUESTIONS["first"] + LETTER_QUESTIONS["last"] + UNIT_QUESTIONS + [ANSWER]
+    + ["Spell it", "The first last letter of the word is", "user assistant system tool"]
 )
 
 
 def words_for_vocab() -> list[str]:
     """The words of the generator's fixed phrases and units, for the tokenizer's word pieces. The WORDS that
-    questions spell, reverse or count stay out: they tokenize letter by letter, so those tasks are copying,
-    which a small model learns fast, rather than memorising every word's spelling."""
+    questions spell stay out: they tokenize letter by letter, so those tasks are copying, which a small model
+    learns fast, rather than memorising every word's spelling."""
     text = " ".join(re.sub(r"\{\w+\}", " ", p) for p in PHRASES)
-    text += " " + " ".join(f"{u} {v}" for u, v, _, _ in UNITS)
+    text += " " + " ".join(f"{u} {v}" for u, v, _ in UNITS)
     return sorted(set(re.findall(r"[A-Za-z]+", text)) - set(WORDS))
 
 
@@ -60,57 +63,34 @@ def split_of(key: str) -> str:
 
 
 def _addition(rng: random.Random) -> tuple[str, str, str, str]:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    s = a + b
-    steps, carry = [], 0
-    for i, place in enumerate(PLACES[:2]):
-        da, db = (a // 10**i) % 10, (b // 10**i) % 10
-        total = da + db + carry
-        terms = f"{da} + {db}" + (f" + {carry}" if carry else "")
-        carry = total // 10
-        steps.append(f"{place}: {terms} = {total}, write {total % 10}" + (f" carry {carry}." if carry else "."))
-    if carry:
-        steps.append(f"Hundreds: write {carry}.")
+    """One-digit sums. There are only 100 facts, so the split is by question: a held-out question asks a fact
+    that training asked in other words (a model cannot know a sum it never saw)."""
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
     q = rng.choice(ADD_QUESTIONS).format(a=a, b=b)
-    reasoning = " ".join(steps) + f" So {a} + {b} = {s}."
-    return f"add:{a}:{b}", q, reasoning, f"{a} + {b} = {s}."
+    return f"add:{q}", q, f"Add: {a} + {b} = {a + b}. {ANSWER.format(a + b)}", ANSWER.format(a + b)
 
 
 def _counting(rng: random.Random) -> tuple[str, str, str, str]:
     w = rng.choice(WORDS)
-    if rng.random() < 0.5:
-        q = rng.choice(LEN_QUESTIONS).format(w=w)
-        spelled = ", ".join(f"{c} {i + 1}" for i, c in enumerate(w))
-        return f"len:{w}", q, f"Spell it: {spelled}. The word has {len(w)} letters.", f"{w} has {len(w)} letters."
-    c = rng.choice(sorted(set(w)) + ["e", "o", "a"])
-    q = COUNT_QUESTIONS[0].format(c=c, w=w)
-    n, marks = 0, []
-    for x in w:
-        if x == c:
-            n += 1
-            marks.append(f"{x} yes {n}")
-        else:
-            marks.append(f"{x} no")
-    return f"count:{w}:{c}", q, f"Spell it: {', '.join(marks)}. So {c} appears {n} times.", f"{c} appears {n} times in {w}."
+    q = rng.choice(LEN_QUESTIONS).format(w=w)
+    spelled = ", ".join(f"{c} {i + 1}" for i, c in enumerate(w))
+    return f"len:{w}", q, f"Spell it: {spelled}. {ANSWER.format(len(w))}", ANSWER.format(len(w))
 
 
 def _string(rng: random.Random) -> tuple[str, str, str, str]:
     w = rng.choice(WORDS)
-    if rng.random() < 0.5:
-        q = rng.choice(REV_QUESTIONS).format(w=w)
-        r = w[::-1]
-        return f"rev:{w}", q, f"Letters: {' '.join(w)}. Backwards: {' '.join(r)}. Joined: {r}.", f"{w} backwards is {r}."
-    q = UPPER_QUESTIONS[0].format(w=w)
-    steps = ", ".join(f"{c} to {c.upper()}" for c in w)
-    return f"upper:{w}", q, f"{steps}. So {w.upper()}.", f"In capitals: {w.upper()}."
+    end = rng.choice(["first", "last"])
+    q = rng.choice(LETTER_QUESTIONS[end]).format(w=w)
+    c = w[0] if end == "first" else w[-1]
+    return f"{end}:{w}", q, f"The {end} letter of the word is {c}. {ANSWER.format(c)}", ANSWER.format(c)
 
 
 def _units(rng: random.Random) -> tuple[str, str, str, str]:
-    u, v, f, top = rng.choice(UNITS)
-    n = rng.randint(1, top)
+    u, v, f = rng.choice(UNITS)
+    n = rng.randint(1, 99)
     q = rng.choice(UNIT_QUESTIONS).format(n=n, u=u, v=v)
-    reasoning = f"1 {u} is {f} {v}. So {n} {u} is {n} * {f} = {n * f} {v}."
-    return f"unit:{u}:{v}:{n}", q, reasoning, f"{n} {u} is {n * f} {v}."
+    answer = ANSWER.format(f"{n * f} {v}")
+    return f"unit:{u}:{v}:{n}", q, f"1 {u} is {f} {v}. {n} * {f} = {n * f}. {answer}", answer
 
 
 MAKERS = {"arithmetic": _addition, "counting": _counting, "string": _string, "units": _units}
