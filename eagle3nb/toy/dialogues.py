@@ -49,8 +49,8 @@ PHRASES = (
 
 def words_for_vocab() -> list[str]:
     """The words of the generator's fixed phrases and units, for the tokenizer's word pieces. The WORDS that
-    questions spell stay out: they tokenize letter by letter, so those tasks are copying, which a small model
-    learns fast, rather than memorising every word's spelling."""
+    questions spell stay out: they tokenize mostly letter by letter (a few start with a phrase piece such as
+    " to"), so those tasks are copying, which a small model learns fast, rather than memorising spellings."""
     text = " ".join(re.sub(r"\{\w+\}", " ", p) for p in PHRASES)
     text += " " + " ".join(f"{u} {v}" for u, v, _ in UNITS)
     return sorted(set(re.findall(r"[A-Za-z]+", text)) - set(WORDS))
