@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from worlds import write_run
 
 from eagle3nb.cli import main
 from eagle3nb.doctor import CHECKS, FAIL, PASS, STAGE_CHECKS, check_stage, render, run_checks
-
-def write_run(folder: Path, stages: dict[str, dict]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for stage, values in stages.items():
-        (folder / f"{stage}.yaml").write_text(yaml.safe_dump({k: str(v) if isinstance(v, Path) else v
-                                                              for k, v in values.items()}))
-    return folder
+from eagle3nb.doctor.context import STREAM_PROBES
+from eagle3nb.synth.faults import FaultServer
 
 
 def by_name(report) -> dict:
@@ -29,47 +25,14 @@ def by_name(report) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(toy_smoke):
-    from eagle3nb.serve import start_server
-
-    with start_server(toy_smoke) as handle:
-        yield handle
+def server(embedded):
+    return embedded
 
 
 @pytest.fixture(scope="module")
-def healthy(tmp_path_factory, toy_smoke, server) -> dict:
-    """A small healthy run: 01 against the embedded server, 02 extracted, 03 trained; its stage params."""
-    from eagle3nb.hidden import extract
-    from eagle3nb.params import from_dict, run_params
-    from eagle3nb.synth import run as synth
-    from eagle3nb.train import train
-
-    out = tmp_path_factory.mktemp("healthy")
-    stages = {
-        "01_synth": {"model_path": toy_smoke, "vllm_url": server.url, "max_samples": 32,
-                     "max_completion_tokens": 128, "output_dir": out / "01_synth"},
-        "02_hidden_states": {"model_path": toy_smoke, "synth_dir": out / "01_synth", "max_length": 512,
-                             "output_dir": out / "02_hidden_states"},
-        # Trained well past the doctor's lines: 40 steps left the draft at ~1.18x against the 1.2x warn line
-        # on one CPU (a coin toss); 200 steps give first-token acceptance ~0.8 and tau ~4 (measured here), so
-        # the speedup the check predicts sits far above 1.2x on any machine.
-        "03_train": {"data_dir": out / "02_hidden_states", "output_dir": out / "03_train", "max_length": 512,
-                     "batch_tokens": 2048, "max_steps": 200, "lr": 5e-3, "eval_every": 0, "save_every": 1000},
-        "04_acceptance": {"model_path": toy_smoke, "draft_dir": out / "03_train" / "draft",
-                          "data_dir": out / "02_hidden_states", "output_dir": out / "04_acceptance"},
-    }
-    run = write_run(out / "params" / "healthy", stages)
-    synth(from_dict("01_synth", run_params(run, "01_synth")))
-    extract(from_dict("02_hidden_states", run_params(run, "02_hidden_states")))
-    # One thread: on a 2-core machine shared with other test runs, torch's thread pool spins and a step
-    # takes ~15x longer.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(from_dict("03_train", run_params(run, "03_train")))
-    finally:
-        torch.set_num_threads(threads)
-    return {"run": run, "out": out, "stages": stages}
+def healthy(trained) -> dict:
+    """The shared trained run (conftest ``trained``): 01 against the embedded server, 02 extracted, 03 trained."""
+    return trained
 
 
 def variant(healthy: dict, folder: Path, **changes: dict) -> Path:
@@ -124,6 +87,41 @@ def test_server_without_reasoning_parser_fails(toy_smoke, tmp_path):
     assert r.status == FAIL, r
     assert "without a reasoning parser" in r.measured and "message.reasoning empty" in r.measured
     assert "--reasoning-parser kimi_k2" in r.fix
+
+
+# Faults a loaded server produces now and then: not a 400 (no retry fixes it) nor a hang (it only costs time).
+TRANSIENT_FAULTS = ("500", "503", "429", "drop", "malformed", "nochoice")
+
+
+def flaky_run(folder: Path, toy: Path, url: str) -> Path:
+    """01_synth params against ``url`` with a short retry policy (2 retries, 50 ms first backoff)."""
+    return write_run(folder, {"01_synth": {"model_path": toy, "vllm_url": url, "max_completion_tokens": 128,
+                                           "max_retries": 2, "retry_backoff_s": 0.05}})
+
+
+def test_probes_retry_a_flaky_server_like_the_run(server, toy_smoke, tmp_path):
+    with FaultServer(fault_rate=0.2, faults=TRANSIENT_FAULTS, seed=22, upstream=server.url) as flaky:
+        planned = [flaky.plan(FaultServer.key([{"role": "user", "content": q}])) for q in STREAM_PROBES]
+        assert all(planned), planned  # seed 22 faults both probe conversations (drop, 429; nochoice, 500)
+        report = by_name(run_checks(flaky_run(tmp_path / "run", toy_smoke, flaky.url), "01"))
+    assert report["server"].status == PASS, report["server"]
+    assert report["token_stream"].status == PASS, report["token_stream"]
+    assert sum(f != "ok" for _, f in flaky.served) == sum(map(len, planned))  # every planned fault was met
+
+
+def test_server_that_keeps_failing_or_is_dead_fails_after_the_retries(toy_smoke, tmp_path):
+    with FaultServer(fault_rate=1.0, faults=("503",), max_faults=99) as down:
+        assert all(len(down.plan(FaultServer.key([{"role": "user", "content": q}]))) >= 6 for q in STREAM_PROBES)
+        r = by_name(run_checks(flaky_run(tmp_path / "down", toy_smoke, down.url), "01"))["server"]
+    assert r.status == FAIL and "gave up after 3 attempts" in r.measured, r
+    # 3 probes x (max_retries + 1): the openai client adds no retries of its own, later checks reuse the failure
+    assert len(down.served) == 9
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    r = by_name(run_checks(flaky_run(tmp_path / "dead", toy_smoke, dead), "01"))["server"]
+    assert r.status == FAIL and "not reachable" in r.measured and "gave up after 3 attempts" in r.measured, r
+    assert "start the server" in r.fix
 
 
 # -- 2. token stream ------------------------------------------------------------------------------------------------

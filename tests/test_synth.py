@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3nb.params import ParamsError, from_dict
-from eagle3nb.synth import SynthError, SynthParams, load_samples, run
+from eagle3nb.synth import SynthError, SynthParams, load_samples, probe, run
 from eagle3nb.synth.faults import FaultServer
 from eagle3nb.synth.prompts import PromptsError, load_prompts
 from eagle3nb.synth.reasoning import extract
@@ -220,15 +220,9 @@ def test_changed_settings_are_refused_unless_forced(tmp_path):
 # ---------------------------------------------------------------- the client against faults, over real HTTP
 
 
-def fault_key(messages: list[dict]) -> str:
-    import hashlib
-
-    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def expected_status(server: FaultServer, messages: list[dict], max_retries: int) -> str:
     """What the client must make of this conversation's scripted faults, from the server's next attempt on."""
-    key = fault_key(messages)
+    key = FaultServer.key(messages)
     plan, start = server.plan(key), server.attempts.get(key, 0)
     for attempt in range(start, start + max_retries + 1):
         fault = plan[attempt] if attempt < len(plan) else "ok"
@@ -263,7 +257,7 @@ def test_faults_every_sample_ok_or_counted_none_duplicated(tmp_path, toy_smoke):
         asked_before = Counter(k for k, _ in srv.served)
         m2 = run(P)
         asked_again = set(Counter(k for k, _ in srv.served) - asked_before)
-        assert asked_again == {fault_key(p["messages"]) for p in prompts if p["id"] in again}
+        assert asked_again == {FaultServer.key(p["messages"]) for p in prompts if p["id"] in again}
         final = {r["id"]: r["status"] for r in load_samples(P.stage_dir, statuses=None)}
         assert final == {**expected, **again} and m2["counts"]["ok"] == sum(v == "ok" for v in final.values())
 
@@ -290,6 +284,17 @@ def test_reasoning_content_and_missing_reasoning_stop_early(tmp_path, toy_smoke)
         with pytest.raises(SynthError, match=r"the first 8 requests all failed, e.g. BadRequestError 400"):
             run(synth_params(tmp_path, vllm_url=srv.url, output_dir=str(tmp_path / "rejected"), concurrency=2))
         assert len(srv.served) <= 8 + 2
+
+
+def test_probe_retries_like_the_run(tmp_path, toy_smoke):
+    with FaultServer(fault_rate=0.2, faults=("500", "503", "429", "drop", "malformed", "nochoice"), seed=22) as srv:
+        planned = srv.plan(FaultServer.key([{"role": "user", "content": "What is 2+2?"}]))
+        assert planned  # seed 22 fails this conversation's first attempts (drop, 429)
+        p = probe(synth_params(tmp_path, vllm_url=srv.url, max_retries=2), "What is 2+2?")
+        assert [f for _, f in srv.served] == [*planned, "ok"] and p["reasoning_from"] == "reasoning"
+    with FaultServer(fault_rate=1.0, faults=("503",), max_faults=99) as srv:
+        with pytest.raises(SynthError, match=r"the probe request failed: .*503.*gave up after 2 attempts"):
+            probe(synth_params(tmp_path, vllm_url=srv.url, max_retries=1), "What is 2+2?")
 
 
 def test_exactly_concurrency_requests_in_flight(tmp_path, toy_smoke):

@@ -15,6 +15,7 @@ from eagle3nb.doctor import FAIL, PASS, SKIP, WARN, CheckResult
 from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Unavailable
 from eagle3nb.formulas import speedup
 from eagle3nb.params import ParamsError
+from eagle3nb.synth.client import FatalServerError, GaveUp
 from eagle3nb.tokens import THINK_END, THINK_START
 
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -55,17 +56,18 @@ NO_PARSER_FIX = ("start the server with a reasoning parser: vLLM `--reasoning-pa
 
 
 def check_server(ctx: Context) -> CheckResult:
-    import openai
-
     P1 = ctx.p("01_synth")
     problems, measured, details = [], [], {"urls": []}
     for url in ctx.server_urls():
         try:
             model, names = ctx.served_model(url)
-        except openai.APIError as e:
-            problems.append((FAIL, f"{url}: not reachable ({type(e).__name__}: {e})",
+        except GaveUp as e:  # after 01_synth's retries: not a passing hiccup
+            problems.append((FAIL, f"{url}: not reachable ({e})",
                              f"start the server (e.g. `vllm serve MODEL --reasoning-parser kimi_k2`) or fix vllm_url "
                              f"in {P1.params_file or '01_synth params'}"))
+            continue
+        except (FatalServerError, ParamsError) as e:  # the message says what to fix
+            problems.append((FAIL, f"{url}: {e}", ""))
             continue
         if model not in names:
             problems.append((FAIL, f"{url} serves {names}, not {model!r}",

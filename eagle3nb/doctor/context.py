@@ -1,15 +1,16 @@
 """What the doctor knows about a run: each stage's params and the artifacts they point at, loaded once,
-lazily, and shared by the checks. Every network call has a timeout; embedded servers it starts are stopped
-when the check-up ends."""
+lazily, and shared by the checks. Every network call has a timeout and 01_synth's retry policy; embedded
+servers it starts are stopped when the check-up ends."""
 
 from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from eagle3nb.params import STAGES, ParamsError, StageParams, from_dict, run_params
 from eagle3nb.paths import project_root, resolve
+from eagle3nb.synth.client import Endpoint, FatalServerError, GaveUp, chat, retried, run_sync
 
 PROBE_QUESTION = "What is 2+2?"
 # Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
@@ -34,8 +35,8 @@ class Context:
         self.server_url, self.timeout_s = server_url, timeout_s
         self.use_server = True  # False when the check-up leaves the server out (a later stage's cell)
         self._servers: list[Any] = []
-        self._probes: dict[tuple, dict] = {}
-        self._models: dict[str, tuple[str, list[str]]] = {}
+        self._probes: dict[tuple, dict | Unavailable] = {}
+        self._models: dict[str, tuple[str, list[str]] | Exception] = {}
 
     # -- construction -------------------------------------------------------------------------------------
 
@@ -242,19 +243,40 @@ class Context:
             urls = [handle.base_url]
         return [base_url(u) for u in urls]
 
-    def client(self, base_url: str):
+    def ask(self, base_url: str, call: Callable[[Endpoint], Awaitable[Any]], model: str = "") -> Any:
+        """``call(endpoint)`` under 01_synth's retry policy (its max_retries and retry_backoff_s), so a server
+        that fails now and then passes the check-up as it passes the run. Raises GaveUp when the failure
+        outlasted the retries (or the server rejected the request), FatalServerError when no retry can help."""
         import openai
 
-        return openai.OpenAI(base_url=base_url, api_key=self.p("01_synth").api_key(), timeout=self.timeout_s,
-                             max_retries=0)
+        P1 = self.p("01_synth")
+
+        async def go() -> Any:
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=P1.api_key(), timeout=self.timeout_s,
+                                        max_retries=0)
+            try:
+                return await retried(call, Endpoint(base_url, client, model), max_retries=P1.max_retries,
+                                     backoff_s=P1.retry_backoff_s)
+            finally:
+                await client.close()
+
+        return run_sync(go)
 
     def served_model(self, base_url: str) -> tuple[str, list[str]]:
-        """(the model name to ask for, the names the server lists); raises openai.APIError when unreachable."""
+        """(the model name to ask for, the names the server lists); raises GaveUp, FatalServerError or
+        ParamsError when the server cannot be asked (remembered, so later checks do not wait out the retries
+        again)."""
         if base_url not in self._models:
-            names = [m.id for m in self.client(base_url).models.list().data]
-            wanted = self.p("01_synth").served_model_name
-            self._models[base_url] = (wanted or (names[0] if names else "")), names
-        return self._models[base_url]
+            try:
+                names = [m.id for m in self.ask(base_url, lambda ep: ep.client.models.list()).data]
+                wanted = self.p("01_synth").served_model_name
+                self._models[base_url] = (wanted or (names[0] if names else "")), names
+            except (GaveUp, FatalServerError, ParamsError) as e:
+                self._models[base_url] = e
+        got = self._models[base_url]
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     def probe_all(self, base_url: str, thinking: bool) -> None:
         """Send every probe the check-up will read at once (the server batches them): the stream probes in
@@ -267,40 +289,41 @@ class Context:
 
     def probe(self, base_url: str, question: str, thinking: bool | None) -> dict:
         """One chat completion at temperature 0 (``thinking`` None: the server's default mode), with
-        ``return_token_ids``; cached. Returns the message fields, reasoning source and token ids. A server
-        that does not answer raises Unavailable (the server check reports it)."""
-        import openai
+        ``return_token_ids``, under 01_synth's retry policy; cached, failures too. Returns the message fields,
+        reasoning source and token ids. A server that does not answer after the retries raises Unavailable
+        (the server check reports it)."""
+        key = (base_url, question, thinking)
+        if key not in self._probes:
+            try:
+                self._probes[key] = self._probe(base_url, question, thinking)
+            except (GaveUp, FatalServerError, ParamsError) as e:
+                self._probes[key] = Unavailable(f"the server at {base_url} did not answer a probe "
+                                                f"({type(e).__name__}: {e}); see the server check")
+        got = self._probes[key]
+        if isinstance(got, Unavailable):
+            raise got
+        return got
 
+    def _probe(self, base_url: str, question: str, thinking: bool | None) -> dict:
         from eagle3nb.synth.reasoning import REASONING_FIELDS, extract, field
 
-        key = (base_url, question, thinking)
-        if key in self._probes:
-            return self._probes[key]
         P1 = self.p("01_synth")
-        extra: dict[str, Any] = {"return_token_ids": True}
-        if thinking is not None:
-            extra["chat_template_kwargs"] = {P1.thinking_kwarg: thinking}
         messages = [{"role": "user", "content": question}]
-        try:
-            model, _ = self.served_model(base_url)
-            resp = self.client(base_url).chat.completions.create(
-                model=model, messages=messages, temperature=0.0, max_tokens=min(PROBE_MAX_TOKENS,
-                                                                                P1.max_completion_tokens),
-                extra_body=extra)
-        except (openai.APIError, ParamsError) as e:
-            raise Unavailable(f"the server at {base_url} did not answer a probe ({type(e).__name__}: {e}); see "
-                              "the server check") from None
+        max_tokens = min(PROBE_MAX_TOKENS, P1.max_completion_tokens)
+        model, _ = self.served_model(base_url)
+        resp = self.ask(base_url, lambda ep: chat(
+            ep, messages, max_completion_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=P1.seed,
+            template_kwargs={} if thinking is None else {P1.thinking_kwarg: thinking}), model)
         choice = resp.choices[0]
         reasoning, content, source = extract(choice.message)
-        self._probes[key] = {
+        return {
             "messages": messages, "thinking": thinking, "kwarg": P1.thinking_kwarg, "model": model,
             "reasoning": reasoning, "content": content, "source": source,
             "fields": {f: field(choice.message, f) for f in REASONING_FIELDS},
             "raw_content": field(choice.message, "content"), "finish_reason": choice.finish_reason,
-            "max_tokens": min(PROBE_MAX_TOKENS, P1.max_completion_tokens),
+            "max_tokens": max_tokens,
             "prompt_token_ids": field(resp, "prompt_token_ids"), "token_ids": field(choice, "token_ids"),
         }
-        return self._probes[key]
 
 
 class Subset:

@@ -1,7 +1,8 @@
 """Talking to the target's server: one ``openai.AsyncOpenAI`` per URL (round-robin), retries with
 exponential backoff and jitter on what a loaded server throws (429, 5xx, timeouts, dropped connections,
 cut-off JSON), and the configuration errors that no retry fixes (wrong key, wrong model name) turned into
-one clear message."""
+one clear message. The run, its probe and the doctor's check-up all send their requests through
+``with_retries``, so a server that fails now and then fails none of them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import json
 import random
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+
+T = TypeVar("T")
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 FATAL_STATUS = {401: "the server refused the API key: set api_key_env to the NAME of the environment variable "
@@ -24,6 +28,10 @@ BACKOFF_CAP_S = 60.0
 
 class FatalServerError(RuntimeError):
     """A problem every request would hit; the run stops at once with the fix."""
+
+
+class GaveUp(RuntimeError):
+    """A request that failed for good: a transient failure outlasted the retries, or the server rejected it."""
 
 
 class MalformedResponse(ValueError):
@@ -49,8 +57,9 @@ class Endpoint:
 
 
 async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_name: str | None,
-                  concurrency: int) -> list[Endpoint]:
-    """A client per URL, each checked by asking ``/models`` (which also names the model when not given)."""
+                  concurrency: int, *, max_retries: int, backoff_s: float) -> list[Endpoint]:
+    """A client per URL, each checked by asking ``/models`` (which also names the model when not given), with
+    the run's retry policy: a loaded server's passing 503 is no reason to stop."""
     import httpx
     import openai
 
@@ -61,13 +70,13 @@ async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_
         client = openai.AsyncOpenAI(base_url=base_url(url), api_key=api_key, max_retries=0, timeout=timeout_s,
                                     http_client=http)
         try:
-            models = [m.id for m in (await client.models.list()).data]
-        except openai.AuthenticationError:
-            raise FatalServerError(f"{url}: {FATAL_STATUS[401]}") from None
-        except (openai.APIConnectionError, openai.APIStatusError) as e:
+            listed = await retried(lambda ep: ep.client.models.list(), Endpoint(url, client, ""),
+                                   max_retries=max_retries, backoff_s=backoff_s)
+        except GaveUp as e:
             raise FatalServerError(f"cannot reach an OpenAI-compatible server at {base_url(url)} ({e}); start it "
                                    f"(e.g. `vllm serve MODEL --reasoning-parser kimi_k2`), fix vllm_url, or use "
                                    f"vllm_url: embedded") from None
+        models = [m.id for m in listed.data]
         if served_model_name is None and not models:
             raise FatalServerError(f"{url}/models lists no model; set served_model_name")
         if served_model_name is not None and models and served_model_name not in models:
@@ -149,14 +158,17 @@ async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int
     return resp
 
 
-async def with_retries(call, *, max_retries: int, backoff_s: float, in_flight: InFlight,
-                       endpoint_for_attempt) -> tuple[Any, int, str | None]:
+async def with_retries(call: Callable[[Endpoint], Awaitable[T]], *, max_retries: int, backoff_s: float,
+                       endpoint_for_attempt: Callable[[], Endpoint],
+                       in_flight: InFlight | None = None) -> tuple[T | None, int, str | None]:
     """(response, attempts, error) for ``call(endpoint)``; retries transient failures with exponential backoff
-    and jitter (honouring Retry-After), on the next endpoint each time. Fatal ones raise."""
+    and jitter (honouring Retry-After), on the next endpoint each time. Fatal ones raise. Clients must be made
+    with the openai client's own ``max_retries=0``, so that a request is sent exactly ``attempts`` times."""
     last, wait_hint = None, None
     for attempt in range(max_retries + 1):
         ep = endpoint_for_attempt()
-        in_flight.change(+1)
+        if in_flight is not None:
+            in_flight.change(+1)
         try:
             return await call(ep), attempt + 1, None
         except asyncio.CancelledError:
@@ -170,8 +182,28 @@ async def with_retries(call, *, max_retries: int, backoff_s: float, in_flight: I
             if kind == "error":
                 return None, attempt + 1, last
         finally:
-            in_flight.change(-1)
+            if in_flight is not None:
+                in_flight.change(-1)
         if attempt < max_retries:
             delay = random.uniform(0.5, 1.0) * min(BACKOFF_CAP_S, backoff_s * 2**attempt)
             await asyncio.sleep(min(BACKOFF_CAP_S, max(delay, wait_hint or 0.0)))
     return None, max_retries + 1, f"{last} (gave up after {max_retries + 1} attempts)"
+
+
+async def retried(call: Callable[[Endpoint], Awaitable[T]], ep: Endpoint, *, max_retries: int,
+                  backoff_s: float) -> T:
+    """``call(ep)``'s answer under the retry policy of ``with_retries``, for one-off requests (the model list,
+    check-up probes) that have no sample record to carry an error: raises GaveUp when no attempt succeeded,
+    FatalServerError when none can."""
+    resp, _, err = await with_retries(call, max_retries=max_retries, backoff_s=backoff_s,
+                                      endpoint_for_attempt=lambda: ep)
+    if err is not None:
+        raise GaveUp(f"{ep.url}: {err}")
+    return resp
+
+
+def run_sync(make_coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``make_coro()`` run to completion from synchronous code, on a fresh event loop in a thread of its own:
+    works where a loop already runs (a JupyterLab cell) as well as in scripts and worker threads."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(make_coro())).result()

@@ -4,6 +4,8 @@ It answers at once, after a random latency, or with the faults real servers prod
 a hang past the client's timeout, a dropped connection, a 200 whose JSON is cut short or has no choice, a 400,
 and (not in the default mix, as no retry fixes it) a 401. Faults are
 planned per conversation and attempt, deterministically from a seed, so a test knows what to expect.
+With ``upstream`` (a real server's address) it injects the same faults in front of that server and passes
+every other request through, so a client meets real answers (token ids included) and faults alike.
 It speaks raw HTTP/1.1 over asyncio (keep-alive included): a dropped connection is really dropped, and the
 server costs little enough to measure a client against it. Runs on a thread (``with FaultServer(...)``) or
 as a process (``python -m eagle3nb.synth.faults --port N``); ``GET /stats`` returns each request's
@@ -29,12 +31,14 @@ REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
 class FaultServer:
     """``fault_rate``: share of conversations that get faults; each such conversation fails on its first
     1..``max_faults`` attempts with faults drawn from ``faults``. ``latency_s``: (low, high) uniform delay.
-    ``reasoning_field``: where the reasoning goes (None: nowhere, a server without a reasoning parser)."""
+    ``reasoning_field``: where the reasoning goes (None: nowhere, a server without a reasoning parser).
+    ``upstream``: ``http://host:port`` of a server whose answers (and model list) are passed through."""
 
     def __init__(self, *, fault_rate: float = 0.0, faults: tuple[str, ...] = FAULTS, max_faults: int = 2,
                  latency_s: tuple[float, float] = (0.0, 0.0), hang_s: float = 5.0,
                  reasoning_field: str | None = "reasoning", model: str = "fault-model", seed: int = 0,
-                 host: str = "127.0.0.1", port: int = 0):
+                 host: str = "127.0.0.1", port: int = 0, upstream: str | None = None):
+        self.upstream = upstream
         self.fault_rate, self.faults, self.max_faults = fault_rate, faults, max_faults
         self.latency_s, self.hang_s = latency_s, hang_s
         self.reasoning_field, self.model, self.seed = reasoning_field, model, seed
@@ -52,6 +56,11 @@ class FaultServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @staticmethod
+    def key(messages: list[dict]) -> str:
+        """The conversation's key: faults are planned and attempts counted per key."""
+        return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:12]
 
     def plan(self, key: str) -> list[str]:
         """The faults this conversation meets, in attempt order (then it succeeds)."""
@@ -72,15 +81,23 @@ class FaultServer:
             "usage": {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22},
         }
 
+    async def _pass_through(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        """The upstream server's (status, JSON answer) to the same request."""
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.upstream, timeout=600.0) as client:
+            resp = await client.request(method, path, json=body)
+        return resp.status_code, resp.json()
+
     async def _send(self, writer: asyncio.StreamWriter, code: int, payload: bytes, ctype="application/json") -> None:
         head = (f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(payload)}\r\n\r\n")
         writer.write(head.encode() + payload)
         await writer.drain()
 
-    async def _chat(self, writer: asyncio.StreamWriter, body: dict) -> bool:
+    async def _chat(self, writer: asyncio.StreamWriter, path: str, body: dict) -> bool:
         """Answer one chat request; False when the connection was dropped."""
-        key = hashlib.sha1(json.dumps(body["messages"], sort_keys=True).encode()).hexdigest()[:12]
+        key = self.key(body["messages"])
         attempt = self.attempts.get(key, 0)
         self.attempts[key] = attempt + 1
         plan = self.plan(key)
@@ -97,12 +114,16 @@ class FaultServer:
         if fault in ("500", "503", "429", "400", "401"):
             err = {"error": {"message": f"injected {fault}", "type": "fault", "code": int(fault)}}
             await self._send(writer, int(fault), json.dumps(err).encode())
-        elif fault == "malformed":
-            await self._send(writer, 200, json.dumps(self.answer(body)).encode()[:40])
-        elif fault == "nochoice":
-            await self._send(writer, 200, json.dumps({**self.answer(body), "choices": []}).encode())
         else:
-            await self._send(writer, 200, json.dumps(self.answer(body)).encode())
+            code, answer = await self._pass_through("POST", path, body) if self.upstream else (200, self.answer(body))
+            if code != 200:
+                await self._send(writer, code, json.dumps(answer).encode())
+            elif fault == "malformed":
+                await self._send(writer, 200, json.dumps(answer).encode()[:40])
+            elif fault == "nochoice":
+                await self._send(writer, 200, json.dumps({**answer, "choices": []}).encode())
+            else:
+                await self._send(writer, 200, json.dumps(answer).encode())
         return True
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -121,10 +142,13 @@ class FaultServer:
                 self.auth.add(headers.get("authorization", ""))
                 if method == "POST" and path.endswith("/chat/completions"):
                     t0 = time.time()
-                    alive = await self._chat(writer, json.loads(raw))
+                    alive = await self._chat(writer, path, json.loads(raw))
                     self.intervals.append((t0, time.time()))
                     if not alive:
                         return
+                elif path.endswith("/models") and self.upstream:
+                    code, data = await self._pass_through("GET", path)
+                    await self._send(writer, code, json.dumps(data).encode())
                 elif path.endswith("/models"):
                     data = {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fault"}]}
                     await self._send(writer, 200, json.dumps(data).encode())

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator
 
 from eagle3nb.progress import Progress, write_json_atomic
 from eagle3nb.synth import report
-from eagle3nb.synth.client import Endpoint, FatalServerError, InFlight, chat, connect, describe, request_seed, with_retries
+from eagle3nb.synth.client import (Endpoint, FatalServerError, GaveUp, InFlight, chat, connect, request_seed, retried,
+                                   run_sync, with_retries)
 from eagle3nb.synth.params import STAGE, SynthParams
 from eagle3nb.synth.prompts import load_prompts
 from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
@@ -232,7 +233,8 @@ class Session:
 
     async def main(self) -> None:
         P = self.P
-        self.endpoints = await connect(self.urls, P.api_key(), P.request_timeout_s, P.served_model_name, P.concurrency)
+        self.endpoints = await connect(self.urls, P.api_key(), P.request_timeout_s, P.served_model_name, P.concurrency,
+                                       max_retries=P.max_retries, backoff_s=P.retry_backoff_s)
         config = {**P.data_config(), "served_model_name": self.endpoints[0].model}
         check_run_config(P.stage_dir, config, P.force)
         print(f"01_synth: asking {', '.join(e.url for e in self.endpoints)} (model {self.endpoints[0].model!r}), "
@@ -343,19 +345,21 @@ def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
     messages = [{"role": "user", "content": question}]
 
     async def ask(urls: list[str]) -> tuple[Endpoint, Any]:
-        eps = await connect(urls, P.api_key(), P.request_timeout_s, P.served_model_name, 1)
+        retry = {"max_retries": P.max_retries, "backoff_s": P.retry_backoff_s}
+        eps = await connect(urls, P.api_key(), P.request_timeout_s, P.served_model_name, 1, **retry)
         try:
-            resp = await chat(eps[0], messages, max_completion_tokens=P.max_completion_tokens,
-                              temperature=P.temperature, top_p=P.top_p, seed=P.seed,
-                              template_kwargs={P.thinking_kwarg: P.thinking}, return_token_ids=P.return_token_ids)
-        except Exception as e:  # noqa: BLE001 - shown to the user as is
-            raise SynthError(f"the probe request failed: {describe(e)}") from None
+            resp = await retried(lambda ep: chat(ep, messages, max_completion_tokens=P.max_completion_tokens,
+                                                 temperature=P.temperature, top_p=P.top_p, seed=P.seed,
+                                                 template_kwargs={P.thinking_kwarg: P.thinking},
+                                                 return_token_ids=P.return_token_ids), eps[0], **retry)
+        except (GaveUp, FatalServerError) as e:
+            raise SynthError(f"the probe request failed: {e}") from None
         finally:
             await eps[0].client.close()
         return eps[0], resp
 
     with server_urls(P, model_dir) as urls:
-        (ep, resp), _ = run_in_thread(lambda: ask(urls), lambda: None)
+        ep, resp = run_sync(lambda: ask(urls))
     choice = resp.choices[0]
     msg = choice.message
     reasoning, content, source = extract(msg)
