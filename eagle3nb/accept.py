@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle3nb.formulas import speedup, tau_from_conditional, tau_iid
-from eagle3nb.params import ParamsError, StageParams, register
+from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
 from eagle3nb.progress import write_json_atomic
 
@@ -51,7 +51,7 @@ class Endpoint(BaseModel):
 
 
 @register(STAGE)
-class AcceptParams(StageParams):
+class AcceptParams(TargetParams):
     """Parameters of ``notebooks/04_acceptance.ipynb`` (docs/ARCHITECTURE.md "04_acceptance output")."""
 
     draft_dir: str | None = Field(None, description="the draft to judge (EAGLE-3 or speculators layout); default outputs/<run_name>/03_train/draft")
@@ -629,16 +629,18 @@ def load_models(P: AcceptParams, need_target: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle3nb.draft import check_fits, load_draft
+    from eagle3nb.hf import from_pretrained
     from eagle3nb.hidden import HiddenStates
     from eagle3nb.toy import resolve_model_path
 
     model_dir = resolve_model_path(P.model_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+    tokenizer = from_pretrained(AutoTokenizer, model_dir, trust_remote_code=P.trust_remote_code)
     data = HiddenStates(P.data_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = None
     if need_target:
-        target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+        target = from_pretrained(AutoModelForCausalLM, model_dir, trust_remote_code=P.trust_remote_code,
+                                 dtype=torch.float32).to(device).eval()
         embed = target.get_input_embeddings().weight.detach()
     else:
         embed = data.embed_tokens()
@@ -710,7 +712,7 @@ def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int
     from eagle3nb.synth.stream import Template
     from eagle3nb.toy import resolve_model_path
 
-    tpl = Template(resolve_model_path(P.model_path), P.thinking, P.thinking_kwarg)
+    tpl = Template(resolve_model_path(P.model_path), P.thinking, P.thinking_kwarg, P.trust_remote_code)
     rows = load_prompts(P.prompts, n)
     eos = {i for i in (tpl.end_id, tpl.tokenizer.eos_token_id) if i is not None}
     return [tpl.prompt_ids(r["messages"]) for r in rows], sorted(eos)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eagle3nb.paths import project_root, resolve
 
@@ -80,6 +80,12 @@ class StageParams(BaseModel):
 
     def check_paths(self) -> None:
         """Hook for schemas: raise ParamsError for paths that must exist (called by ``validate``)."""
+
+
+class TargetParams(StageParams):
+    """Base of the stages that load the target's tokenizer or weights from ``model_path`` (01, 02, 04)."""
+
+    trust_remote_code: bool = Field(False, description="let transformers run Python code shipped in model_path (Kimi's tokenizer needs it); off because that code runs with your rights")
 
 
 def register(stage: str):

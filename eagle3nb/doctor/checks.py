@@ -116,7 +116,10 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def check_token_stream(ctx: Context) -> CheckResult:
     from eagle3nb.synth.stream import StreamError, build
 
-    tpl = ctx.template
+    try:
+        tpl = ctx.template
+    except StreamError as e:  # no tokenizer (e.g. one that needs its own code while trust_remote_code is off)
+        return _result("token_stream", [(FAIL, str(e), "")], "", {})
     tok = tpl.tokenizer
     problems, measured, details = [], [], {}
     for t in (THINK_START, THINK_END):
@@ -124,7 +127,7 @@ def check_token_stream(ctx: Context) -> CheckResult:
         details[t] = ids
         if len(ids) != 1:
             problems.append((FAIL, f"{t!r} encodes to {len(ids)} tokens {tok.convert_ids_to_tokens(ids)}",
-                             "load the target's own tokenizer (Kimi: trust_remote_code=True, the tiktoken backend) "
+                             "load the target's own tokenizer (Kimi: trust_remote_code: true, the tiktoken backend) "
                              "whose think tokens are single special tokens; other backends split them and every "
                              "training sample is then off from what the server generates"))
     if not problems:
@@ -168,7 +171,7 @@ def check_token_stream(ctx: Context) -> CheckResult:
             problems.append((FAIL, f"{q!r}: server ids differ from our chat-template rendering at token {i} "
                                    f"({where}): server {tpl.decode(a[i:i + 4])!r} vs ours {tpl.decode(b[i:i + 4])!r}",
                              "use the same tokenizer and chat template as the server (same model_path folder; Kimi "
-                             "needs trust_remote_code); 01_synth keeps the server's ids, but serving-time prompts "
+                             "needs trust_remote_code: true); 01_synth keeps the server's ids, but serving-time prompts "
                              "and the data then disagree"))
     if no_ids:
         problems.append((WARN, f"the server returned no token ids for {no_ids} probe(s)",

@@ -8,7 +8,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from eagle3nb.params import STAGES, ParamsError, StageParams, from_dict, run_params
+from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict, run_params
 from eagle3nb.paths import project_root, resolve
 from eagle3nb.synth.client import Endpoint, FatalServerError, GaveUp, chat, retried, run_sync
 
@@ -90,25 +90,34 @@ class Context:
     # -- the target -----------------------------------------------------------------------------------------
 
     @cached_property
-    def model_dir(self) -> Path:
-        """The target's folder: the first model_path among the stages (they should all agree)."""
-        from eagle3nb.toy import resolve_model_path
-
+    def target_params(self) -> TargetParams:
+        """The first of 01/02/04's params: their model_path and trust_remote_code name the target (they
+        should all agree)."""
         for stage in ("01_synth", "02_hidden_states", "04_acceptance"):
             if stage in self.params:
-                try:
-                    return resolve_model_path(self.params[stage].model_path)
-                except (FileNotFoundError, ValueError) as e:
-                    raise Unavailable(f"model_path of {stage}: {e}") from None
+                return self.params[stage]
         raise Unavailable("no valid 01/02/04 params, so no model_path")
 
     @cached_property
+    def model_dir(self) -> Path:
+        """The target's folder."""
+        from eagle3nb.toy import resolve_model_path
+
+        P = self.target_params
+        try:
+            return resolve_model_path(P.model_path)
+        except (FileNotFoundError, ValueError) as e:
+            raise Unavailable(f"model_path of {P.stage}: {e}") from None
+
+    @cached_property
     def template(self):
-        """The target's tokenizer + chat template with 01_synth's thinking kwarg (the one 01 renders with)."""
+        """The target's tokenizer + chat template with 01_synth's thinking kwarg (the one 01 renders with);
+        the folder's own code runs only with the params' trust_remote_code."""
         from eagle3nb.synth.stream import Template
 
         P1 = self.params.get("01_synth")
-        return Template(self.model_dir, P1.thinking if P1 else True, P1.thinking_kwarg if P1 else "thinking")
+        return Template(self.model_dir, P1.thinking if P1 else True, P1.thinking_kwarg if P1 else "thinking",
+                        self.target_params.trust_remote_code)
 
     @cached_property
     def target_dims(self) -> dict:

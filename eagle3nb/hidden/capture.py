@@ -122,9 +122,11 @@ def load_target(model_dir, dtype: str = "auto", trust_remote_code: bool = False)
     import torch
     from transformers import AutoModelForCausalLM
 
+    from eagle3nb.hf import from_pretrained
+
     kw = {"device_map": "auto"} if torch.cuda.is_available() else {}
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=compute_dtype(dtype),
-                                                 trust_remote_code=trust_remote_code, **kw)
+    model = from_pretrained(AutoModelForCausalLM, model_dir, trust_remote_code=trust_remote_code,
+                            dtype=compute_dtype(dtype), **kw)
     return model.eval()
 
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from eagle3nb.params import ParamsError, StageParams, register
+from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
 
 STAGE = "02_hidden_states"
@@ -20,7 +20,7 @@ DATA_KEYS = ("model_path", "aux_layer_ids", "max_length", "storage", "topk", "dr
 
 
 @register(STAGE)
-class HiddenParams(StageParams):
+class HiddenParams(TargetParams):
     """Parameters of ``notebooks/02_hidden_states.ipynb`` (see docs/ARCHITECTURE.md "02_hidden_states output")."""
 
     synth_dir: str | None = Field(None, description="01_synth's output folder; default outputs/<run_name>/01_synth")

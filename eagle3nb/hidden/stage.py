@@ -175,7 +175,8 @@ def preview(P: HiddenParams) -> dict:
     return {**info, "model_dir": str(model_dir), "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
             "samples": len(samples), "tokens": tokens, **report,
             "storage_table": storage_table(info["hidden_size"], tokens, len(layer_ids), P.topk, P.draft_vocab_size),
-            "vllm_command": vllm_command(P.model_path, layer_ids, L, P.max_length, P.api_key_env)}
+            "vllm_command": vllm_command(P.model_path, layer_ids, L, P.max_length, P.api_key_env,
+                                         trust_remote_code=P.trust_remote_code)}
 
 
 def write_head(path: Path, tensors: dict) -> None:
@@ -193,7 +194,7 @@ class TransformersSource:
     def __init__(self, P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]):
         from eagle3nb.hidden.capture import load_target
 
-        self.model = load_target(model_dir, P.dtype, trust_remote_code=False)
+        self.model = load_target(model_dir, P.dtype, trust_remote_code=P.trust_remote_code)
         cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         if cfg.num_hidden_layers != info["num_layers"] or cfg.hidden_size != info["hidden_size"]:
             raise HiddenStatesError(f"{model_dir}: loaded model shape differs from its config.json")

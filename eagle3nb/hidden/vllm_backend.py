@@ -31,14 +31,17 @@ class VllmBackendError(RuntimeError):
 
 def vllm_command(model_path: str, layer_ids: list[int], num_layers: int, max_length: int | None = None,
                  api_key_env: str | None = None, tensor_parallel_size: int = 8,
-                 storage_dir: str = "/dev/shm/eagle3nb-hidden") -> str:
+                 storage_dir: str = "/dev/shm/eagle3nb-hidden", trust_remote_code: bool = False) -> str:
     """The ``vllm serve`` command line that serves what this backend expects: the aux ids plus id ``L`` (the
-    final state), the file connector writing under ``storage_dir``, chunked prefill off (required)."""
+    final state), the file connector writing under ``storage_dir``, chunked prefill off (required); the
+    folder's own code runs in vLLM too only with ``trust_remote_code``."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*layer_ids, num_layers]}}}
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": storage_dir}}
-    opts = f"--tensor-parallel-size {tensor_parallel_size} --trust-remote-code --no-enable-chunked-prefill"
+    opts = f"--tensor-parallel-size {tensor_parallel_size} --no-enable-chunked-prefill"
+    if trust_remote_code:
+        opts += " --trust-remote-code"
     if max_length:
         opts += f" --max-model-len {max_length + 1}"
     if api_key_env:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from eagle3nb.params import ParamsError, StageParams, register
+from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
 
 STAGE = "01_synth"
@@ -16,7 +16,7 @@ DATA_KEYS = ("model_path", "served_model_name", "prompts", "thinking", "thinking
 
 
 @register(STAGE)
-class SynthParams(StageParams):
+class SynthParams(TargetParams):
     """Parameters of ``notebooks/01_synth.ipynb`` (see docs/ARCHITECTURE.md "01_synth output")."""
 
     model_path: str = Field("toy:demo", description="target model folder (tokenizer + chat template), or toy:smoke / toy:demo")

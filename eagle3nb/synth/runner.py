@@ -280,7 +280,7 @@ def run(P: SynthParams) -> dict[str, Any]:
     stage_dir = P.stage_dir
     prompts = load_prompts(P.prompts, P.max_samples)
     model_dir = resolve_model_path(P.model_path)
-    tpl = Template(model_dir, P.thinking, P.thinking_kwarg)
+    tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
     P.api_key()  # a missing key variable is an error before anything starts
     early = P.data_config()
     if P.served_model_name is None:
@@ -341,7 +341,7 @@ def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
     from eagle3nb.toy import resolve_model_path
 
     model_dir = resolve_model_path(P.model_path)
-    tpl = Template(model_dir, P.thinking, P.thinking_kwarg)
+    tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
     messages = [{"role": "user", "content": question}]
 
     async def ask(urls: list[str]) -> tuple[Endpoint, Any]:

@@ -20,13 +20,19 @@ class StreamError(RuntimeError):
 
 
 class Template:
-    """The target's tokenizer and chat template, with the run's template kwargs."""
+    """The target's tokenizer and chat template, with the run's template kwargs; the folder's own tokenizer
+    code runs only with ``trust_remote_code``."""
 
-    def __init__(self, model_dir: str | Path, thinking: bool, thinking_kwarg: str = "thinking"):
+    def __init__(self, model_dir: str | Path, thinking: bool, thinking_kwarg: str = "thinking",
+                 trust_remote_code: bool = False):
         from transformers import AutoTokenizer
 
+        from eagle3nb.hf import RemoteCodeRequired, from_pretrained
+
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+            self.tokenizer = from_pretrained(AutoTokenizer, model_dir, trust_remote_code=trust_remote_code)
+        except RemoteCodeRequired as e:
+            raise StreamError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - any loader failure means the same fix
             raise StreamError(f"cannot load the tokenizer from {model_dir} ({type(e).__name__}: {e}); point "
                               f"model_path at the target's Hugging Face folder (tokenizer files + chat template)") from None
