@@ -24,3 +24,20 @@ def toy_smoke(_project_env) -> Path:
     from eagle3nb.toy import build
 
     return build(size="smoke")
+
+
+@pytest.fixture(scope="session")
+def embedded(toy_smoke):
+    """The embedded server on the smoke toy (reasoning parser on), shared by every test that only reads it."""
+    from eagle3nb.serve import start_server
+
+    with start_server(toy_smoke) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, toy_smoke, embedded) -> dict:
+    """A small healthy run with a well-trained draft (``tests/worlds.py``): ``{"run", "out", "stages"}``."""
+    from worlds import build_trained_run
+
+    return build_trained_run(tmp_path_factory.mktemp("trained"), toy_smoke, embedded.url)
