@@ -12,19 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from worlds import write_run
 
 from eagle3nb.cli import main
 from eagle3nb.doctor import CHECKS, FAIL, PASS, STAGE_CHECKS, check_stage, render, run_checks
 from eagle3nb.doctor.context import STREAM_PROBES
 from eagle3nb.synth.faults import FaultServer
-
-def write_run(folder: Path, stages: dict[str, dict]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for stage, values in stages.items():
-        (folder / f"{stage}.yaml").write_text(yaml.safe_dump({k: str(v) if isinstance(v, Path) else v
-                                                              for k, v in values.items()}))
-    return folder
 
 
 def by_name(report) -> dict:
@@ -32,47 +25,14 @@ def by_name(report) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(toy_smoke):
-    from eagle3nb.serve import start_server
-
-    with start_server(toy_smoke) as handle:
-        yield handle
+def server(embedded):
+    return embedded
 
 
 @pytest.fixture(scope="module")
-def healthy(tmp_path_factory, toy_smoke, server) -> dict:
-    """A small healthy run: 01 against the embedded server, 02 extracted, 03 trained; its stage params."""
-    from eagle3nb.hidden import extract
-    from eagle3nb.params import from_dict, run_params
-    from eagle3nb.synth import run as synth
-    from eagle3nb.train import train
-
-    out = tmp_path_factory.mktemp("healthy")
-    stages = {
-        "01_synth": {"model_path": toy_smoke, "vllm_url": server.url, "max_samples": 32,
-                     "max_completion_tokens": 128, "output_dir": out / "01_synth"},
-        "02_hidden_states": {"model_path": toy_smoke, "synth_dir": out / "01_synth", "max_length": 512,
-                             "output_dir": out / "02_hidden_states"},
-        # Trained well past the doctor's lines: 40 steps left the draft at ~1.18x against the 1.2x warn line
-        # on one CPU (a coin toss); 200 steps give first-token acceptance ~0.8 and tau ~4 (measured here), so
-        # the speedup the check predicts sits far above 1.2x on any machine.
-        "03_train": {"data_dir": out / "02_hidden_states", "output_dir": out / "03_train", "max_length": 512,
-                     "batch_tokens": 2048, "max_steps": 200, "lr": 5e-3, "eval_every": 0, "save_every": 1000},
-        "04_acceptance": {"model_path": toy_smoke, "draft_dir": out / "03_train" / "draft",
-                          "data_dir": out / "02_hidden_states", "output_dir": out / "04_acceptance"},
-    }
-    run = write_run(out / "params" / "healthy", stages)
-    synth(from_dict("01_synth", run_params(run, "01_synth")))
-    extract(from_dict("02_hidden_states", run_params(run, "02_hidden_states")))
-    # One thread: on a 2-core machine shared with other test runs, torch's thread pool spins and a step
-    # takes ~15x longer.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(from_dict("03_train", run_params(run, "03_train")))
-    finally:
-        torch.set_num_threads(threads)
-    return {"run": run, "out": out, "stages": stages}
+def healthy(trained) -> dict:
+    """The shared trained run (conftest ``trained``): 01 against the embedded server, 02 extracted, 03 trained."""
+    return trained
 
 
 def variant(healthy: dict, folder: Path, **changes: dict) -> Path:
