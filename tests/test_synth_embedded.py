@@ -1,6 +1,6 @@
 """01_synth against the embedded server over real HTTP: both reasoning field names and inline think tags,
 with and without returned token ids (the two streams agree), thinking on and off, the probe, and a
-kill -9 in the middle of a run followed by a resume."""
+kill -9 in the middle of a run followed by a resume (compared with an uninterrupted run)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,10 @@ def test_thinking_off_and_probe(tmp_path, servers, tpl, toy_smoke):
     assert p["completion"].startswith(THINK_START) and THINK_START not in p["naive_concatenation"]
 
 
-def test_kill9_mid_run_then_resume_gives_every_id_once(tmp_path, servers, toy_smoke):
+def test_kill9_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path, servers, toy_smoke):
+    """Greedy, so the killed-and-resumed run must hold exactly what one uninterrupted run holds: every id once,
+    each with the same token stream and loss mask (a resume that paired answers with the wrong prompt, or
+    re-asked with other settings, would still give unique ids)."""
     out = tmp_path / "out"
     cfg = {"run_name": "killtest", "model_path": str(toy_smoke), "output_dir": str(out), "prompts": "toy:train",
            "max_samples": 12, "max_completion_tokens": 32, "concurrency": 3, "vllm_url": servers["reasoning"],
@@ -143,5 +146,8 @@ def test_kill9_mid_run_then_resume_gives_every_id_once(tmp_path, servers, toy_sm
     ids = [json.loads(line)["id"] for f in sample_files(out) for line in f.read_text().splitlines()
            if line.endswith("}")]
     assert len(ids) == len(set(ids)) == 12  # every id once: none lost, none written twice
-    assert len(load_samples(out, statuses=None)) == 12
     assert json.loads((out / "progress.json").read_text())["state"] == "done"
+    run(SynthParams(**{**cfg, "output_dir": str(tmp_path / "reference")}))
+    resumed = {r["id"]: (r["input_ids"], r["loss_mask"]) for r in load_samples(out, statuses=None)}
+    reference = {r["id"]: (r["input_ids"], r["loss_mask"]) for r in load_samples(tmp_path / "reference", statuses=None)}
+    assert resumed == reference
