@@ -789,9 +789,13 @@ def _cached_rows(path: Path, config: dict[str, Any], fn) -> list[dict[str, Any]]
 
 
 def _fingerprint(draft_dir: Path) -> str:
-    """Identity of a draft checkpoint for result reuse: its weights' size and modification time."""
+    """Identity of a draft checkpoint for result reuse: the sha256 of its config and weights. Size and mtime
+    are not enough: a draft retrained or copied in place can keep both. Drafts are small (a Kimi-K2.5 drafter
+    is ~2-3 GB, seconds to hash)."""
+    from eagle3nb.hidden.storage import file_sha256
+
     files = sorted(Path(draft_dir).glob("*.safetensors")) + [Path(draft_dir) / "config.json"]
-    return ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files if f.exists())
+    return ";".join(f"{f.name}:{file_sha256(f)}" for f in files if f.exists())
 
 
 def assemble(P: AcceptParams, offline: dict[str, Any], local: dict[str, Any] | None,

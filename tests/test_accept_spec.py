@@ -4,6 +4,8 @@ speculative decoding here (lossless, counted), and through the stage's own steps
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -141,3 +143,38 @@ def test_sampled_offline_acceptance_is_one_minus_tv_against_the_targets_full_dis
     t = int(item["loss_mask"].nonzero()[0])  # draft at t predicts token t+2, the target's distribution at t+1
     q = torch.zeros(p.shape[-1]).index_copy(0, ids, q_draft[t])
     assert float(r["sampled"][0, t]) == pytest.approx(float(torch.minimum(p[t + 1], q).sum()), abs=1e-4)
+
+
+def test_stage_reuses_finished_steps_until_the_drafts_content_changes(world, toy_smoke, tmp_path, capsys):
+    """04 resumes from its finished steps, and a draft rewritten in place with other weights but the same size
+    and modification time (a copy that keeps times, a quick retrain) is measured again, not taken from cache."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from eagle3nb.accept import run_offline
+    from eagle3nb.draft import load_draft
+
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(world["root"] / "03" / "draft", draft_dir)
+    P = from_dict("04_acceptance", dict(run_name="test", model_path=str(toy_smoke), draft_dir=str(draft_dir),
+                                        data_dir=str(world["root"] / "02"), output_dir=str(tmp_path / "04"),
+                                        k=3, max_k=3, offline_samples=4))
+    tok = AutoTokenizer.from_pretrained(toy_smoke)
+    first = run_offline(P, world["draft"], tok)
+    assert "reusing" not in capsys.readouterr().out
+    assert run_offline(P, world["draft"], tok) == first
+    assert "offline.json: reusing the finished result" in capsys.readouterr().out
+
+    weights = draft_dir / "model.safetensors"
+    before = weights.stat()
+    with safe_open(weights, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = torch.zeros_like(tensors["lm_head.weight"])  # every draft token ties: id 0
+    save_file(tensors, weights, metadata=meta)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    again = run_offline(P, load_draft(draft_dir, embed_tokens=world["data"].embed_tokens()), tok)
+    assert "reusing" not in capsys.readouterr().out
+    assert again["acceptance_length"] < first["acceptance_length"], (again, first)
