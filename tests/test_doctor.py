@@ -15,7 +15,7 @@ import torch
 from worlds import write_run
 
 from eagle3nb.cli import main
-from eagle3nb.doctor import CHECKS, FAIL, PASS, STAGE_CHECKS, check_stage, render, run_checks
+from eagle3nb.doctor import CHECKS, FAIL, PASS, WARN, STAGE_CHECKS, check_stage, render, run_checks
 from eagle3nb.doctor.context import STREAM_PROBES
 from eagle3nb.synth.faults import FaultServer
 
@@ -287,3 +287,17 @@ def test_random_weight_draft_fails_with_ranked_causes(healthy, tmp_path):
     run2 = variant(healthy, tmp_path / "run2", **{"04_acceptance": {"draft_dir": draft2}})
     r2 = by_name(run_checks(run2, "04"))["draft_sanity"]
     assert r2.status == FAIL and r2.details["likely_causes"][0].startswith("aux layer ids"), r2
+
+
+def test_server_check_names_the_engine_and_warns_on_an_untested_vllm(healthy):
+    from eagle3nb import __version__
+    from eagle3nb.doctor.checks import _engine_problems
+    from eagle3nb.serve.vllm import TESTED_VERSION
+
+    r = by_name(run_checks(healthy["run"], "01"))["server"]
+    assert r.status == PASS and f"(embedded server {__version__})" in r.measured, r
+    old = _engine_problems("http://h:8000/v1", {"engine": "vllm", "version": "0.10.1"})
+    assert [p[0] for p in old] == [WARN]
+    assert "0.10.1" in old[0][1] and "message.reasoning_content" in old[0][1] and "return_token_ids" in old[0][1]
+    assert _engine_problems("http://h:8000/v1", {"engine": "vllm", "version": TESTED_VERSION}) == []
+    assert _engine_problems("http://h:8000/v1", {"engine": "eagle3nb", "version": "0.0.1"}) == []

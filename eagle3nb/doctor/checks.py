@@ -14,6 +14,7 @@ from typing import Any
 from eagle3nb.doctor import FAIL, PASS, SKIP, WARN, CheckResult
 from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Unavailable
 from eagle3nb.formulas import speedup
+from eagle3nb.serve.vllm import TESTED_VERSION, version_notes
 from eagle3nb.params import ParamsError
 from eagle3nb.synth.client import FatalServerError, GaveUp
 from eagle3nb.tokens import THINK_END, THINK_START
@@ -81,8 +82,10 @@ def check_server(ctx: Context) -> CheckResult:
                                            "chat_template_kwargs and return_token_ids"))
             continue
         fields = [f for f in ("reasoning", "reasoning_content") if pr["fields"].get(f)]
-        details["urls"].append({"url": url, "model": model, "reasoning_fields": fields, **pr})
-        said = f"{url} model {model!r}: {PROBE_QUESTION!r} -> "
+        engine = ctx.engine(url)
+        details["urls"].append({"url": url, "model": model, "reasoning_fields": fields, **engine, **pr})
+        problems += _engine_problems(url, engine)
+        said = f"{url} ({_engine_name(engine)}) model {model!r}: {PROBE_QUESTION!r} -> "
         if P1.thinking and pr["source"] in ("reasoning", "reasoning_content"):
             measured.append(f"{said}reasoning {len(pr['reasoning'])} chars in message.{' and message.'.join(fields)}, "
                             f"content {len(pr['content'] or '')} chars")
@@ -104,6 +107,24 @@ def check_server(ctx: Context) -> CheckResult:
         else:
             measured.append(f"{said}thinking off, no reasoning, content {len(pr['content'] or '')} chars")
     return _result("server", problems, "; ".join(measured), details)
+
+
+def _engine_name(engine: dict) -> str:
+    name = {"vllm": "vLLM", "eagle3nb": "embedded server"}.get(engine["engine"] or "", engine["engine"] or "engine ?")
+    return f"{name} {engine['version']}" if engine["version"] else name
+
+
+def _engine_problems(url: str, engine: dict) -> list[tuple[str, str, str]]:
+    """A vLLM other than the release eagle3nb is tested against: a warning naming what is known to differ."""
+    if engine["engine"] != "vllm" or not engine["version"]:
+        return []
+    notes = version_notes(engine["version"])
+    if not notes:
+        return []
+    return [(WARN, f"{url} runs vLLM {engine['version']}, eagle3nb is tested against {TESTED_VERSION}: "
+                   + "; ".join(notes),
+             f"serve with vLLM {TESTED_VERSION} (`pip install vllm=={TESTED_VERSION}`), or rehearse this recipe "
+             "on your release first")]
 
 
 # -- 2. token stream --------------------------------------------------------------------------------------------

@@ -287,6 +287,20 @@ class Context:
             raise got
         return got
 
+    def engine(self, base_url: str) -> dict[str, str | None]:
+        """Which engine serves ``base_url`` and its version: ``owned_by`` of /v1/models (vLLM: "vllm",
+        the embedded server: "eagle3nb") and ``GET /version`` (vLLM's route), under 01_synth's retry policy.
+        A server without /version gives version None."""
+        model, _ = self.served_model(base_url)
+        owners = {m.id: m.owned_by for m in self.ask(base_url, lambda ep: ep.client.models.list()).data}
+        root = base_url.rstrip("/").removesuffix("/v1")
+        try:
+            answer = self.ask(base_url, lambda ep: ep.client.get(root + "/version", cast_to=object))
+        except (GaveUp, FatalServerError):  # 404: an engine without the route, not a failure of the server
+            answer = None
+        version = answer.get("version") if isinstance(answer, dict) else None
+        return {"engine": owners.get(model), "version": None if version is None else str(version)}
+
     def probe_all(self, base_url: str, thinking: bool) -> None:
         """Send every probe the check-up will read at once (the server batches them): the stream probes in
         the run's thinking mode, and the question in the server's default mode."""

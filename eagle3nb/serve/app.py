@@ -371,6 +371,12 @@ def create_app(server: Server) -> FastAPI:
             return error_json(503, f"engine failed: {server.engine.error!r}", "ServiceUnavailableError")
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version():
+        from eagle3nb import __version__
+
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models():
         return server.models()
