@@ -302,6 +302,21 @@ def test_mismatched_model_is_a_clear_error(synth, toy_smoke, tmp_path):
         extract(params(synth, out))
 
 
+def test_resume_with_other_data_settings_is_refused_and_force_starts_over(fp32_run, synth, tmp_path):
+    """Shards made with other storage or max_length must not be mixed with new ones: refused before any work,
+    naming the setting; force: true discards them and extracts afresh."""
+    out = tmp_path / "copy"
+    shutil.copytree(fp32_run, out)
+    plan = (out / "plan.json").read_bytes()
+    for key, value in (("storage", "bf16"), ("max_length", 64)):
+        with pytest.raises(HiddenStatesError, match=rf"other settings \([^)]*\b{key}\b[^)]*differ\).*force: true"):
+            extract(params(synth, out, **{key: value}))
+    assert (out / "plan.json").read_bytes() == plan and HiddenStates(out).meta["storage"] == "fp32"
+    m = extract(params(synth, out, storage="bf16", force=True))
+    assert m["resumed_shards"] == 0 and HiddenStates(out).meta["storage"] == "bf16"
+    assert extract(params(synth, out, storage="bf16"))["resumed_shards"] == len(HiddenStates(out).meta["shards"])
+
+
 def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypatch, capsys):
     from collections import namedtuple
 
