@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -199,6 +200,19 @@ def test_resume_after_kill9_follows_the_uninterrupted_curve(reference, data_dir,
     # a finished run run again (the notebook after a torchrun run): nothing retrained, the same report
     again = train(from_dict("03_train", values))
     assert curve(out) == curve(reference) and again["heldout"]["step"] == 30
+
+
+def test_resume_with_changed_settings_is_refused_and_resume_false_starts_over(reference, data_dir, tmp_path):
+    """Continuing checkpoints under another lr would mix two runs in one curve: refused, naming the setting and
+    the ways out; ``resume: false`` drops the old checkpoints and trains from step 0 under the new settings."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    with pytest.raises(ValueError, match=r"other settings \(lr: checkpoint 0\.003, now 0\.001\).*resume: false"):
+        train(params(data_dir, out, **RUN, lr=1e-3))
+    train(params(data_dir, out, **RUN, lr=1e-3, resume=False))
+    assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, 31))
+    assert curve(out)[0] == curve(reference)[0] and curve(out)[1:] != curve(reference)[1:]  # from the start
+    assert {torch.load(c, weights_only=False)["run_config"]["lr"] for c in checkpoints(out / "checkpoints")} == {1e-3}
 
 
 def free_port() -> int:
