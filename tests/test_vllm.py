@@ -1,0 +1,270 @@
+"""The real vLLM (CPU build, its own environment, a separate server process) in the loop: every path a user
+takes against vLLM, tested against vLLM itself. Servers start once per run, side by side, eager mode.
+
+Skipped with the reason where vLLM cannot run (no x86-64 wheel, `make vllm` not run); under CI=true they must
+run, so a broken install fails CI instead of silently skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3nb.serve.vllm import TESTED_VERSION, start_vllm, unavailable_reason
+
+_reason = unavailable_reason()
+if _reason and os.environ.get("CI") == "true":
+    raise RuntimeError(f"CI must test against the real vLLM, but: {_reason}")
+pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+
+K = 3
+LAYERS = [2, 4, 5, 8]  # the smoke toy's EAGLE-3 aux ids (2, L//2, L-3) plus L = 8 for the final state
+
+
+class Servers:
+    """Real vLLM servers started on first use, each once; ``start`` many at once to overlap their start-up."""
+
+    def __init__(self, model: Path, tmp: Path):
+        self.model, self.tmp, self.handles = model, tmp, {}
+
+    def start(self, **specs: dict) -> None:
+        todo = {name: kw for name, kw in specs.items() if name not in self.handles}
+        with ThreadPoolExecutor(max(1, len(todo))) as pool:
+            futures = {name: pool.submit(start_vllm, self.model, **kw) for name, kw in todo.items()}
+        errors = []
+        for name, f in futures.items():
+            try:
+                self.handles[name] = f.result()
+            except RuntimeError as e:
+                errors.append(f"{name}: {e}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+
+    def __getitem__(self, name: str):
+        return self.handles[name]
+
+    def stop(self) -> None:
+        for h in self.handles.values():
+            h.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm(toy_smoke, tmp_path_factory):
+    """The target plainly (kimi_k2 parser), without the parser, and in extract_hidden_states mode."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    servers = Servers(toy_smoke, tmp)
+    try:
+        servers.start(plain={"mode": "plain"}, no_parser={"mode": "no_parser"},
+                      extract={"mode": "extract", "layer_ids": LAYERS, "storage_dir": tmp / "hidden"})
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="module")
+def drafts(trained, tmp_path_factory) -> dict[str, Path]:
+    """The trained draft as 03 exports it, and the same weights in speculators' layout."""
+    from eagle3nb.draft import load_draft, save_draft
+
+    ours = trained["out"] / "03_train" / "draft"
+    spec = save_draft(load_draft(ours), tmp_path_factory.mktemp("speculators"), format="speculators",
+                      include_embed=False)
+    return {"eagle3": ours, "speculators": spec}
+
+
+@pytest.fixture(scope="module")
+def spec_servers(vllm, drafts):
+    vllm.start(eagle3={"mode": "eagle3", "draft_dir": drafts["eagle3"], "num_speculative_tokens": K},
+               speculators={"mode": "eagle3", "draft_dir": drafts["speculators"], "num_speculative_tokens": K})
+    return vllm
+
+
+def synth_params(tmp: Path, url: str, model: Path, **kw):
+    from eagle3nb.synth import SynthParams
+
+    base = dict(model_path=str(model), output_dir=str(tmp / "01"), prompts="toy:train", max_samples=8,
+                max_completion_tokens=96, concurrency=4, vllm_url=url, temperature=0.0, retry_backoff_s=0.05)
+    return SynthParams(**{**base, **kw})
+
+
+# -- 01: records from the real server ------------------------------------------------------------------------------
+
+def test_records_from_real_vllm_equal_our_template_rendering(vllm, toy_smoke, tmp_path):
+    from eagle3nb.synth import load_samples, run
+    from eagle3nb.synth.stream import Template
+
+    run(synth_params(tmp_path, vllm["plain"].url, toy_smoke))
+    rows = load_samples(tmp_path / "01", statuses=("ok", "truncated", "no_reasoning", "error"))
+    assert len(rows) == 8 and all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    assert all(r["token_source"] == "server" and r["ids_match"] is True for r in rows)
+    tpl = Template(toy_smoke, True)
+    start, end = tpl.think_ids
+    for r in rows:
+        completion = r["input_ids"][r["loss_mask"].index(1):]
+        # vLLM's kimi_k2 parser split the reasoning out; the stream still holds both think tokens, once each
+        assert r["reasoning"] and completion[0] == start and completion.count(end) == 1, r["id"]
+        assert completion[-1] == tpl.end_id
+
+
+def test_doctor_passes_with_the_parser_and_fails_without_it(vllm, toy_smoke, tmp_path):
+    from worlds import write_run
+
+    from eagle3nb.doctor import FAIL, PASS, run_checks
+    from eagle3nb.synth import SynthError, run
+
+    def checks(url: str, name: str) -> dict:
+        folder = write_run(tmp_path / name, {"01_synth": {"model_path": toy_smoke, "vllm_url": url,
+                                                           "max_completion_tokens": 96}})
+        return {r.name: r for r in run_checks(folder, "01")}
+
+    good = checks(vllm["plain"].url, "good")
+    assert good["server"].status == PASS and good["token_stream"].status == PASS, (good["server"], good["token_stream"])
+    assert "reasoning" in good["server"].measured
+    bad = checks(vllm["no_parser"].url, "bad")["server"]
+    assert bad.status == FAIL and "--reasoning-parser kimi_k2" in bad.fix, bad
+    # and 01 itself stops on its first answers instead of writing a whole run of reasoning-less data
+    with pytest.raises(SynthError, match="--reasoning-parser kimi_k2"):
+        run(synth_params(tmp_path / "stop", vllm["no_parser"].url, toy_smoke, max_samples=40))
+    written = sum(1 for f in (tmp_path / "stop" / "01").glob("samples-*.jsonl") for _ in f.open())
+    assert written < 40
+
+
+def test_doctor_reads_the_engine_version(vllm, toy_smoke, tmp_path):
+    from worlds import write_run
+
+    from eagle3nb.doctor import run_checks
+
+    folder = write_run(tmp_path / "run", {"01_synth": {"model_path": toy_smoke, "vllm_url": vllm["plain"].url,
+                                                        "max_completion_tokens": 96}})
+    server = {r.name: r for r in run_checks(folder, "01")}["server"]
+    assert f"vLLM {TESTED_VERSION}" in server.measured, server
+
+
+def test_embedded_server_answers_like_vllm(vllm, embedded):
+    """The embedded world stands in for vLLM where vLLM cannot run (a 1T model), so it must answer as vLLM
+    does: the same greedy tokens and split, every field vLLM returns that the embedded one lacks is one
+    eagle3nb does not read, and the same spec-decode metric names."""
+    import httpx
+
+    def ask(h, path: str, body: dict) -> dict:
+        model = httpx.get(h.base_url + "/models").json()["data"][0]["id"]
+        return httpx.post(h.base_url + path, json={**body, "model": model}, timeout=60).json()
+
+    def keys(o, prefix: str = "") -> set[str]:
+        if isinstance(o, dict):
+            return {prefix + k for k in o} | {x for k, v in o.items() for x in keys(v, prefix + k + ".")}
+        return keys(o[0], prefix + "[].") if isinstance(o, list) and o else set()
+
+    chat = {"messages": held_out(1)[0]["messages"], "max_tokens": 48, "temperature": 0.0, "return_token_ids": True}
+    real, ours = ask(vllm["plain"], "/chat/completions", chat), ask(embedded, "/chat/completions", chat)
+    for f in ("token_ids", "finish_reason"):
+        assert real["choices"][0][f] == ours["choices"][0][f], f
+    assert real["prompt_token_ids"] == ours["prompt_token_ids"]
+    for f in ("reasoning", "content"):
+        assert real["choices"][0]["message"][f] == ours["choices"][0]["message"][f], f
+    assert keys(ours) <= keys(real), keys(ours) - keys(real)
+    # what vLLM adds is bookkeeping eagle3nb never reads
+    assert {k.split(".")[0] for k in keys(real) - keys(ours)} <= {
+        "choices", "ec_transfer_params", "kv_transfer_params", "metrics", "prompt_logprobs", "prompt_text",
+        "service_tier", "system_fingerprint", "usage"}
+
+    def metric_names(h) -> set[str]:
+        text = httpx.get(h.url + "/metrics").text
+        return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
+
+    assert metric_names(embedded) <= metric_names(vllm["plain"])
+
+
+# -- 02: extract_hidden_states through the real connector --------------------------------------------------------
+
+def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
+    from test_hidden import params, write_synth
+
+    from eagle3nb.hidden import HiddenStates, extract
+
+    shutil.copytree(toy_smoke, tmp_path / "model")
+    synth = write_synth(tmp_path / "synth", tmp_path / "model", n=6)
+    extract(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=vllm["extract"].url, tokens_per_batch=1))
+    extract(params(synth, tmp_path / "hf", tokens_per_batch=1))
+    a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
+    assert len(a) == len(b) == 6
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x["id"] == y["id"] and torch.equal(x["input_ids"], y["input_ids"])
+        # vLLM's CPU kernels (its own attention, fused norms) differ from transformers' by float noise only
+        torch.testing.assert_close(x["aux"], y["aux"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x["final"], y["final"], rtol=1e-4, atol=1e-4)
+    assert not list((vllm.tmp / "hidden").iterdir()), "the client deletes each file and its lock after reading"
+
+
+# -- 03's exports served by vLLM, 04 reading vLLM's own counters -------------------------------------------------
+
+def held_out(n: int) -> list[dict]:
+    from eagle3nb.synth.prompts import load_prompts
+
+    return load_prompts("toy:heldout", n)
+
+
+def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_tokens: int) -> dict:
+    """04's local speculative decoding (our decoder, greedy) on the same prompts vLLM gets."""
+    from eagle3nb.draft import load_draft
+    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.spec import compare_with_plain
+    from eagle3nb.synth.stream import Template
+
+    tpl = Template(toy_smoke, True)
+    ids = [tpl.prompt_ids(p["messages"]) for p in prompts]
+    target = load_target(toy_smoke, "float32")
+    draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
+    return compare_with_plain(target, draft, ids, K, max_tokens, 0.0, [tpl.end_id])
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+def test_vllm_serves_our_exports_with_the_acceptance_measured_locally(spec_servers, drafts, toy_smoke, layout):
+    from eagle3nb.bench import bench_endpoint
+
+    prompts, max_tokens = held_out(16), 64
+    rows = bench_endpoint(layout, spec_servers[layout].base_url, prompts, [4], max_tokens=max_tokens,
+                          temperature=0.0, warmup=0)
+    row = rows[0]
+    assert row["errors"] == 0 and row["metrics_engine"] == "vllm", row
+    local = local_acceptance(toy_smoke, drafts[layout], prompts, max_tokens)
+    assert local["identical_to_target"]
+    print(f"{layout}: vLLM acceptance length {row['acceptance_length']:.3f}, local {local['acceptance_length']:.3f}")
+    # Both greedy on the same prompts, so the same draft gives the same rounds up to float ties (measured: 2.861
+    # in both, for both layouts): 15%, the issue's bar, catches a draft vLLM reads differently (layer ids,
+    # norms, vocab map), which collapses acceptance far below it.
+    assert row["acceptance_length"] > 1.5, row
+    assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.15 * local["acceptance_length"], \
+        (row["acceptance_length"], local["acceptance_length"])
+
+
+def test_04_online_rows_read_the_real_metrics(spec_servers, drafts, toy_smoke, trained, tmp_path):
+    from worlds import write_run
+
+    from eagle3nb.accept import run_online
+    from eagle3nb.params import from_dict, run_params
+
+    stages = {"04_acceptance": {**trained["stages"]["04_acceptance"], "output_dir": tmp_path / "04",
+                                "endpoints": [{"label": "vllm", "url": spec_servers["plain"].base_url},
+                                              {"label": "vllm-eagle3", "url": spec_servers["eagle3"].base_url}],
+                                "concurrency_levels": [1, 4], "num_prompts": 8, "max_tokens": 48}}
+    P = from_dict("04_acceptance", run_params(write_run(tmp_path / "run", stages), "04_acceptance"))
+    rows = run_online(P)
+    by = {(r["endpoint"], r["concurrency"]): r for r in rows}
+    assert set(by) == {("vllm", 1), ("vllm", 4), ("vllm-eagle3", 1), ("vllm-eagle3", 4)}
+    for c in (1, 4):
+        plain, spec = by[("vllm", c)], by[("vllm-eagle3", c)]
+        assert plain["errors"] == spec["errors"] == 0
+        assert plain["acceptance_length"] is None and plain["speedup"] == 1.0
+        assert spec["metrics_engine"] == "vllm" and spec["acceptance_length"] > 1.5
+        assert len(spec["per_position"]) == K and spec["speedup"] > 0
+    stored = json.loads((tmp_path / "04" / "online-vllm-eagle3.json").read_text())
+    assert stored["config"]["url"] == spec_servers["eagle3"].base_url
+    assert stored["result"]["rows"][0]["acceptance_length"] == by[("vllm-eagle3", 1)]["acceptance_length"]
