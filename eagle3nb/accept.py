@@ -815,6 +815,31 @@ def online_table(rows: list[dict[str, Any]]):
     return pd.DataFrame([{c: r.get(c) for c in cols} for r in rows])
 
 
+def acceptance_by_source(metrics: dict[str, Any]):
+    """Acceptance length and alpha_i at the served k from every source side by side: offline (predicted from
+    hidden states), local decoding (our decoder here) and each served endpoint's own counters (vLLM's
+    /metrics; first concurrency level), so a draft the engine reads differently shows as a gap."""
+    import pandas as pd
+
+    k = metrics["offline"]["k"]
+    off = metrics["offline"]["greedy"]
+    rows = [{"source": "offline greedy (predicted)", "acceptance_length": off["tau_by_k"][k - 1],
+             **{f"alpha_{i + 1}": a for i, a in enumerate(off["alpha_by_position"][:k])}}]
+    if metrics.get("local"):
+        loc = metrics["local"]
+        rows.append({"source": "local decoding (measured)", "acceptance_length": loc["acceptance_length"],
+                     **{f"alpha_{i + 1}": a for i, a in enumerate(loc["per_position"][:k])}})
+    seen = set()
+    for r in metrics.get("online") or []:
+        if r.get("acceptance_length") is None or r["endpoint"] in seen:
+            continue
+        seen.add(r["endpoint"])
+        rows.append({"source": f"{r['endpoint']} ({r.get('metrics_engine') or 'server'} counters, c={r['concurrency']})",
+                     "acceptance_length": r["acceptance_length"],
+                     **{f"alpha_{i + 1}": a for i, a in enumerate((r.get("per_position") or [])[:k])}})
+    return pd.DataFrame(rows).set_index("source")
+
+
 def position_table(metrics: dict[str, Any]):
     """alpha_i per draft position from every source that has it (offline greedy / sampled, local)."""
     import pandas as pd
