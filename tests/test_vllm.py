@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3nb.serve.vllm import TESTED_VERSION, start_vllm, unavailable_reason
+from eagle3nb.serve.vllm import start_vllm, unavailable_reason
+from eagle3nb.vllm_config import TESTED_VERSION
 
 _reason = unavailable_reason()
 if _reason and os.environ.get("CI") == "true":

@@ -14,7 +14,7 @@ from typing import Any
 from eagle3nb.doctor import FAIL, PASS, SKIP, WARN, CheckResult
 from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Unavailable
 from eagle3nb.formulas import speedup
-from eagle3nb.serve.vllm import TESTED_VERSION, version_notes
+from eagle3nb.vllm_config import TESTED_VERSION, version_notes
 from eagle3nb.params import ParamsError
 from eagle3nb.synth.client import FatalServerError, GaveUp
 from eagle3nb.tokens import THINK_END, THINK_START

@@ -21,6 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Iterable, Iterator
 
+from eagle3nb.vllm_config import connector_config, extract_spec
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,10 +37,7 @@ def vllm_command(model_path: str, layer_ids: list[int], num_layers: int, max_len
     """The ``vllm serve`` command line that serves what this backend expects: the aux ids plus id ``L`` (the
     final state), the file connector writing under ``storage_dir``, chunked prefill off (required); the
     folder's own code runs in vLLM too only with ``trust_remote_code``."""
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*layer_ids, num_layers]}}}
-    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": storage_dir}}
+    spec, kv = extract_spec([*layer_ids, num_layers]), connector_config(storage_dir, cpu=False)
     opts = f"--tensor-parallel-size {tensor_parallel_size} --no-enable-chunked-prefill"
     if trust_remote_code:
         opts += " --trust-remote-code"

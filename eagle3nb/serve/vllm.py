@@ -18,45 +18,10 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.serve import ServerHandle, free_port, launch
+from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
 
-# The vLLM release the project is tested against (README, `make vllm`, the doctor's version check).
-TESTED_VERSION = "0.32.0"
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
-CPU_CONNECTOR = "CpuHiddenStatesConnector"
-CPU_CONNECTOR_MODULE = "cpu_hidden_states_connector"
-GPU_CONNECTOR = "ExampleHiddenStatesConnector"
 MODES = ("plain", "no_parser", "extract", "eagle3")
-
-
-# What a vLLM release other than the tested one is known to do differently at the boundaries eagle3nb uses:
-# (introduced in, what older releases do). Read by the doctor's server check.
-KNOWN_CHANGES: list[tuple[str, str]] = [
-    ("0.10.2", "no return_token_ids: 01 re-tokenizes the text instead of keeping the server's ids, and 02's "
-               "backend: vllm cannot check the ids it sent"),
-    ("0.11.1", "the reasoning arrives in message.reasoning_content, not message.reasoning (eagle3nb reads both; "
-               "scripts reading only one see empty reasoning)"),
-]
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
-
-
-def version_notes(version: str) -> list[str]:
-    """What differs from the tested vLLM for a server reporting ``version`` (empty when it is the tested one):
-    the known changes it predates, or that it is newer and untested."""
-    if version == TESTED_VERSION:
-        return []
-    v, tested = _version_tuple(version), _version_tuple(TESTED_VERSION)
-    if v > tested:
-        return [f"newer than the tested {TESTED_VERSION}, so untested: rehearse the recipe on it first "
-                "(`make rehearse` with VLLM_SPEC set to that release in a fresh .venv-vllm)"]
-    notes = [f"before {since}: {what}" for since, what in KNOWN_CHANGES if v < _version_tuple(since)]
-    return notes or [f"older than the tested {TESTED_VERSION}; no known difference at eagle3nb's boundaries"]
 
 
 def vllm_python() -> Path:
@@ -72,15 +37,6 @@ def unavailable_reason() -> str | None:
     if not vllm_python().exists():
         return f"vLLM's environment is missing ({vllm_python()}): run `make vllm`"
     return None
-
-
-def connector_config(storage_dir: str | os.PathLike, cpu: bool) -> dict:
-    """The ``--kv-transfer-config`` of extract mode: vLLM's connector on GPUs, ours (same files) on CPU."""
-    cfg = {"kv_connector": CPU_CONNECTOR if cpu else GPU_CONNECTOR, "kv_role": "kv_producer",
-           "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
-    if cpu:
-        cfg["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
-    return cfg
 
 
 def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model_name: str | None = None,
@@ -103,15 +59,12 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     if mode == "extract":
         if not layer_ids or storage_dir is None:
             raise ValueError("extract mode needs layer_ids (aux ids + the last layer) and storage_dir")
-        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-        args += ["--no-enable-chunked-prefill", "--speculative-config", json.dumps(spec),
+        args += ["--no-enable-chunked-prefill", "--speculative-config", json.dumps(extract_spec(layer_ids)),
                  "--kv-transfer-config", json.dumps(connector_config(storage_dir, cpu))]
     if mode == "eagle3":
         if draft_dir is None:
             raise ValueError("eagle3 mode needs draft_dir (03_train's draft/ folder)")
-        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
-        args += ["--speculative-config", json.dumps(spec)]
+        args += ["--speculative-config", json.dumps(eagle3_spec(draft_dir, num_speculative_tokens))]
     return args
 
 
