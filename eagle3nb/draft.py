@@ -367,7 +367,7 @@ def check_fits(cfg: Eagle3Config, *, hidden_size: int, vocab_size: int, layer_id
         problems.append(f"target vocab size: {draft} has {cfg.vocab_size}, {data} has {vocab_size}")
     if draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
         problems.append(f"draft vocab size: {draft} has {cfg.draft_vocab_size}, {data} has {draft_vocab_size}")
-    from eagle3nb.hidden.layers import default_aux_layer_ids, from_sglang
+    from eagle3nb.layers import default_aux_layer_ids, from_sglang
 
     ids = cfg.aux_layer_ids
     if ids is None and num_layers is not None:

@@ -39,6 +39,11 @@ class ParamsError(ValueError):
     """A parameter problem, phrased for the person who wrote the YAML."""
 
 
+class StageError(RuntimeError):
+    """A stage cannot do faithful work with what it was given; the message says what to fix. Each stage's own
+    errors derive from it, so every command line reports them the same way (``eagle3nb.stage_cli``)."""
+
+
 class StageParams(BaseModel):
     """Base of every stage's schema: unknown keys are errors; common keys every stage has."""
 

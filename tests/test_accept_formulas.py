@@ -9,7 +9,7 @@ import torch
 
 from eagle3nb.accept import (conditional_alphas, expected_acceptance, likely_causes, predict, simulate_rounds,
                              speedup_by_k, summarize_chain, verdict)
-from eagle3nb.bench import spec_delta
+from eagle3nb.formulas import spec_delta
 from eagle3nb.formulas import tau_iid
 from eagle3nb.params import ParamsError, from_dict
 

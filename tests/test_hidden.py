@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eagle3nb.hidden import HiddenStates, check_layer_ids, default_aux_layer_ids, extract, from_sglang, to_sglang
-from eagle3nb.hidden.layers import LayerIdError
+from eagle3nb.layers import LayerIdError
 from eagle3nb.hidden.stage import HiddenStatesError
 from eagle3nb.hidden.storage import ShardError, bytes_per_token, file_sha256
 from eagle3nb.hidden.vocab import build_draft_vocab

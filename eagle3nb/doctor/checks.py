@@ -259,7 +259,7 @@ def _default_probe(ctx: Context) -> dict | None:
 # -- 4. layer ids -------------------------------------------------------------------------------------------------
 
 def check_layer_ids(ctx: Context) -> CheckResult:
-    from eagle3nb.hidden.layers import (LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang,
+    from eagle3nb.layers import (LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang,
                                         to_sglang)
 
     L = ctx.target_dims["num_layers"]

@@ -5,7 +5,7 @@ Light to import (the CLI and ``validate`` load it): torch, transformers and safe
 
 from __future__ import annotations
 
-from eagle3nb.hidden.layers import check_layer_ids, default_aux_layer_ids, from_sglang, to_sglang
+from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.hidden.params import HiddenParams
 
 __all__ = ["HiddenParams", "HiddenStates", "VllmSampleStates", "extract", "check_layer_ids", "default_aux_layer_ids",

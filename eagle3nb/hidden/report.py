@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3nb.hidden.layers import to_sglang
+from eagle3nb.layers import to_sglang
 from eagle3nb.hidden.storage import STORAGES, bytes_per_token
 
 GB = 1e9

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from eagle3nb.hidden.head import TargetHead, read_head_tensors, target_info, text_config
-from eagle3nb.hidden.layers import check_layer_ids, default_aux_layer_ids, to_sglang
+from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
 from eagle3nb.hidden.params import STAGE, HiddenParams
 from eagle3nb.hidden.storage import FORMAT, ShardError, bytes_per_token, check_shard, encode, shard_name, write_shard
 from eagle3nb.hidden.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, save_draft_vocab

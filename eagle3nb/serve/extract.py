@@ -28,7 +28,7 @@ _FORWARD = threading.Lock()  # hooks are per model: one capture at a time
 
 def served_layer_ids(num_layers: int) -> list[int]:
     """The ids this server writes: $EAGLE3NB_HIDDEN_LAYER_IDS, else speculators' default ``[2, L//2, L-3, L]``."""
-    from eagle3nb.hidden.layers import default_aux_layer_ids
+    from eagle3nb.layers import default_aux_layer_ids
 
     env = os.environ.get(LAYER_IDS_ENV)
     ids = [int(x) for x in env.split(",")] if env else [*default_aux_layer_ids(num_layers), num_layers]

@@ -44,7 +44,7 @@ def _eagle3nb(*args: str) -> None:
 
 def rehearse(run_dir: Path, force: bool = False) -> None:
     """Run the four stages of ``run_dir`` against the real vLLM servers each one needs."""
-    from eagle3nb.hidden.layers import default_aux_layer_ids
+    from eagle3nb.layers import default_aux_layer_ids
     from eagle3nb.toy import resolve_model_path
 
     P1, P2, P4 = (from_dict(s, run_params(run_dir, s), check_paths=False)

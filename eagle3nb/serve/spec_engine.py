@@ -6,14 +6,14 @@ draft-and-verify round per request, one request after another. Requests are not 
 is exactly lossless on its own and the code stays small, but throughput at high concurrency is lower than
 a batched speculative engine (vLLM's) would reach, which the benchmark shows as it is.
 
-Counters are vLLM's, by vLLM's names, so ``eagle3nb.bench`` reads this server and vLLM alike.
+Counters are vLLM's, by vLLM's names (``eagle3nb.formulas``), so 04 reads this server and vLLM alike.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3nb.bench import VLLM_ACCEPTED, VLLM_DRAFT_TOKENS, VLLM_DRAFTS, VLLM_PER_POS
+from eagle3nb.formulas import VLLM_ACCEPTED, VLLM_DRAFT_TOKENS, VLLM_DRAFTS, VLLM_PER_POS
 
 
 class SpecEngine:

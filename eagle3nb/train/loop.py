@@ -225,7 +225,7 @@ def layout(P: TrainParams, meta: dict[str, Any], world: int = 1):
 def describe(P: TrainParams, world: int = 1) -> dict[str, Any]:
     """What a run will do, before it starts: the data, the split, the steps, the layers and where things go."""
     from eagle3nb.hidden import HiddenStates
-    from eagle3nb.hidden.layers import to_sglang
+    from eagle3nb.layers import to_sglang
 
     meta = HiddenStates(P.data_path).meta
     train_idx, held_idx, plan, dropped = layout(P, meta, world)
@@ -388,7 +388,7 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
     """Write ``draft/`` (EAGLE-3 layout, vLLM ids), ``draft-sglang/`` (same weights, SGLang's output-of-layer
     ids) and, on request, ``draft-speculators/`` (naming ``verifier``, the target); print the serving flags."""
     from eagle3nb.draft import draft_config_json, save_draft
-    from eagle3nb.hidden.layers import to_sglang
+    from eagle3nb.layers import to_sglang
 
     out = P.stage_dir
     dtype = getattr(torch, P.export_dtype)
