@@ -118,7 +118,7 @@ def compute_dtype(name: str):
 
 
 def load_target(model_dir, dtype: str = "auto", trust_remote_code: bool = False):
-    """The target in eval mode; spread over every GPU with ``device_map="auto"`` when CUDA is present."""
+    """The target in eval mode; spread over every GPU with ``device_map="auto"`` (accelerate) when CUDA is present."""
     import torch
     from transformers import AutoModelForCausalLM
 
