@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3nb.layers import default_aux_layer_ids, from_sglang
+from eagle3nb.progress import write_json_atomic
+
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -367,7 +370,6 @@ def check_fits(cfg: Eagle3Config, *, hidden_size: int, vocab_size: int, layer_id
         problems.append(f"target vocab size: {draft} has {cfg.vocab_size}, {data} has {vocab_size}")
     if draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
         problems.append(f"draft vocab size: {draft} has {cfg.draft_vocab_size}, {data} has {draft_vocab_size}")
-    from eagle3nb.layers import default_aux_layer_ids, from_sglang
 
     ids = cfg.aux_layer_ids
     if ids is None and num_layers is not None:
@@ -527,7 +529,6 @@ def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dty
     speculators layout (``layers.0.*``). Files are written to temporary names and renamed."""
     from safetensors.torch import save_file
 
-    from eagle3nb.progress import write_json_atomic
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
