@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3nb.synth import SynthParams, load_samples, probe, run
-from eagle3nb.synth.store import sample_files
+from eagle3nb.synth.params import SynthParams
+from eagle3nb.synth.stage import probe, run
+from eagle3nb.synth.store import load_samples, sample_files
 from eagle3nb.synth.stream import Template, build
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 

@@ -87,7 +87,7 @@ def spec_servers(vllm, drafts):
 
 
 def synth_params(tmp: Path, url: str, model: Path, **kw):
-    from eagle3nb.synth import SynthParams
+    from eagle3nb.synth.params import SynthParams
 
     base = dict(model_path=str(model), output_dir=str(tmp / "01"), prompts="toy:train", max_samples=8,
                 max_completion_tokens=96, concurrency=4, vllm_url=url, temperature=0.0, retry_backoff_s=0.05)

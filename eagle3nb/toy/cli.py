@@ -1,21 +1,19 @@
-"""``eagle3nb toy build`` and ``eagle3nb toy prompts`` (imports stay light: torch loads only when building)."""
+"""``eagle3nb toy build`` and ``eagle3nb toy prompts`` (light to import: torch loads only when building)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from eagle3nb.toy import build, write_prompts
+
 
 def _build(args: argparse.Namespace) -> int:
-    from eagle3nb.toy import build
-
     print(build(args.out, size=args.size, seed=args.seed))
     return 0
 
 
 def _prompts(args: argparse.Namespace) -> int:
-    from eagle3nb.toy import write_prompts
-
     print(write_prompts(args.out, args.n, split=args.split, seed=args.seed))
     return 0
 
