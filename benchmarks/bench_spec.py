@@ -18,7 +18,7 @@ import torch
 
 
 def quick_draft(model_dir: Path, work: Path) -> Path:
-    from eagle3nb.accept import greedy_hidden_states
+    from eagle3nb.accept.heldout import greedy_hidden_states
     from eagle3nb.params import from_dict
     from eagle3nb.train import train
 

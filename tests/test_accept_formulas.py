@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from eagle3nb.accept import (conditional_alphas, expected_acceptance, likely_causes, predict, simulate_rounds,
-                             speedup_by_k, summarize_chain, verdict)
-from eagle3nb.formulas import spec_delta
-from eagle3nb.formulas import tau_iid
+from eagle3nb.accept.offline import conditional_alphas, expected_acceptance, simulate_rounds, summarize_chain
+from eagle3nb.accept.predict import predict, speedup_by_k
+from eagle3nb.accept.verdict import likely_causes, verdict
+from eagle3nb.formulas import spec_delta, tau_iid
 from eagle3nb.params import ParamsError, from_dict
 
 
@@ -90,6 +90,18 @@ def test_a_good_drafter_reads_as_good_and_faster():
     assert likely_causes(metrics) == []
     text = verdict(metrics).data.to_string()
     assert "good" in text and "faster" in text and "Likeliest cause #" not in text
+
+
+def test_the_verdict_puts_the_checkups_evidence_first():
+    """The doctor's causes come in as an argument (04 never runs the doctor): failed / warned checks lead,
+    the verdict's own reading of the metrics follows, then the rest of the doctor's list."""
+    metrics = {"offline": {"k": 3, "per_position": [0.1, 0.1, 0.1], "acceptance_length": 1.11, "temperature": 0.0},
+               "online": [], "online_baseline": "baseline"}
+    checkup = ["aux layer ids: off-by-one [layer_ids failed: ids 2,4,5 vs 3,5,6]", "too little training: more steps"]
+    causes = likely_causes(metrics, checkup)
+    assert causes[0] == checkup[0] and causes[-1] == checkup[1] and len(causes) == len(set(causes)) > 2
+    assert likely_causes(metrics)[0].startswith("almost nothing is accepted even offline")
+    assert "layer_ids failed" in verdict(metrics, checkup).data.to_string()
 
 
 def test_counter_deltas_follow_vllm_formulas():

@@ -31,7 +31,7 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
     exactly what decoding sees), and a draft trained briefly on them by 03."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3nb.accept import greedy_hidden_states
+    from eagle3nb.accept.heldout import greedy_hidden_states
     from eagle3nb.draft import load_draft
     from eagle3nb.hidden import HiddenStates
     from eagle3nb.synth.stream import Template
@@ -95,7 +95,7 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
 def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
     """Same data: offline chains (teacher-forced by the target's greedy tokens) and real decoding see the same
     inputs, so the rounds they imply agree exactly, and the acceptance lengths closely."""
-    from eagle3nb.accept import chain_acceptance, offline_acceptance, simulate_rounds
+    from eagle3nb.accept.offline import chain_acceptance, offline_acceptance, simulate_rounds
     from eagle3nb.spec import compare_with_plain
 
     k = 3
@@ -127,7 +127,7 @@ def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
 def test_sampled_offline_acceptance_is_one_minus_tv_against_the_targets_full_distribution(world):
     """At T=1 the offline acceptance of a position equals sum_v min(p_v, q_v) with p the target's own softmax
     over its whole vocabulary (from a fresh forward pass) and q the draft's, placed on the target vocabulary."""
-    from eagle3nb.accept import chain_acceptance, chain_logits, offline_acceptance, target_probs_for
+    from eagle3nb.accept.offline import chain_acceptance, chain_logits, offline_acceptance, target_probs_for
 
     data, draft, target = world["data"], world["draft"], world["target"]
     off = offline_acceptance(draft, data, 3, 3, temperature=1.0)
@@ -152,7 +152,7 @@ def test_stage_reuses_finished_steps_until_the_drafts_content_changes(world, toy
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from eagle3nb.accept import run_offline
+    from eagle3nb.accept.offline import run_offline
     from eagle3nb.draft import load_draft
 
     draft_dir = tmp_path / "draft"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3nb.bench import add_speedup, bench_endpoint, metrics_url, scrape
+from eagle3nb.accept.online import add_speedup, bench_endpoint, metrics_url, scrape
 from eagle3nb.formulas import parse_prometheus, spec_counters, spec_delta
 from eagle3nb.tokens import IM_END
 

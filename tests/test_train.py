@@ -61,7 +61,7 @@ def trained(data_dir, tmp_path_factory) -> tuple[Path, dict]:
 def heldout_acceptance(draft, data_dir: Path) -> dict:
     """04's offline acceptance (its own chains over the target's argmax, not the TTT code under test) on the
     samples 03 held out."""
-    from eagle3nb.accept import offline_acceptance
+    from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.hidden import HiddenStates
     from eagle3nb.train.data import split_holdout
 

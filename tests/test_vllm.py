@@ -228,7 +228,7 @@ def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_
 
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
 def test_vllm_serves_our_exports_with_the_acceptance_measured_locally(spec_servers, drafts, toy_smoke, layout):
-    from eagle3nb.bench import bench_endpoint
+    from eagle3nb.accept.online import bench_endpoint
 
     prompts, max_tokens = held_out(16), 64
     rows = bench_endpoint(layout, spec_servers[layout].base_url, prompts, [4], max_tokens=max_tokens,
@@ -249,7 +249,7 @@ def test_vllm_serves_our_exports_with_the_acceptance_measured_locally(spec_serve
 def test_04_online_rows_read_the_real_metrics(spec_servers, drafts, toy_smoke, trained, tmp_path):
     from worlds import write_run
 
-    from eagle3nb.accept import run_online
+    from eagle3nb.accept.online import run_online
     from eagle3nb.params import from_dict, run_params
 
     stages = {"04_acceptance": {**trained["stages"]["04_acceptance"], "output_dir": tmp_path / "04",

@@ -26,12 +26,12 @@ The CUDA paths (where the code picks or follows a device), and what each check c
   ``DeviceTargets``, ``collate`` to cuda) vs on CPU: initial held-out loss within 1e-4, final within 1e-2.
 - ``export``: 03's export of a draft trained on cuda; ``draft.load_draft(device="cuda")`` equals the last
   checkpoint's weights exactly, and the SGLang copy is written.
-- ``offline_acceptance``: 04 ``accept.offline_acceptance`` with the draft and the target head on cuda vs CPU:
+- ``offline_acceptance``: 04 ``accept.offline.offline_acceptance`` with the draft and the target head on cuda vs CPU:
   greedy alpha_i within 0.02 (argmax ties), expected sampled alpha_i (temperature 1) within 1e-3.
 - ``draft_sanity``: the doctor's ``draft_sanity`` (loads the draft on cuda) equals CPU offline acceptance on
   the same held-out samples (alpha_i within 0.02).
 - ``spec_decoding``: 04's local ``spec.compare_with_plain`` / ``measure_costs`` with target and draft on cuda
-  (``accept.load_models``): greedy output identical to the target's, acceptance length within 5% of CPU's;
+  (``accept.stage.load_models``): greedy output identical to the target's, acceptance length within 5% of CPU's;
   sampling (temperature 0.8) runs; costs finite.
 - ``embedded_server``: ``serve.engine.load_model`` moves the target to cuda: 01 ``synth.run`` against it,
   greedy, gives the CPU target's greedy token ids (>= 90% of samples identical) and server ids == template ids.
@@ -161,7 +161,7 @@ class World:
     def data(self) -> dict[str, Path]:
         """The CPU reference, made in a process that sees no GPU: 01 = the target's greedy answers, 02 in fp32
         (stored exactly, and with top-k storage). Paths: ``synth``, ``cpu-fp32``, ``cpu-topk``."""
-        code = ("import json, sys\nfrom eagle3nb.accept import greedy_hidden_states\nfrom eagle3nb.hidden import "
+        code = ("import json, sys\nfrom eagle3nb.accept.heldout import greedy_hidden_states\nfrom eagle3nb.hidden import "
                 "extract\nfrom eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
                 "greedy_hidden_states(a['toy'], 'toy:train', a['n'], a['max_new'], a['out'])\n"
                 "extract(from_dict('02_hidden_states', a['topk']))")
@@ -356,7 +356,7 @@ def check_export(w: World) -> str:
 
 
 def check_offline_acceptance(w: World) -> str:
-    from eagle3nb.accept import offline_acceptance
+    from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.draft import load_draft
     from eagle3nb.hidden import HiddenStates
 
@@ -369,14 +369,14 @@ def check_offline_acceptance(w: World) -> str:
                 f"{gpu['greedy']['acceptance_length']:.3f} (CPU {cpu['greedy']['acceptance_length']:.3f}) on "
                 f"{gpu['samples']} samples")
     return expect(g <= 2e-2 and s <= 1e-3, measured,
-                  "04 offline on GPU differs from CPU: check the .to(device) moves in eagle3nb/accept.py "
+                  "04 offline on GPU differs from CPU: check the .to(device) moves in eagle3nb/accept/offline.py "
                   "(chain_acceptance, target_probs_for)")
 
 
 def check_draft_sanity(w: World) -> str:
     import yaml
 
-    from eagle3nb.accept import offline_acceptance
+    from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.doctor import run_checks
     from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
     from eagle3nb.draft import load_draft
@@ -403,7 +403,7 @@ def check_draft_sanity(w: World) -> str:
 
 
 def check_spec_decoding(w: World) -> str:
-    from eagle3nb.accept import load_models
+    from eagle3nb.accept.stage import load_models
     from eagle3nb.params import from_dict
     from eagle3nb.spec import compare_with_plain, measure_costs
 
@@ -451,7 +451,7 @@ def check_embedded_server(w: World) -> str:
 
 
 def check_embedded_spec_server(w: World) -> str:
-    from eagle3nb.bench import bench_endpoint
+    from eagle3nb.accept.online import bench_endpoint
     from eagle3nb.serve import start_server
 
     rows, _, _ = w.prompts
@@ -526,7 +526,7 @@ def check_vllm_hidden_states(w: World) -> str:
 
 
 def check_vllm_eagle3(w: World) -> str:
-    from eagle3nb.bench import bench_endpoint
+    from eagle3nb.accept.online import bench_endpoint
 
     rows, _, _ = w.prompts
     with start_gpu_vllm(w, "eagle3", draft_dir=w.draft_dir, num_speculative_tokens=K) as h:
@@ -562,11 +562,11 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/train/loop.py train"),
     CudaPath("export", check_export, ("eagle3nb/train/loop.py", "eagle3nb/draft.py"),
              "see eagle3nb/train/loop.py export and eagle3nb/draft.py load_draft"),
-    CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept.py",),
-             "see eagle3nb/accept.py offline_acceptance"),
+    CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept/offline.py",),
+             "see eagle3nb/accept/offline.py offline_acceptance"),
     CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),
              "see eagle3nb/doctor/checks.py check_draft_sanity"),
-    CudaPath("spec_decoding", check_spec_decoding, ("eagle3nb/spec.py", "eagle3nb/accept.py"),
+    CudaPath("spec_decoding", check_spec_decoding, ("eagle3nb/spec.py", "eagle3nb/accept/stage.py"),
              "see eagle3nb/spec.py"),
     CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py",),
              "see eagle3nb/serve/engine.py"),

@@ -1,4 +1,4 @@
-"""Online benchmark: load OpenAI-compatible endpoints at several concurrency levels and read the server's own
+"""04's online benchmark: load OpenAI-compatible endpoints at several concurrency levels and read the server's own
 speculative-decoding counters from ``/metrics`` (DESIGN.md "vLLM speculative-decoding metrics").
 
 Throughput and latency come from the client side (real ``openai`` client over HTTP); acceptance comes from
@@ -15,7 +15,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from eagle3nb.accept.cache import cached_rows, fingerprint
+from eagle3nb.accept.params import AcceptParams
 from eagle3nb.formulas import spec_counters, spec_delta
+from eagle3nb.serve import start_server
+from eagle3nb.synth.prompts import load_prompts
+from eagle3nb.toy import resolve_model_path
+
 
 def metrics_url(base_url: str) -> str:
     """``http://host:port/v1`` -> ``http://host:port/metrics`` (vLLM and SGLang serve /metrics at the root)."""
@@ -142,41 +148,35 @@ def add_speedup(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any
     return rows
 
 
-# ----------------------------------------------------------------------------------------- plots
+# ----------------------------------------------------------------------------------------- the stage's step
 
 
-def plot_throughput(rows: list[dict[str, Any]]):
-    """Output tokens/s vs concurrency, one line per endpoint."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["endpoint"] for r in rows):
-        pts = sorted((r["concurrency"], r["output_tokens_per_s"]) for r in rows if r["endpoint"] == label)
-        ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Throughput vs concurrency")
-    ax.legend()
-    fig.tight_layout()
-    return fig
+def baseline_label(P: AcceptParams) -> str:
+    """The endpoint every speedup is relative to: ``baseline`` (embedded) or the first endpoint listed."""
+    return "baseline" if P.endpoints == "embedded" else P.endpoints[0].label
 
 
-def plot_speedup(rows: list[dict[str, Any]], predicted: float | None = None):
-    """Measured speedup over the baseline vs concurrency, with the offline prediction as a reference line."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["endpoint"] for r in rows if r.get("speedup") is not None):
-        pts = sorted((r["concurrency"], r["speedup"]) for r in rows if r["endpoint"] == label)
-        ax.plot(*zip(*pts), marker="o", label=f"{label} (measured)")
-    ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speedup")
-    if predicted is not None:
-        ax.axhline(predicted, color="C3", ls="--", label=f"predicted {predicted:.2f}x")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("speedup over baseline")
-    ax.set_title("Speedup vs concurrency")
-    ax.legend()
-    fig.tight_layout()
-    return fig
+def run_online(P: AcceptParams) -> list[dict[str, Any]]:
+    """Benchmark every endpoint (embedded: the target served plainly, then with the draft), with speedups."""
+    rows = load_prompts(P.prompts, P.num_prompts)
+    extra = {"chat_template_kwargs": {P.thinking_kwarg: P.thinking}}
+    kw = dict(prompts=rows, concurrency_levels=P.concurrency_levels, max_tokens=P.max_tokens,
+              temperature=P.temperature, extra_body=extra)
+    config = {"draft": fingerprint(P.draft_path), "model": P.model_path, "k": P.k, "prompts": P.prompts,
+              "num_prompts": P.num_prompts, "levels": P.concurrency_levels, "max_tokens": P.max_tokens,
+              "temperature": P.temperature, "thinking": P.thinking}
+    out: list[dict[str, Any]] = []
+    if P.endpoints == "embedded":
+        model_dir = resolve_model_path(P.model_path)
+        for label, draft in (("baseline", None), ("eagle3", P.draft_path)):
+            def work(draft=draft, label=label) -> list[dict[str, Any]]:
+                with start_server(model_dir, draft_dir=draft, num_speculative_tokens=P.k) as h:
+                    return bench_endpoint(label, h.base_url, api_key="EMPTY", **kw)
+            out += cached_rows(P.stage_dir / f"online-{label}.json", {**config, "label": label}, work)
+    else:
+        key = P.api_key()
+        for e in P.endpoints:
+            def work(e=e) -> list[dict[str, Any]]:
+                return bench_endpoint(e.label, e.url, api_key=key, model=e.model, metrics=e.metrics_url, **kw)
+            out += cached_rows(P.stage_dir / f"online-{e.label}.json", {**config, "url": e.url}, work)
+    return add_speedup(out, baseline_label(P))

@@ -586,7 +586,7 @@ def chance_acceptance(data) -> float:
 
 
 def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
-    from eagle3nb.accept import offline_acceptance
+    from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.doctor.context import Subset
     from eagle3nb.draft import load_draft
 

@@ -1,0 +1,39 @@
+"""Held-out data built for checking 04 itself: the target's own greedy answers run through 02's extraction, on
+which offline chains see exactly what greedy speculative decoding sees (the tests, the benchmarks and the GPU
+check build their worlds with it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3nb.hidden.stage import extract
+from eagle3nb.params import from_dict
+from eagle3nb.spec import plain_generate
+from eagle3nb.synth.prompts import load_prompts
+from eagle3nb.synth.stream import Template
+
+
+def greedy_hidden_states(model_dir: Path, prompts: str, n: int, max_new_tokens: int, out_dir: Path,
+                         draft_vocab_size: int = 256, thinking: bool = True) -> Path:
+    """Held-out data that matches greedy decoding exactly: the target's own greedy answers to ``n`` prompts
+    (01's sample format in ``out_dir/01``), through 02's extraction (``out_dir/02``, fp32). Offline chains on
+    it see what real greedy speculative decoding sees, round for round."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tpl = Template(model_dir, thinking=thinking)
+    rows = []
+    for r in load_prompts(prompts, n):
+        p = tpl.prompt_ids(r["messages"])
+        out = plain_generate(target, p, max_new_tokens, eos_token_ids=[tpl.end_id])
+        rows.append({"id": r["id"], "status": "ok", "messages": r["messages"], "input_ids": p + out,
+                     "loss_mask": [0] * len(p) + [1] * len(out), "category": r["category"], "thinking": thinking})
+    synth = Path(out_dir) / "01"
+    synth.mkdir(parents=True, exist_ok=True)
+    (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extract(from_dict("02_hidden_states", {"synth_dir": str(synth), "model_path": str(model_dir),
+                                           "output_dir": str(Path(out_dir) / "02"), "storage": "fp32",
+                                           "draft_vocab_size": draft_vocab_size, "run_name": "heldout"}))
+    return Path(out_dir) / "02"

@@ -1,0 +1,39 @@
+"""04's local check: the target and the draft decode the same prompts here, plainly and speculatively
+(``eagle3nb.spec``, greedy), so the output must be token-for-token the target's; it also measures the costs the
+prediction uses (draft step / target step, verify overhead)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle3nb.accept.cache import cached, fingerprint
+from eagle3nb.accept.params import AcceptParams
+from eagle3nb.progress import Progress
+from eagle3nb.spec import compare_with_plain, measure_costs
+from eagle3nb.synth.prompts import load_prompts
+from eagle3nb.synth.stream import Template
+from eagle3nb.toy import resolve_model_path
+
+
+def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:
+    """The first ``n`` prompts rendered with the target's chat template, and the end-of-turn ids."""
+    tpl = Template(resolve_model_path(P.model_path), P.thinking, P.thinking_kwarg, P.trust_remote_code)
+    rows = load_prompts(P.prompts, n)
+    eos = {i for i in (tpl.end_id, tpl.tokenizer.eos_token_id) if i is not None}
+    return [tpl.prompt_ids(r["messages"]) for r in rows], sorted(eos)
+
+
+def run_local(P: AcceptParams, target, draft) -> dict[str, Any]:
+    """Lossless greedy speculative decoding here vs the target alone, plus the measured costs."""
+    prompts, eos = prompt_token_ids(P, P.local_prompts)
+    config = {"draft": fingerprint(P.draft_path), "model": P.model_path, "k": P.k, "prompts": P.prompts,
+              "n": P.local_prompts, "max_tokens": P.max_tokens, "thinking": P.thinking}
+
+    def work() -> dict[str, Any]:
+        prog = Progress(P.stage_dir, len(prompts), "local speculative decoding", "prompts")
+        res = compare_with_plain(target, draft, prompts, P.k, P.max_tokens, 0.0, eos, P.seed, prog)
+        prog.close()
+        res["costs"] = measure_costs(target, draft, P.k, context=min(256, max(len(p) for p in prompts) + P.max_tokens))
+        return res
+
+    return cached(P.stage_dir / "local.json", config, work)

@@ -1,0 +1,255 @@
+"""04's tables and figures, from what ``stage.run`` wrote (its metrics dict, ``metrics.json``): they compute
+nothing a later step needs. ``save_figures`` writes every figure as ``<stage_dir>/<name>.png`` for a headless
+run; the notebook shows the same figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.accept.predict import speedup_by_k
+from eagle3nb.formulas import tau_iid
+
+# The PNGs ``save_figures`` writes (offline_vs_local only when the local check ran).
+FIGURES = ["offline_vs_local", "tau_vs_k", "throughput_vs_concurrency", "speedup_vs_concurrency", "alpha_per_position",
+           "predicted_vs_measured_speedup"]
+
+
+# ----------------------------------------------------------------------------------------- tables
+
+
+def position_table(metrics: dict[str, Any]):
+    """alpha_i per draft position from every source that has it (offline greedy / sampled, local)."""
+    import pandas as pd
+
+    off = metrics["offline"]
+    table = {"offline greedy": off["greedy"]["alpha_by_position"]}
+    if off.get("sampled"):
+        table[f"offline T={off['temperature']}"] = off["sampled"]["alpha_by_position"]
+    if metrics.get("local"):
+        loc = metrics["local"]["per_position"]
+        table["local decoding"] = loc + [None] * (off["max_k"] - len(loc))
+    df = pd.DataFrame(table, index=pd.RangeIndex(1, off["max_k"] + 1, name="position i"))
+    df["tau(k=i) offline"] = (off["sampled"] or off["greedy"])["tau_by_k"]
+    return df
+
+
+def breakdown_table(offline: dict[str, Any], by: str = "by_segment"):
+    """One row per segment / category: positions, alpha_1, tau at k (greedy and sampled)."""
+    import pandas as pd
+
+    rows = []
+    for name, b in (offline.get(by) or {}).items():
+        row = {by.removeprefix("by_"): name, "positions": b["greedy"]["positions"],
+               "alpha_1 greedy": b["greedy"]["per_position"][0], f"tau(k={offline['k']}) greedy": b["greedy"]["acceptance_length"]}
+        if b.get("sampled"):
+            row[f"alpha_1 T={offline['temperature']}"] = b["sampled"]["per_position"][0]
+            row[f"tau(k={offline['k']}) T={offline['temperature']}"] = b["sampled"]["acceptance_length"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def online_table(rows: list[dict[str, Any]]):
+    """The benchmark rows as a table (per-position lists left out)."""
+    import pandas as pd
+
+    cols = ["endpoint", "concurrency", "output_tokens_per_s", "speedup", "acceptance_rate", "acceptance_length",
+            "latency_p50_s", "latency_p90_s", "latency_p99_s", "requests", "errors"]
+    return pd.DataFrame([{c: r.get(c) for c in cols} for r in rows])
+
+
+def acceptance_by_source(metrics: dict[str, Any]):
+    """Acceptance length and alpha_i at the served k from every source side by side: offline (predicted from
+    hidden states), local decoding (our decoder here) and each served endpoint's own counters (vLLM's
+    /metrics; first concurrency level), so a draft the engine reads differently shows as a gap."""
+    import pandas as pd
+
+    k = metrics["offline"]["k"]
+    off = metrics["offline"]["greedy"]
+    rows = [{"source": "offline greedy (predicted)", "acceptance_length": off["tau_by_k"][k - 1],
+             **{f"alpha_{i + 1}": a for i, a in enumerate(off["alpha_by_position"][:k])}}]
+    if metrics.get("local"):
+        loc = metrics["local"]
+        rows.append({"source": "local decoding (measured)", "acceptance_length": loc["acceptance_length"],
+                     **{f"alpha_{i + 1}": a for i, a in enumerate(loc["per_position"][:k])}})
+    seen = set()
+    for r in metrics.get("online") or []:
+        if r.get("acceptance_length") is None or r["endpoint"] in seen:
+            continue
+        seen.add(r["endpoint"])
+        rows.append({"source": f"{r['endpoint']} ({r.get('metrics_engine') or 'server'} counters, c={r['concurrency']})",
+                     "acceptance_length": r["acceptance_length"],
+                     **{f"alpha_{i + 1}": a for i, a in enumerate((r.get("per_position") or [])[:k])}})
+    return pd.DataFrame(rows).set_index("source")
+
+
+# ----------------------------------------------------------------------------------------- figures
+
+
+def plot_alpha(metrics: dict[str, Any]):
+    """Conditional acceptance per draft position: offline (greedy and sampled), local, and each endpoint."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    off = metrics.get("offline") or {}
+    series = []
+    if off:
+        series.append(("offline greedy", off["greedy"]["alpha_by_position"], "o-"))
+        if off.get("sampled"):
+            series.append((f"offline T={off['temperature']}", off["sampled"]["alpha_by_position"], "s-"))
+    if metrics.get("local"):
+        series.append(("local decoding (greedy)", metrics["local"]["per_position"], "D--"))
+    for r in metrics.get("online") or []:
+        if r.get("per_position"):
+            series.append((f"{r['endpoint']} c={r['concurrency']}", r["per_position"], "x:"))
+    for label, ys, style in series:
+        ax.plot(range(1, len(ys) + 1), ys, style, label=label)
+    ax.set_ylim(0, 1.02)
+    ax.set_xticks(range(1, max([len(ys) for _, ys, _ in series] + [1]) + 1))
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("alpha_i = P(accept i | accepted < i)")
+    ax.set_title("Acceptance per position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_tau(offline: dict[str, Any], prediction: dict[str, Any] | None = None):
+    """tau(k) offline for k = 1..K against i.i.d. references, with the predicted speedup per k."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = list(range(1, offline["max_k"] + 1))
+    ax.plot(ks, offline["greedy"]["tau_by_k"], "o-", label="offline greedy")
+    if offline.get("sampled"):
+        ax.plot(ks, offline["sampled"]["tau_by_k"], "s-", label=f"offline T={offline['temperature']}")
+    for a in (0.15, 0.5, 0.85):
+        ax.plot(ks, [tau_iid(a, k) for k in ks], color="gray", lw=0.8, ls=":")
+        ax.annotate(f"iid a={a}", (ks[-1], tau_iid(a, ks[-1])), fontsize=7, color="gray")
+    ax.set_xticks(ks)
+    ax.set_xlabel("k (drafted tokens per step)")
+    ax.set_ylabel("tau = tokens per target step")
+    ax.set_title("Acceptance length vs k")
+    if prediction:
+        ax2 = ax.twinx()
+        ax2.plot(ks, speedup_by_k(offline["alpha_by_position"], prediction["cost_ratio"], prediction["overhead"]),
+                 "^--", color="C3", label="predicted speedup")
+        ax2.axhline(1.0, color="C3", lw=0.6, ls=":")
+        ax2.set_ylabel("predicted speedup", color="C3")
+        ax2.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_offline_vs_local(metrics: dict[str, Any]):
+    """Offline-predicted vs locally measured acceptance (greedy), per position and as tau."""
+    import matplotlib.pyplot as plt
+
+    off, loc = metrics["offline"]["greedy"], metrics["local"]
+    k = metrics["local"]["k"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = range(1, k + 1)
+    w = 0.38
+    ax.bar([x - w / 2 for x in xs], off["alpha_by_position"][:k], w, label="offline (predicted)")
+    ax.bar([x + w / 2 for x in xs], loc["per_position"], w, label="local decoding (measured)")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("alpha_i")
+    ax.set_title(f"Offline vs measured: tau {off['tau_by_k'][k - 1]:.2f} predicted, {loc['acceptance_length']:.2f} "
+                 "measured")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_predicted_vs_measured(metrics: dict[str, Any]):
+    """Measured speedup (local and each online level) against the prediction; the diagonal is agreement."""
+    import matplotlib.pyplot as plt
+
+    pred = metrics["prediction"]["speedup"]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    pts = []
+    if metrics.get("local") and metrics["local"].get("speedup") is not None:
+        pts.append(("local", metrics["local"]["speedup"]))
+    for r in metrics.get("online") or []:
+        if r.get("speedup") is not None and r["endpoint"] != metrics.get("online_baseline"):
+            pts.append((f"{r['endpoint']} c={r['concurrency']}", r["speedup"]))
+    for label, y in pts:
+        ax.scatter([pred], [y])
+        ax.annotate(label, (pred, y), fontsize=8, xytext=(4, 0), textcoords="offset points")
+    hi = max([pred, 1.0] + [y for _, y in pts]) * 1.15
+    ax.plot([0, hi], [0, hi], color="gray", ls=":", lw=1)
+    ax.axhline(1.0, color="gray", lw=0.6)
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("predicted speedup")
+    ax.set_ylabel("measured speedup")
+    ax.set_title("Predicted vs measured speedup")
+    fig.tight_layout()
+    return fig
+
+
+def plot_throughput(rows: list[dict[str, Any]]):
+    """Output tokens/s vs concurrency, one line per endpoint."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in dict.fromkeys(r["endpoint"] for r in rows):
+        pts = sorted((r["concurrency"], r["output_tokens_per_s"]) for r in rows if r["endpoint"] == label)
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput vs concurrency")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup(rows: list[dict[str, Any]], predicted: float | None = None):
+    """Measured speedup over the baseline vs concurrency, with the offline prediction as a reference line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in dict.fromkeys(r["endpoint"] for r in rows if r.get("speedup") is not None):
+        pts = sorted((r["concurrency"], r["speedup"]) for r in rows if r["endpoint"] == label)
+        ax.plot(*zip(*pts), marker="o", label=f"{label} (measured)")
+    ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speedup")
+    if predicted is not None:
+        ax.axhline(predicted, color="C3", ls="--", label=f"predicted {predicted:.2f}x")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("speedup over baseline")
+    ax.set_title("Speedup vs concurrency")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def figures(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Every figure of the stage by PNG name (matplotlib figures), in ``FIGURES`` order."""
+    makers = {
+        "offline_vs_local": lambda: plot_offline_vs_local(metrics) if metrics.get("local") else None,
+        "tau_vs_k": lambda: plot_tau(metrics["offline"], metrics.get("prediction")),
+        "throughput_vs_concurrency": lambda: plot_throughput(metrics.get("online") or []),
+        "speedup_vs_concurrency": lambda: plot_speedup(metrics.get("online") or [],
+                                                       (metrics.get("prediction") or {}).get("speedup")),
+        "alpha_per_position": lambda: plot_alpha(metrics),
+        "predicted_vs_measured_speedup": lambda: plot_predicted_vs_measured(metrics),
+    }
+    return {name: fig for name, fig in ((n, makers[n]()) for n in FIGURES) if fig is not None}
+
+
+def save_figures(stage_dir: Path, metrics: dict[str, Any]) -> list[Path]:
+    """Write every figure as ``stage_dir/<name>.png`` and close it (so a notebook does not show it twice)."""
+    import matplotlib.pyplot as plt
+
+    stage_dir = Path(stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures(metrics).items():
+        paths.append(stage_dir / f"{name}.png")
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return paths

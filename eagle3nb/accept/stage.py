@@ -1,0 +1,98 @@
+"""04_acceptance's work, ``run(P) -> metrics``: what the notebook and ``python -m eagle3nb.accept params/<run>/``
+call. It loads the target and the draft, measures acceptance offline on held-out hidden states, decodes locally
+(lossless check and costs), predicts the speedup, benchmarks the endpoints, and writes ``metrics.json`` and
+every figure into the stage folder. Each step's result is reused when a re-run finds it finished
+(``offline.json``, ``local.json``, ``online-<label>.json``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.accept.local import run_local
+from eagle3nb.accept.offline import run_offline
+from eagle3nb.accept.online import baseline_label, run_online
+from eagle3nb.accept.params import STAGE, AcceptParams
+from eagle3nb.accept.predict import prediction
+from eagle3nb.accept.report import save_figures
+from eagle3nb.draft import check_fits, load_draft
+from eagle3nb.hf import from_pretrained
+from eagle3nb.hidden.reader import HiddenStates
+from eagle3nb.progress import write_json_atomic
+from eagle3nb.toy import resolve_model_path
+
+
+def run(P: AcceptParams) -> dict[str, Any]:
+    """The whole stage: offline acceptance, the local check (when ``local_prompts``), the prediction and the
+    online benchmark; writes ``metrics.json`` and the figures (``report.FIGURES``) and returns the metrics as
+    written (NaN as None)."""
+    target, draft, tokenizer = load_models(P, need_target=P.local_prompts > 0)
+    print(f"draft {P.draft_path}: aux layers {draft.config.aux_layer_ids}, draft vocab {draft.config.draft_vocab_size}")
+    print(f"held-out data {P.data_path}; output {P.stage_dir}", flush=True)
+    offline = run_offline(P, draft, tokenizer)
+    local = run_local(P, target, draft) if P.local_prompts else None
+    pred = prediction(P, offline, local)
+    del target, draft  # the benchmark's servers load their own
+    online = run_online(P)
+    metrics = clean(assemble(P, offline, local, pred, online))
+    save_figures(P.stage_dir, metrics)
+    write_metrics(P, metrics)
+    return metrics
+
+
+def load_models(P: AcceptParams, need_target: bool = True):
+    """(target or None, draft, tokenizer) for the stage, after checking that the draft fits both the held-out
+    data and the target (sizes, vocabulary, aux layers), so a mismatch stops here, naming both sides. The
+    draft gets the target's embedding when its checkpoint carries none."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_path(P.model_path)
+    tokenizer = from_pretrained(AutoTokenizer, model_dir, trust_remote_code=P.trust_remote_code)
+    data = HiddenStates(P.data_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = None
+    if need_target:
+        target = from_pretrained(AutoModelForCausalLM, model_dir, trust_remote_code=P.trust_remote_code,
+                                 dtype=torch.float32).to(device).eval()
+        embed = target.get_input_embeddings().weight.detach()
+    else:
+        embed = data.embed_tokens()
+    draft = load_draft(P.draft_path, embed_tokens=embed, device=device)
+    meta = data.meta
+    check_fits(draft.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
+               layer_ids=meta["layer_ids"], num_layers=meta["num_layers"], draft=f"the draft {P.draft_path}",
+               data=f"the held-out data {P.data_path}")
+    tc = json.loads((model_dir / "config.json").read_text())
+    tc = tc.get("text_config") or tc
+    check_fits(draft.config, hidden_size=tc["hidden_size"], vocab_size=tc["vocab_size"], layer_ids=None,
+               num_layers=tc["num_hidden_layers"], draft=f"the draft {P.draft_path}", data=f"the target {model_dir}")
+    return target, draft, tokenizer
+
+
+def assemble(P: AcceptParams, offline: dict[str, Any], local: dict[str, Any] | None,
+             prediction: dict[str, Any] | None, online: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The stage's metrics in the contract's shape (docs/ARCHITECTURE.md "04_acceptance output")."""
+    return {"stage": STAGE, "run_name": P.run_name, "draft_dir": str(P.draft_path), "data_dir": str(P.data_path),
+            "model_path": P.model_path, "offline": offline, "local": local, "prediction": prediction,
+            "online": online or [], "online_baseline": baseline_label(P)}
+
+
+def clean(x):
+    """NaN and infinities as None, so every JSON reader takes the metrics."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [clean(v) for v in x]
+    return x
+
+
+def write_metrics(P: AcceptParams, metrics: dict[str, Any]) -> Path:
+    """``output_dir/metrics.json`` (NaN written as null so every JSON reader takes it)."""
+    path = P.stage_dir / "metrics.json"
+    write_json_atomic(path, clean(metrics))
+    return path
