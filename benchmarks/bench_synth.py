@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
 os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
 
-from eagle3nb.synth import SynthParams, run  # noqa: E402
+from eagle3nb.synth.params import SynthParams  # noqa: E402
+from eagle3nb.synth.stage import run  # noqa: E402
 from eagle3nb.synth.client import base_url  # noqa: E402
 from eagle3nb.toy import resolve_model_path  # noqa: E402
 

@@ -248,6 +248,9 @@ def test_faults_every_sample_ok_or_counted_none_duplicated(tmp_path, toy_smoke):
         assert got == expected
         assert m["counts"]["error"] == sum(s == "error" for s in expected.values()) > 0
         assert sum(m["errors"].values()) == m["counts"]["error"]
+        assert json.loads((P.stage_dir / "metrics.json").read_text()) == m  # the run wrote what it returned
+        assert sorted(p.name for p in P.stage_dir.glob("*.png")) == [  # and the report figures, for headless runs
+            "latency.png", "lengths.png", "status.png", "throughput.png"]
         errors = [r for r in load_samples(P.stage_dir, statuses=("error",))]
         assert all(r["error"] and r["input_ids"] == [] for r in errors)
         ok = load_samples(P.stage_dir)
@@ -360,7 +363,7 @@ def test_api_key_from_the_named_variable_never_in_outputs(tmp_path, toy_smoke, m
         P = synth_params(tmp_path, vllm_url=srv.url, api_key_env="SYNTH_TEST_KEY")
         assert run(P)["counts"]["ok"] == 6
         assert srv.auth == {"Bearer sk-secret-123"}
-    assert not any("sk-secret-123" in f.read_text() for f in (tmp_path / "out").iterdir())
+    assert not any(b"sk-secret-123" in f.read_bytes() for f in (tmp_path / "out").iterdir())  # PNGs included
     with FaultServer(fault_rate=1.0, faults=("401",), max_faults=1) as srv:  # the server refuses the key
         with pytest.raises(SynthError, match="refused the API key: set api_key_env"):
             run(synth_params(tmp_path, vllm_url=srv.url, output_dir=str(tmp_path / "refused")))

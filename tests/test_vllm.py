@@ -97,7 +97,8 @@ def synth_params(tmp: Path, url: str, model: Path, **kw):
 # -- 01: records from the real server ------------------------------------------------------------------------------
 
 def test_records_from_real_vllm_equal_our_template_rendering(vllm, toy_smoke, tmp_path):
-    from eagle3nb.synth import load_samples, run
+    from eagle3nb.synth.stage import run
+    from eagle3nb.synth.store import load_samples
     from eagle3nb.synth.stream import Template
 
     run(synth_params(tmp_path, vllm["plain"].url, toy_smoke))
@@ -117,7 +118,7 @@ def test_doctor_passes_with_the_parser_and_fails_without_it(vllm, toy_smoke, tmp
     from worlds import write_run
 
     from eagle3nb.doctor import FAIL, PASS, run_checks
-    from eagle3nb.synth import SynthError, run
+    from eagle3nb.synth.stage import SynthError, run
 
     def checks(url: str, name: str) -> dict:
         folder = write_run(tmp_path / name, {"01_synth": {"model_path": toy_smoke, "vllm_url": url,

@@ -432,7 +432,8 @@ def check_spec_decoding(w: World) -> str:
 def check_embedded_server(w: World) -> str:
     from eagle3nb.params import from_dict
     from eagle3nb.serve import start_server
-    from eagle3nb.synth import load_samples, run
+    from eagle3nb.synth.stage import run
+    from eagle3nb.synth.store import load_samples
 
     reference = {r["id"]: r["input_ids"] for r in load_samples(w.data()["synth"], statuses=None)}
     out = w.work / "01-served"

@@ -40,7 +40,7 @@ class HiddenStatesError(RuntimeError):
 def prepare_samples(P: HiddenParams) -> tuple[list[dict], dict]:
     """01's samples to extract, cut to ``max_length``, in extraction order (by length, then id), and a report of
     every sample left out and why."""
-    from eagle3nb.synth import load_samples
+    from eagle3nb.synth.store import load_samples
 
     if not P.synth_path.is_dir():
         raise HiddenStatesError(f"synth_dir {P.synth_path} does not exist: run 01_synth first or set synth_dir")

@@ -1,12 +1,9 @@
-"""01_synth: ask the target to answer prompts, keep its reasoning, and build the exact training token stream.
+"""Stage 01 (``notebooks/01_synth.ipynb``): ask the target to answer prompts, keep its reasoning, and build the
+exact training token stream. ``stage.run(P)`` does the work, ``report`` shows what it wrote, ``store`` reads it.
 
-Light to import (the CLI and ``eagle3nb status`` import it for the schema): the openai client, numpy, torch
-and transformers load only when a run, a probe or a plot starts.
+Light to import (the CLI and ``eagle3nb status`` import it for the schema).
 """
 
-from eagle3nb.synth.params import STAGE, SynthParams
-from eagle3nb.synth.report import figures
-from eagle3nb.synth.runner import SynthError, probe, run
-from eagle3nb.synth.store import load_samples
+from eagle3nb.synth.params import SynthParams
 
-__all__ = ["STAGE", "SynthParams", "SynthError", "load_samples", "run", "probe", "figures"]
+__all__ = ["SynthParams"]

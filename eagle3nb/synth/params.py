@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 
 from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
+from eagle3nb.toy.build import SIZES
 
 STAGE = "01_synth"
 
@@ -62,8 +63,6 @@ class SynthParams(TargetParams):
         return {k: getattr(self, k) for k in DATA_KEYS}
 
     def check_paths(self) -> None:
-        from eagle3nb.toy.build import SIZES
-
         src = self.params_file or "the notebook's parameters cell"
         if self.model_path.startswith("toy:") and self.model_path[4:] not in SIZES:
             raise ParamsError(f"parameter 'model_path' in {src}: unknown toy model {self.model_path!r}; use "

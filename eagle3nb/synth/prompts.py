@@ -13,7 +13,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from eagle3nb.params import StageError
 from eagle3nb.paths import resolve
+from eagle3nb.toy import resolve_prompts
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -23,7 +25,7 @@ FORMATS_HINT = ("each row needs 'messages' (OpenAI style [{role, content}]), 'co
                 "(ShareGPT [{from, value}]) or 'prompt' (text)")
 
 
-class PromptsError(ValueError):
+class PromptsError(StageError, ValueError):
     """A prompt file problem, naming the file and row."""
 
 
@@ -140,8 +142,6 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
     """The first ``max_samples`` prompts of ``value`` (a path or ``toy:train`` / ``toy:heldout``) as
     ``{"id", "messages", "category"}``; raises PromptsError for bad rows or duplicate ids."""
     if value.startswith("toy:"):
-        from eagle3nb.toy import resolve_prompts
-
         path = resolve_prompts(value, max_samples or 1000)
     else:
         path = resolve(value)

@@ -1,5 +1,6 @@
-"""What 01_synth produced: ``metrics.json`` (counts by status, tokens, throughput, latency, token-id
-mismatches) and the notebook's figures. Every sample that is not ``ok`` is counted with its reason."""
+"""What a 01_synth run wrote, shown: the summary of its ``metrics.json`` (counts by status, tokens,
+throughput, latency, token-id mismatches), its figures (``save_figures`` writes them as PNGs beside the
+samples) and the probe's findings as text. Reads only; ``stage.run`` computes the metrics."""
 
 from __future__ import annotations
 
@@ -10,57 +11,8 @@ from typing import Any
 from eagle3nb.synth.store import STATUSES, latest
 
 
-def _percentiles(values: list[float]) -> dict[str, float] | None:
-    import numpy as np
-
-    if not values:
-        return None
-    a = np.asarray(values, dtype=float)
-    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "max": float(a.max())}
-
-
-def metrics(stage_dir: Path, prompts: list[dict], session: Any, torn: list[str]) -> dict[str, Any]:
-    """Metrics over every sample in ``stage_dir`` (latest record per id) plus this session's throughput."""
-    recs = latest(stage_dir, light=True) if Path(stage_dir).exists() else {}
-    counts = Counter(r["status"] for r in recs.values())
-    ok = [r for r in recs.values() if r["status"] == "ok"]
-    tokens = {k: sum(r["tokens"][k] for r in ok) for k in ("prompt", "reasoning", "content")}
-    answered = [r for r in recs.values() if r["status"] != "error"]
-    compared = [r["ids_match"] for r in ok if r.get("ids_match") is not None]  # what training will read
-    errors = Counter(r["error"].split(":")[0] for r in recs.values() if r["status"] == "error" and r.get("error"))
-    mine = session.records
-    wall = max(session.t1 - session.t0, 1e-9) if mine else 0.0
-    out_tokens = sum(r["tokens"]["reasoning"] + r["tokens"]["content"] for r in mine)
-    concurrency = min(session.P.concurrency, len(session.todo)) if session.todo else 0
-    in_flight = session.in_flight.mean()
-    return {
-        "samples": len(recs),
-        "prompts": len(prompts),
-        "missing": sum(p["id"] not in recs for p in prompts),
-        "counts": {s: counts.get(s, 0) for s in STATUSES},
-        "tokens_ok": tokens,
-        "mean_tokens_ok": {k: (v / len(ok) if ok else 0.0) for k, v in tokens.items()},
-        "token_source": dict(Counter(r.get("token_source") for r in answered)),
-        "ids_compared": len(compared),
-        "ids_mismatch": compared.count(False),
-        "errors": dict(errors),
-        "latency_s": _percentiles([r["latency_s"] for r in answered]),
-        "session": {
-            "samples": len(mine),
-            "wall_s": wall,
-            "requests_per_s": len(mine) / wall if wall else 0.0,
-            "output_tokens_per_s": out_tokens / wall if wall else 0.0,
-            "retries": sum(r.get("attempts", 1) - 1 for r in mine),
-            "concurrency": concurrency,
-            "in_flight_mean": in_flight,
-            "in_flight_ratio": in_flight / concurrency if concurrency else None,
-        },
-        "torn_lines": torn,
-    }
-
-
 def summary(m: dict[str, Any]) -> str:
+    """``metrics.json`` in a few lines (printed at the end of a run)."""
     c = m["counts"]
     s = m["session"]
     lines = [f"01_synth: {m['samples']} samples: " + ", ".join(f"{k} {v}" for k, v in c.items())
@@ -136,6 +88,17 @@ def figures(stage_dir: str | Path) -> dict[str, Any]:
     ax.set_title("status (only ok feeds 02_hidden_states)")
     figs["status"] = fig
     return figs
+
+
+def save_figures(stage_dir: str | Path, dpi: int = 100) -> list[Path]:
+    """Write ``figures(stage_dir)`` as ``<name>.png`` in ``stage_dir`` (what ``stage.run`` leaves for a headless
+    run and the HTML report); returns the paths."""
+    paths = []
+    for name, fig in figures(stage_dir).items():
+        path = Path(stage_dir) / f"{name}.png"
+        fig.savefig(path, dpi=dpi)
+        paths.append(path)
+    return paths
 
 
 def probe_text(p: dict[str, Any]) -> str:

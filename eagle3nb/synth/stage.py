@@ -1,4 +1,5 @@
-"""The 01_synth run: prompts in, one JSON line per answered prompt out, exactly once per id.
+"""Stage 01 (``notebooks/01_synth.ipynb``, ``python -m eagle3nb.synth params/<run>/``): prompts in, one JSON
+line per answered prompt out, exactly once per id; ``run(P)`` also writes ``metrics.json`` and the figures.
 
 ``concurrency`` workers each keep one request in flight while prompts remain (no waves); answers go
 through a queue to a writer thread that builds the token stream, appends and fsyncs, so a slow disk or
@@ -14,25 +15,29 @@ import contextlib
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
+from eagle3nb.serve import start_server
 from eagle3nb.synth import report
 from eagle3nb.synth.client import (Endpoint, FatalServerError, GaveUp, InFlight, chat, connect, request_seed, retried,
                                    run_sync, with_retries)
 from eagle3nb.synth.params import STAGE, SynthParams
 from eagle3nb.synth.prompts import load_prompts
 from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
-from eagle3nb.synth.store import HEAVY, SampleWriter, check_run_config, exclusive, latest
+from eagle3nb.synth.store import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
 from eagle3nb.synth.stream import StreamError, Template, build, naive_text
 from eagle3nb.tokens import segment_ids
+from eagle3nb.toy import resolve_model_path
 
 EARLY_CHECK = 8  # first answers looked at to decide that reasoning is missing or every request fails
 DONE_STATUSES = ("ok", "truncated")  # never requested again; error / no_reasoning are, with retry_errors
 
 
-class SynthError(RuntimeError):
+class SynthError(StageError):
     """The run stopped because of a problem every further request would share; the message has the fix."""
 
 
@@ -48,8 +53,6 @@ def server_urls(P: SynthParams, model_dir: Path) -> Iterator[list[str]]:
     if P.vllm_url != "embedded":
         yield P.urls
         return
-    from eagle3nb.serve import start_server
-
     with start_server(model_dir, api_key_env=P.api_key_env) as handle:
         yield [handle.url]
 
@@ -272,11 +275,10 @@ class Session:
 
 
 def run(P: SynthParams) -> dict[str, Any]:
-    """Answer every prompt not yet answered in ``P.stage_dir``; returns (and writes) ``metrics.json``.
+    """Answer every prompt not yet answered in ``P.stage_dir``; writes ``metrics.json`` and the report's
+    figures (PNG) beside the samples and returns the metrics.
     Raises SynthError with the fix when the server or template cannot give faithful data, and
     KeyboardInterrupt after a clean stop on Ctrl-C / SIGTERM."""
-    from eagle3nb.toy import resolve_model_path
-
     stage_dir = P.stage_dir
     prompts = load_prompts(P.prompts, P.max_samples)
     model_dir = resolve_model_path(P.model_path)
@@ -326,20 +328,71 @@ def _answer(P: SynthParams, prompts: list[dict], model_dir: Path, tpl: Template)
             state = "failed"
         raise
     finally:
-        metrics = report.metrics(stage_dir, prompts, session, torn)
+        metrics = collect_metrics(stage_dir, prompts, session, torn)
         write_json_atomic(stage_dir / "metrics.json", metrics)
         progress.metrics.update({k: metrics[k] for k in ("counts", "ids_mismatch")})
         progress.close(state)
+    report.save_figures(stage_dir)
     print(report.summary(metrics), flush=True)
     return metrics
+
+
+def _percentiles(values: list[float]) -> dict[str, float] | None:
+    import numpy as np
+
+    if not values:
+        return None
+    a = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "max": float(a.max())}
+
+
+def collect_metrics(stage_dir: Path, prompts: list[dict], session: Session, torn: list[str]) -> dict[str, Any]:
+    """``metrics.json``: counts by status, tokens, token-id mismatches and latency over every sample in
+    ``stage_dir`` (latest record per id; every sample that is not ``ok`` is counted with its reason), plus
+    this session's throughput."""
+    recs = latest(stage_dir, light=True) if Path(stage_dir).exists() else {}
+    counts = Counter(r["status"] for r in recs.values())
+    ok = [r for r in recs.values() if r["status"] == "ok"]
+    tokens = {k: sum(r["tokens"][k] for r in ok) for k in ("prompt", "reasoning", "content")}
+    answered = [r for r in recs.values() if r["status"] != "error"]
+    compared = [r["ids_match"] for r in ok if r.get("ids_match") is not None]  # what training will read
+    errors = Counter(r["error"].split(":")[0] for r in recs.values() if r["status"] == "error" and r.get("error"))
+    mine = session.records
+    wall = max(session.t1 - session.t0, 1e-9) if mine else 0.0
+    out_tokens = sum(r["tokens"]["reasoning"] + r["tokens"]["content"] for r in mine)
+    concurrency = min(session.P.concurrency, len(session.todo)) if session.todo else 0
+    in_flight = session.in_flight.mean()
+    return {
+        "samples": len(recs),
+        "prompts": len(prompts),
+        "missing": sum(p["id"] not in recs for p in prompts),
+        "counts": {s: counts.get(s, 0) for s in STATUSES},
+        "tokens_ok": tokens,
+        "mean_tokens_ok": {k: (v / len(ok) if ok else 0.0) for k, v in tokens.items()},
+        "token_source": dict(Counter(r.get("token_source") for r in answered)),
+        "ids_compared": len(compared),
+        "ids_mismatch": compared.count(False),
+        "errors": dict(errors),
+        "latency_s": _percentiles([r["latency_s"] for r in answered]),
+        "session": {
+            "samples": len(mine),
+            "wall_s": wall,
+            "requests_per_s": len(mine) / wall if wall else 0.0,
+            "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+            "retries": sum(r.get("attempts", 1) - 1 for r in mine),
+            "concurrency": concurrency,
+            "in_flight_mean": in_flight,
+            "in_flight_ratio": in_flight / concurrency if concurrency else None,
+        },
+        "torn_lines": torn,
+    }
 
 
 def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
     """Ask one question with the run's settings and show where everything landed: the raw reasoning and
     content fields, whether token ids came back, and the training stream decoded with special tokens
     visible. Catches a missing reasoning parser or a wrong template kwarg before a long run."""
-    from eagle3nb.toy import resolve_model_path
-
     model_dir = resolve_model_path(P.model_path)
     tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
     messages = [{"role": "user", "content": question}]

@@ -12,10 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.hf import RemoteCodeRequired, from_pretrained
+from eagle3nb.params import StageError
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 
 
-class StreamError(RuntimeError):
+class StreamError(StageError):
     """The token stream cannot be built faithfully; the message says what to change."""
 
 
@@ -26,8 +28,6 @@ class Template:
     def __init__(self, model_dir: str | Path, thinking: bool, thinking_kwarg: str = "thinking",
                  trust_remote_code: bool = False):
         from transformers import AutoTokenizer
-
-        from eagle3nb.hf import RemoteCodeRequired, from_pretrained
 
         try:
             self.tokenizer = from_pretrained(AutoTokenizer, model_dir, trust_remote_code=trust_remote_code)
