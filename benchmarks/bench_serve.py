@@ -23,7 +23,7 @@ os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
 
 import openai  # noqa: E402
 
-from eagle3nb.serve import start_server  # noqa: E402
+from eagle3nb.launch import start_server  # noqa: E402
 from eagle3nb.toy.dialogues import problem  # noqa: E402
 
 

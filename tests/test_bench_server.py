@@ -16,7 +16,7 @@ K = 3
 @pytest.fixture(scope="module")
 def spec(toy_smoke, trained):
     """The speculative server with the trained draft of ``tests/worlds.py`` (the plain one is ``embedded``)."""
-    from eagle3nb.serve import start_server
+    from eagle3nb.launch import start_server
 
     with start_server(toy_smoke, draft_dir=trained["out"] / "03_train" / "draft", num_speculative_tokens=K) as h:
         yield h

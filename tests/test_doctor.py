@@ -78,7 +78,7 @@ def test_notebook_cell_runs_its_stage_checks(healthy):
 # -- 1. server -------------------------------------------------------------------------------------------------------
 
 def test_server_without_reasoning_parser_fails(toy_smoke, tmp_path):
-    from eagle3nb.serve import start_server
+    from eagle3nb.launch import start_server
 
     with start_server(toy_smoke, reasoning_parser=False) as bare:
         run = write_run(tmp_path / "run", {"01_synth": {"model_path": toy_smoke, "vllm_url": bare.url,
@@ -172,7 +172,7 @@ def test_thinking_data_vs_serving_mode(healthy, tmp_path):
 # -- 4. layer ids ------------------------------------------------------------------------------------------------------
 
 def test_sglang_convention_ids_under_vllm_fail_naming_the_off_by_one(healthy, tmp_path):
-    from eagle3nb.hidden import to_sglang
+    from eagle3nb.layers import to_sglang
 
     def sglang_ids(cfg):
         ids = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
@@ -272,7 +272,7 @@ def randomize(t):
 
 
 def test_random_weight_draft_fails_with_ranked_causes(healthy, tmp_path):
-    from eagle3nb.hidden import to_sglang
+    from eagle3nb.layers import to_sglang
 
     draft = faulty_draft(healthy, tmp_path / "draft", tensors=randomize)
     run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"draft_dir": draft}})

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from eagle3nb.serve import start_server
+from eagle3nb.launch import start_server
 
 KEY_ENV = "EAGLE3NB_TEST_SERVE_KEY"
 KEY = "sk-test-7f3a9c-never-in-logs"

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def servers(toy_smoke):
     """Three embedded servers, started side by side: vLLM's new field, the old field, no reasoning parser."""
-    from eagle3nb.serve import start_server
+    from eagle3nb.launch import start_server
 
     specs = {"reasoning": {}, "reasoning_content": {"reasoning_field": "reasoning_content"},
              "inline": {"reasoning_parser": False}}

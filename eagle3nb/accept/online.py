@@ -18,7 +18,7 @@ from typing import Any
 from eagle3nb.accept.cache import cached_rows, fingerprint
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.formulas import spec_counters, spec_delta
-from eagle3nb.serve import start_server
+from eagle3nb.launch import start_server
 from eagle3nb.synth.prompts import load_prompts
 from eagle3nb.toy import resolve_model_path
 

@@ -199,7 +199,7 @@ class Context:
 
     def hidden(self, data_dir: Path | None = None):
         """The hidden-state reader for ``data_dir`` (default: the training data)."""
-        from eagle3nb.hidden import HiddenStates
+        from eagle3nb.hidden.reader import HiddenStates
 
         d = data_dir or self.hidden_dir
         if not (d / "index.json").exists():
@@ -244,7 +244,7 @@ class Context:
         else:
             urls = self.p("01_synth").urls
         if urls == ["embedded"]:
-            from eagle3nb.serve import start_server
+            from eagle3nb.launch import start_server
 
             handle = start_server(self.model_dir)
             self._servers.append(handle)

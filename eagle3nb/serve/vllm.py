@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 from eagle3nb import paths
-from eagle3nb.serve import ServerHandle, free_port, launch
+from eagle3nb.launch import ServerHandle, free_port, launch
 from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"

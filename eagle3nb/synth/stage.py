@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
-from eagle3nb.serve import start_server
+from eagle3nb.launch import start_server
 from eagle3nb.synth import report
 from eagle3nb.synth.client import (Endpoint, FatalServerError, GaveUp, InFlight, chat, connect, request_seed, retried,
                                    run_sync, with_retries)

@@ -1,0 +1,123 @@
+"""Start a server process and wait for it: ``start_server`` runs the embedded server (``eagle3nb serve``) in a
+subprocess; ``launch`` is the start-and-wait-for-/health loop any server uses (the real vLLM's too).
+
+Core, light to import: the server process loads torch, transformers and FastAPI; this module only starts it,
+so a stage that needs a server for its run (01's and 04's ``embedded`` endpoints) imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["start_server", "ServerHandle", "launch", "free_port"]
+
+
+class ServerHandle:
+    """A running ``eagle3nb serve`` subprocess. ``.url`` is ``http://HOST:PORT``, ``.base_url`` adds ``/v1``
+    (what the openai client takes); its stdout+stderr go to ``.log_path``. Stop it with ``.stop()`` or a
+    ``with`` block."""
+
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: Path):
+        self.proc, self.host, self.port, self.log_path = proc, host, port, log_path
+        self.url = f"http://{host}:{port}"
+        self.base_url = self.url + "/v1"
+
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate, wait, then kill if it does not exit."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServerHandle({self.base_url}, pid={self.proc.pid})"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
+                 reasoning_field: str = "reasoning", reasoning_parser: bool = True, api_key_env: str | None = None,
+                 draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
+                 extra_args: tuple[str, ...] | list[str] = (), timeout: float = 180.0) -> ServerHandle:
+    """Start ``python -m eagle3nb serve`` in a subprocess and wait until ``/health`` answers.
+
+    ``model_dir`` is a Hugging Face folder or ``toy:smoke`` / ``toy:demo`` (built here first if not cached, so
+    the build's progress shows in the caller and ``timeout`` covers only the server's start; it is served
+    under that name); ``port=0`` picks a free port. Raises RuntimeError with the end of the server's output if it exits or is not healthy within ``timeout``.
+    """
+    port = port or free_port(host)
+    model = str(model_dir)
+    cmd = [sys.executable, "-m", "eagle3nb", "serve", "--host", host, "--port", str(port),
+           "--reasoning-field", reasoning_field]
+    if model.startswith("toy:"):
+        from eagle3nb.toy import resolve_model_path
+
+        cmd += ["--model", str(resolve_model_path(model))]
+        if "--served-model-name" not in extra_args:
+            cmd += ["--served-model-name", model]
+    else:
+        cmd += ["--model", model]
+    if not reasoning_parser:
+        cmd.append("--no-reasoning-parser")
+    if api_key_env:
+        cmd += ["--api-key-env", api_key_env]
+    if draft_dir is not None:
+        cmd += ["--draft", str(draft_dir), "--num-speculative-tokens", str(num_speculative_tokens)]
+    cmd += [str(a) for a in extra_args]
+    return launch(cmd, host, port, "eagle3nb serve", timeout)
+
+
+def launch(cmd: list[str], host: str, port: int, name: str, timeout: float,
+           env: dict[str, str] | None = None) -> ServerHandle:
+    """Start a server process (output to a log file) and wait until ``/health`` answers 200. Raises
+    RuntimeError with the end of its output if it exits or is not healthy within ``timeout``."""
+    fd, log_name = tempfile.mkstemp(prefix=f"eagle3nb-{name.replace(' ', '-')}-{port}-", suffix=".log")
+    log_path = Path(log_name)
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    handle = ServerHandle(proc, host, port, log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready; "
+                               f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
+        try:
+            with urllib.request.urlopen(handle.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return handle
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            handle.stop()
+            raise RuntimeError(f"{name} did not answer {handle.url}/health within {timeout:.0f} s; "
+                               f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
+        time.sleep(0.2)
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.splitlines()[-lines:])
