@@ -1,11 +1,12 @@
-"""Chain speculative decoding with a Hugging Face target and our EAGLE-3 draft (one sequence at a time).
+"""Chain speculative decoding with a Hugging Face target and our EAGLE-3 draft, for one sequence or a
+continuously batched set of them (``SpecBatch``, what the embedded server runs).
 
 One round: the draft, fed the target's aux hidden states of every verified token, proposes k tokens (its own
 KV cache, its own output hidden state fed back); the target scores the last verified token plus the k
 proposals in one forward pass (its KV cache); the longest agreeing prefix is kept plus one token from the
 target. Greedy: agree = equal to the target's argmax, so the output is exactly the target's greedy output.
 Sampling: standard rejection sampling (accept d with min(1, p(d)/q(d)), else draw from the residual
-max(0, p - q)), so the output distribution is exactly the target's. Both caches are cropped on rejection.
+max(0, p - q)), so the output distribution is exactly the target's. Rejected drafts leave both caches.
 """
 
 from __future__ import annotations
@@ -136,6 +137,125 @@ class SpecOutput:
     accepted_per_round: list[int]  # n accepted drafts in each round (round r starts right after round r-1's tokens)
 
 
+def left_padded(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, mask, position_ids) [B, T] of sequences of different lengths, left-padded so that every row's
+    next token lands in the same column; positions count each row's real tokens, so padding changes nothing."""
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs], device=device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _map_kv(cache, fn) -> None:
+    """Apply ``fn`` to every key and value tensor [B, heads, T, d] of a transformers or draft cache, in place."""
+    from eagle3nb.draft import DraftCache
+
+    if isinstance(cache, DraftCache):
+        cache.k, cache.v = fn(cache.k), fn(cache.v)
+    else:
+        for layer in cache.layers:
+            layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+
+def _zip_kv(a, b, fn) -> None:
+    """``a``'s tensors become ``fn(a's, b's)``, layer by layer (the two caches have the same kind and depth)."""
+    from eagle3nb.draft import DraftCache
+
+    if isinstance(a, DraftCache):
+        a.k, a.v = fn(a.k, b.k), fn(a.v, b.v)
+    else:
+        for la, lb in zip(a.layers, b.layers):
+            la.keys, la.values = fn(la.keys, lb.keys), fn(la.values, lb.values)
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    n = width - x.shape[dim]
+    if n == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class PaddedKV:
+    """One KV cache (transformers' or the draft's) shared by rows of different lengths, as continuous batching
+    needs. Rows share columns; ``mask`` [B, T] (1 = a real token of that row) says which are a row's own, so
+    left padding, rejected drafts and finished neighbours cost no copy, only masked attention, until holes
+    waste a quarter of the width and the rows are packed again. ``length`` [B] counts each row's real tokens:
+    the position of its next token. Every forward over it must pass ``mask`` and the positions of ``extend``."""
+
+    def __init__(self, cache, mask: torch.Tensor):
+        self.cache, self.mask = cache, mask
+        self.length = mask.sum(1)
+
+    def extend(self, n: int) -> torch.Tensor:
+        """Columns for ``n`` new tokens per row (the forward that follows appends their K/V): position ids [B, n]."""
+        pos = self.length[:, None] + torch.arange(n, device=self.mask.device)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], n)], dim=1)
+        self.length = self.length + n
+        return pos
+
+    def reject(self, counts: torch.Tensor) -> None:
+        """Row i keeps all but its last ``counts[i]`` tokens (rejected drafts): they become holes."""
+        width = self.mask.shape[1]
+        cols = torch.arange(width, device=self.mask.device)
+        self.mask = self.mask * (cols[None] < width - counts[:, None])
+        self.length = self.length - counts
+        self._tidy()
+
+    def merge(self, other: "PaddedKV") -> None:
+        """Append ``other``'s rows (new requests): both left-padded to the wider one."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        _zip_kv(self.cache, other.cache, lambda a, b: torch.cat([_left_pad(a, width, 2), _left_pad(b, width, 2)]))
+        self.mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(other.mask, width, 1)])
+        self.length = torch.cat([self.length, other.length])
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (finished requests leave), then drop the columns nobody needs any more."""
+        _map_kv(self.cache, lambda x: x[rows])
+        self.mask, self.length = self.mask[rows], self.length[rows]
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Drop columns that are holes in every row at either end; pack the rows when holes waste too much."""
+        used = self.mask.any(0).nonzero()
+        first, last = int(used[0]), int(used[-1]) + 1
+        if first > 0 or last < self.mask.shape[1]:
+            _map_kv(self.cache, lambda x: x[:, :, first:last])
+            self.mask = self.mask[:, first:last]
+        width, longest = self.mask.shape[1], int(self.length.max())
+        if width - longest > max(8, width // 4):
+            # A stable sort puts each row's holes first and its real columns after, in order: the last `longest`
+            # entries right-align every row's tokens (attention is order-free given the mask; K keeps its rotary).
+            idx = self.mask.argsort(dim=1, stable=True)[:, width - longest:]
+            _map_kv(self.cache, lambda x: x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])))
+            self.mask = self.mask.gather(1, idx)
+
+
+def _draft_mask(kv_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The draft's boolean attention mask [B, 1, n, T] for the last ``n`` of ``kv_mask``'s [B, T] columns:
+    causal over the row's real tokens; each query also sees itself, so a padding query never attends to
+    nothing (NaN)."""
+    width = kv_mask.shape[1]
+    q = torch.arange(width - n, width, device=kv_mask.device)[:, None]
+    k = torch.arange(width, device=kv_mask.device)[None]
+    return (kv_mask.bool()[:, None, None, :] & (k <= q)) | (k == q)
+
+
+@dataclass
+class Sampling:
+    """How one sequence picks its tokens: greedy (temperature 0) or sampled with its own generator, so its
+    tokens do not depend on which other sequences share its batch."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return _is_greedy(self.temperature)
+
+
 class SpecDecoder:
     """A target + draft pair that decodes sequences speculatively, ``k`` drafted tokens per target step.
 
@@ -163,113 +283,177 @@ class SpecDecoder:
         self.d2t_ids = self.d2t_ids.to(self.device)
         self.vocab = target.config.vocab_size
 
-    def target_forward(self, ids: list[int], cache, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward over ``ids`` after the cache: (logits [n, V] (the last ``keep`` only, if > 0), aux
-        [1, n, 3H] at the draft's layers)."""
-        out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
+    def target_forward(self, ids: torch.Tensor, kv: PaddedKV, pos: torch.Tensor, keep: int = 0):
+        """Target forward over ``ids`` [B, n] after ``kv``: (logits [B, n, V] (the last ``keep`` only, if > 0),
+        aux [B, n, 3H] at the draft's layers)."""
+        out = self.target(input_ids=ids, attention_mask=kv.mask, position_ids=pos, cache=kv.cache, use_cache=True,
                           output_hidden_states=True, logits_to_keep=keep)
-        return out.logits[0], torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
+        kv.cache = out.cache
+        return out.logits, torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
 
     def draft_probs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """The draft's distribution over its vocab, placed onto the target vocab (zero outside it)."""
         q = torch.zeros(self.vocab, device=logits.device)
         return q.index_copy(0, self.d2t_ids, probs_at(logits, temperature))
 
-    def sequence(self, prompt_ids: Sequence[int], temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None) -> "SpecSequence":
-        return SpecSequence(self, prompt_ids, temperature, top_p, generator)
-
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
                  top_p: float = 1.0) -> SpecOutput:
-        """Decode one prompt to ``max_new_tokens`` or an EOS; returns the tokens, counters and seconds."""
+        """Decode one prompt (a batch of one) to ``max_new_tokens`` or an EOS: tokens, counters and seconds."""
         t0 = time.perf_counter()
-        seq = self.sequence(prompt_ids, temperature, top_p, generator)
-        out = [seq.prefill()]
+        batch = SpecBatch(self)
+        out = batch.add([prompt_ids], [Sampling(temperature, top_p, generator)])
+        rounds: list[int] = []
         while len(out) < max_new_tokens and out[-1] not in eos_token_ids:
-            for tok in seq.round():
+            new = batch.round()[0]
+            rounds.append(len(new) - 1)
+            for tok in new:
                 out.append(tok)
                 if tok in eos_token_ids or len(out) >= max_new_tokens:
                     break
-        return SpecOutput(out, seq.counters, time.perf_counter() - t0, seq.rounds)
+        return SpecOutput(out, batch.counters, time.perf_counter() - t0, rounds)
 
 
-class SpecSequence:
-    """One sequence's speculative decoding state: the target's KV cache, the draft's KV cache, and the
-    target's aux states of verified tokens that the draft has not consumed yet. ``prefill()`` returns the
-    first token; each ``round()`` returns the accepted drafts plus the target's own next token."""
+class SpecBatch:
+    """Speculative decoding of many sequences at once, each with its own length, sampling and acceptance.
 
-    def __init__(self, dec: SpecDecoder, prompt_ids: Sequence[int], temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None):
+    A round drafts k tokens for every row (one batched draft run per step), verifies them all in one target
+    forward (each row its own positions over the shared ``PaddedKV``), and accepts per row: the kept run is
+    the row's longest agreeing prefix plus one target token, the rejected drafts become masked holes. Rows
+    join (``add``) and leave (``keep``) between rounds, which is continuous batching. Per row the draft's
+    pending state is the target's aux states of its verified tokens not yet fed to the draft (1..k+1 of them,
+    right-padded): position p pairs the aux state at p with the token at p+1."""
+
+    def __init__(self, dec: SpecDecoder):
+        self.dec = dec
+        self.counters = SpecCounters(dec.k)
+        self._empty()
+
+    def _empty(self) -> None:
+        self.rows: list[Sampling] = []
+        self.target: PaddedKV | None = None
+        self.draft: PaddedKV | None = None
+        self.last = torch.zeros(0, dtype=torch.long, device=self.dec.device)  # [B] emitted, not yet run by the target
+        self.pend_aux: torch.Tensor | None = None  # [B, P, 3H]
+        self.pend_ids = torch.zeros(0, 0, dtype=torch.long, device=self.dec.device)  # [B, P]
+        self.pend_n = torch.zeros(0, dtype=torch.long, device=self.dec.device)  # [B] real entries of each pending row
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def add(self, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling]) -> list[int]:
+        """Prefill new rows (their own left-padded batch, then merged in) and return their first tokens. The
+        draft consumes every prompt position but the last, whose aux state pairs with the first token and
+        opens the row's first round."""
         from transformers import DynamicCache
 
         from eagle3nb.draft import DraftCache
 
-        self.dec, self.prompt = dec, list(prompt_ids)
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.greedy = _is_greedy(temperature)
-        self.tcache, self.dcache = DynamicCache(), DraftCache()
-        self.counters = SpecCounters(dec.k)
-        self.rounds: list[int] = []  # accepted drafts per round
-        self.last: int | None = None  # the newest token: emitted, not yet run through the target
-        self.committed = 0  # draft-cache positions holding verified (target) features
-        self.pend_aux: torch.Tensor | None = None  # [1, n, 3H] target aux states the draft has not seen
-        self.pend_ids: list[int] = []  # the token after each of those positions
-
-    @torch.inference_mode()
-    def prefill(self) -> int:
-        logits, aux = self.dec.target_forward(self.prompt, self.tcache, keep=1)
-        self.last = _pick(logits[-1], self.temperature, self.top_p, self.generator)
-        self.pend_aux, self.pend_ids = aux, self.prompt[1:] + [self.last]
-        return self.last
-
-    @torch.inference_mode()
-    def propose(self) -> tuple[list[int], list[torch.Tensor]]:
-        """The draft's k tokens (target ids) and, when sampling, the distributions they were drawn from.
-        The draft's first step consumes the pending target features (position p pairs the aux state at p
-        with the token at p+1); later steps feed back the draft's own hidden state one position further."""
-        dec, draft = self.dec, self.dec.draft
-        n_new = self.pend_aux.shape[1]
-        pos = torch.arange(self.committed, self.committed + n_new, device=dec.device)[None]
-        ids = torch.tensor([self.pend_ids], device=dec.device)
-        h, logits = draft(draft.fuse(self.pend_aux), ids, pos, cache=self.dcache)
-        self.committed += n_new
-        h, logits = h[:, -1:], logits[0, -1]
-        drafts, qs = [], []
-        for j in range(dec.k):
-            if self.greedy:
-                d = int(dec.d2t_ids[int(logits.argmax())])
-            else:
-                q = dec.draft_probs(logits, self.temperature)
-                d = int(torch.multinomial(q.cpu(), 1, generator=self.generator))
-                qs.append(q)
-            drafts.append(d)
-            if j + 1 < dec.k:
-                p = torch.tensor([[self.committed + j]], device=dec.device)
-                h, logits = draft(h, torch.tensor([[d]], device=dec.device), p, cache=self.dcache)
-                logits = logits[0, -1]
-        self.dcache.crop(self.committed)
-        return drafts, qs
-
-    @torch.inference_mode()
-    def round(self) -> list[int]:
-        """Draft k tokens, verify them in one target forward, keep the agreeing prefix + one target token."""
-        drafts, qs = self.propose()
-        seq_len = self.tcache.get_seq_length()
-        logits, aux = self.dec.target_forward([self.last] + drafts, self.tcache)
-        dt = torch.tensor(drafts, device=logits.device)
-        if self.greedy:
-            n, nxt = verify_greedy(dt, logits)
+        dec, B = self.dec, len(prompts)
+        ids, mask, pos = left_padded(prompts, 0, dec.device)
+        target = PaddedKV(DynamicCache(config=dec.target.config), mask)
+        logits, aux = dec.target_forward(ids, target, pos, keep=1)
+        aux = aux.masked_fill(~mask.bool()[..., None], 0.0)  # padding's states may be NaN; the draft caches them
+        first = [_pick(logits[i, -1], s.temperature, s.top_p, s.generator) for i, s in enumerate(sampling)]
+        cfg, dtype = dec.draft.config, dec.draft.fc.weight.dtype
+        cache = DraftCache()
+        cache.k = cache.v = torch.zeros(B, cfg.num_key_value_heads, 0, cfg.head_dim, device=dec.device, dtype=dtype)
+        draft = PaddedKV(cache, mask[:, :-1])
+        if ids.shape[1] > 1:
+            dec.draft(dec.draft.fuse(aux[:, :-1]), ids[:, 1:], pos[:, :-1], cache=cache,
+                      attention_mask=_draft_mask(draft.mask, ids.shape[1] - 1))
+        firsts = torch.tensor(first, device=dec.device)
+        if self.target is None:
+            self.target, self.draft, self.pend_aux = target, draft, aux[:, -1:]
+            self.pend_ids = firsts[:, None]
         else:
-            target_p = probs_at(logits, self.temperature, self.top_p)
-            n, nxt = verify_sampling(dt.cpu(), torch.stack(qs).cpu(), target_p.cpu(), self.generator)
-        self.counters.record(self.dec.k, n)
-        self.rounds.append(n)
-        _crop(self.tcache, seq_len + n + 1)
-        new = drafts[:n] + [nxt]
-        self.pend_aux, self.pend_ids, self.last = aux[:, : n + 1], new, nxt
-        return new
+            self.target.merge(target)
+            self.draft.merge(draft)
+            width = self.pend_ids.shape[1]
+            self.pend_aux = torch.cat([self.pend_aux, _right_pad(aux[:, -1:], width)])
+            self.pend_ids = torch.cat([self.pend_ids, _right_pad(firsts[:, None], width)])
+        self.pend_n = torch.cat([self.pend_n, torch.ones(B, dtype=torch.long, device=dec.device)])
+        self.last = torch.cat([self.last, firsts])
+        self.rows += list(sampling)
+        return first
+
+    @torch.inference_mode()
+    def round(self) -> list[list[int]]:
+        """One draft-and-verify round for every row: each row's accepted drafts plus the target's next token."""
+        dec, k = self.dec, self.dec.k
+        drafts, qs = self._propose()
+        pos = self.target.extend(k + 1)
+        logits, aux = dec.target_forward(torch.cat([self.last[:, None], drafts], dim=1), self.target, pos)
+        accepted, nxt = [], []
+        for i, s in enumerate(self.rows):
+            if s.greedy:
+                n, tok = verify_greedy(drafts[i], logits[i])
+            else:
+                target_p = probs_at(logits[i], s.temperature, s.top_p)
+                n, tok = verify_sampling(drafts[i].cpu(), qs[i].cpu(), target_p.cpu(), s.generator)
+            self.counters.record(k, n)
+            accepted.append(n)
+            nxt.append(tok)
+        n = torch.tensor(accepted, device=dec.device)
+        self.target.reject(k - n)
+        self.last = torch.tensor(nxt, device=dec.device)
+        # The verified positions 0..n of each row (the previous last token and its accepted drafts) pair with
+        # the token after each: the next draft, or at n the target's own token.
+        self.pend_aux, self.pend_n = aux, n + 1
+        self.pend_ids = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], self.last[:, None])
+        rows = drafts.tolist()
+        return [row[:a] + [t] for row, a, t in zip(rows, accepted, nxt)]
+
+    def _propose(self) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """k draft tokens per row [B, k] (target ids) and, for sampled rows, the distributions [k, V] they were
+        drawn from. Step 0 feeds each row's pending target states; later steps feed the draft's own hidden
+        state one position further, and their K/V are dropped after (only verified positions stay cached)."""
+        dec, draft, kv = self.dec, self.dec.draft, self.draft
+        width = int(self.pend_n.max())
+        pos = kv.extend(width)
+        h, logits = draft(draft.fuse(self.pend_aux[:, :width]), self.pend_ids[:, :width], pos, cache=kv.cache,
+                          attention_mask=_draft_mask(kv.mask, width))
+        kv.reject(width - self.pend_n)
+        rows = torch.arange(len(self.rows), device=dec.device)
+        h, logits = h[rows, self.pend_n - 1][:, None], logits[rows, self.pend_n - 1]
+        toks: list[torch.Tensor] = []
+        qs: list[list[torch.Tensor]] = [[] for _ in self.rows]
+        for j in range(dec.k):
+            tok = dec.d2t_ids[logits.argmax(-1)]
+            for i, s in enumerate(self.rows):
+                if not s.greedy:
+                    q = dec.draft_probs(logits[i], s.temperature)
+                    tok[i] = int(torch.multinomial(q.cpu(), 1, generator=s.generator))
+                    qs[i].append(q)
+            toks.append(tok)
+            if j + 1 < dec.k:
+                pos = kv.extend(1)
+                h, logits = draft(h, tok[:, None], pos, cache=kv.cache, attention_mask=_draft_mask(kv.mask, 1))
+                logits = logits[:, -1]
+        if dec.k > 1:
+            kv.reject(torch.full_like(self.pend_n, dec.k - 1))
+        return torch.stack(toks, dim=1), [torch.stack(q) if q else None for q in qs]
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (in this order), e.g. when requests finish."""
+        if not rows:
+            self._empty()
+            return
+        idx = torch.tensor(list(rows), device=self.dec.device)
+        self.target.select(idx)
+        self.draft.select(idx)
+        self.rows = [self.rows[i] for i in rows]
+        self.last, self.pend_aux = self.last[idx], self.pend_aux[idx]
+        self.pend_ids, self.pend_n = self.pend_ids[idx], self.pend_n[idx]
+
+
+def _right_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad dim 1 of ``x`` with zeros up to ``width`` (pending entries past a row's count are never read)."""
+    shape = list(x.shape)
+    shape[1] = width - x.shape[1]
+    return torch.cat([x, x.new_zeros(shape)], dim=1)
 
 
 def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,

@@ -68,7 +68,7 @@ def test_greedy_speculative_decoding_is_identical_to_the_target_on_many_prompts(
 def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
     """Chi-square test on the first two generated tokens of one prompt, speculative vs the target's own
     distribution (exact, from its logits): the second token comes from a draft-and-verify round."""
-    from eagle3nb.spec import SpecDecoder, probs_at
+    from eagle3nb.spec import SpecBatch, SpecDecoder, probs_at
 
     target, draft, p = world["target"], world["draft"], world["prompts"][0]
     T = 1.0
@@ -89,7 +89,7 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
     df = len(expected)
     z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / (2 / (9 * df)) ** 0.5  # Wilson-Hilferty
     assert z < 4.0, (stat, df)
-    assert sum(dec.sequence(p, T).counters.per_pos) == 0  # fresh sequences start from zero counters
+    assert sum(SpecBatch(dec).counters.per_pos) == 0  # fresh batches start from zero counters
 
 
 def test_local_acceptance_agrees_with_offline_on_the_same_data(world):

@@ -1,18 +1,18 @@
 """Generation engine of the embedded server: one background thread batches every running request.
 
-Continuous batching: the running requests share one left-padded KV cache. Between decode steps the engine
-admits waiting requests (prefilled as their own left-padded batch, then merged into the running cache) and
-drops finished ones, so each request stops independently and new ones never wait for a whole batch.
-Padding never changes a row's result: every forward gets the 2D attention mask and per-row position_ids
-(the count of real tokens before each one), so a request's greedy output is the same alone or in a batch,
-up to float noise.
+Continuous batching: the running requests share one left-padded KV cache (``eagle3nb.spec.PaddedKV``, shared
+with the speculative decoder). Between decode steps the engine admits waiting requests (prefilled as their own
+left-padded batch, then merged into the running cache) and drops finished ones, so each request stops
+independently and new ones never wait for a whole batch. Padding never changes a row's result: every forward
+gets the 2D attention mask and per-row position_ids (the count of real tokens before each one), so a request's
+greedy output is the same alone or in a batch, up to float noise.
 
 Hooks for other parts (keep these signatures):
 - The decoder is one swappable object with ``join(reqs)``, ``step()`` and ``leave(reqs)``; ``join`` and
   ``step`` return ``[(request, new_token_ids), ...]`` and may return several tokens per request (the engine
   applies stop conditions and drops tokens past a stop, as vLLM does). ``BatchDecoder`` is the plain one;
   ``--draft`` builds ``eagle3nb.serve.spec_engine.SpecEngine(model, tokenizer, draft_dir,
-  num_speculative_tokens, metrics)`` instead, which can reuse ``sample_next`` for per-request sampling.
+  num_speculative_tokens, metrics)`` instead, which batches the running requests' rounds the same way.
 - ``Metrics`` is the /metrics registry: ``metrics.counter(name, help)`` returns a counter whose
   ``inc(value, **labels)`` adds to the labelled series (e.g. ``vllm:spec_decode_num_drafts_total``).
 """
@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3nb.spec import PaddedKV, left_padded
 from eagle3nb.tokens import THINK_END, THINK_START
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -147,32 +148,22 @@ class BatchDecoder:
     def __init__(self, model, pad_id: int):
         self.model, self.pad_id, self.device = model, pad_id, model.device
         self.running: list[Request] = []
-        self.cache = None                       # DynamicCache over [B, heads, T, d]
-        self.mask = torch.zeros(0, 0, dtype=torch.long)   # [B, T] 1 = real token
-        self.next_pos = torch.zeros(0, dtype=torch.long)  # [B] position of each row's next token
+        self.kv: PaddedKV | None = None
 
     @torch.inference_mode()
     def join(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         """Prefill the new requests (left-padded), sample their first token, merge them into the batch."""
         from transformers import DynamicCache
 
-        seqs = [r.prompt_ids + r.output_ids for r in reqs]
-        width = max(len(s) for s in seqs)
-        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in seqs], device=self.device)
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = left_padded([r.prompt_ids + r.output_ids for r in reqs], self.pad_id, self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          cache=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
         toks = sample_next(out.logits[:, -1], reqs)
-        if self.cache is None:
-            self.cache, self.mask = out.cache, mask
+        kv = PaddedKV(out.cache, mask)
+        if self.kv is None:
+            self.kv = kv
         else:
-            t = max(self.mask.shape[1], width)
-            old = _map_cache(self.cache, lambda x: _left_pad(x, t, dim=2))
-            new = _map_cache(out.cache, lambda x: _left_pad(x, t, dim=2))
-            self.cache = _zip_cache(old, new, lambda a, b: torch.cat([a, b], dim=0))
-            self.mask = torch.cat([_left_pad(self.mask, t, dim=1), _left_pad(mask, t, dim=1)], dim=0)
-        self.next_pos = torch.cat([self.next_pos.to(self.device), torch.tensor([len(s) for s in seqs], device=self.device)])
+            self.kv.merge(kv)
         self.running += reqs
         return [(r, [t]) for r, t in zip(reqs, toks)]
 
@@ -180,11 +171,10 @@ class BatchDecoder:
     def step(self) -> list[tuple[Request, list[int]]]:
         """One decode step for every running request: feed each one's last token, sample the next."""
         ids = torch.tensor([[r.output_ids[-1]] for r in self.running], device=self.device)
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=self.next_pos[:, None],
-                         cache=self.cache, use_cache=True)
-        self.cache = out.cache
-        self.next_pos = self.next_pos + 1
+        pos = self.kv.extend(1)
+        out = self.model(input_ids=ids, attention_mask=self.kv.mask, position_ids=pos, cache=self.kv.cache,
+                         use_cache=True)
+        self.kv.cache = out.cache
         toks = sample_next(out.logits[:, -1], self.running)
         return [(r, [t]) for r, t in zip(self.running, toks)]
 
@@ -194,33 +184,9 @@ class BatchDecoder:
         keep = [i for i, r in enumerate(self.running) if id(r) not in gone]
         self.running = [self.running[i] for i in keep]
         if not keep:
-            self.cache, self.mask, self.next_pos = None, self.mask[:0, :0], self.next_pos[:0]
-            return
-        idx = torch.tensor(keep, device=self.device)
-        self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
-        first = int(self.mask.any(0).nonzero()[0])  # leading columns that are padding in every row
-        self.mask = self.mask[:, first:]
-        self.cache = _map_cache(self.cache, lambda x: x[idx][:, :, first:])
-
-
-def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    n = width - x.shape[dim]
-    if n == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-
-def _map_cache(cache, fn):
-    from transformers import DynamicCache
-    return DynamicCache(ddp_cache_data=[(fn(l.keys), fn(l.values)) for l in cache.layers])
-
-
-def _zip_cache(a, b, fn):
-    from transformers import DynamicCache
-    return DynamicCache(ddp_cache_data=[(fn(x.keys, y.keys), fn(x.values, y.values))
-                                        for x, y in zip(a.layers, b.layers)])
+            self.kv = None
+        else:
+            self.kv.select(torch.tensor(keep, device=self.device))
 
 
 # ----------------------------------------------------------------------------------------------- engine
