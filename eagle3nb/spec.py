@@ -76,8 +76,10 @@ def verify_sampling(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_p
                     generator: torch.Generator | None = None) -> tuple[int, int]:
     """Rejection sampling. ``draft_probs`` [k, V] the draft's distributions (over the target vocab) the ids were
     drawn from, ``target_probs`` [k+1, V]. Accept draft i with prob min(1, p/q); at the first rejection draw
-    from normalize(max(0, p - q)); if all k are accepted draw the bonus token from p[k]."""
+    from normalize(max(0, p - q)); if all k are accepted draw the bonus token from p[k]. Drawn on the CPU, where
+    the request's generator lives, whatever device the models run on."""
     k = draft_ids.shape[0]
+    draft_probs, target_probs = draft_probs.cpu(), target_probs.cpu()
     u = torch.rand(k, generator=generator)
     for i in range(k):
         d = int(draft_ids[i])
