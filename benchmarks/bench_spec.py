@@ -20,12 +20,12 @@ import torch
 def quick_draft(model_dir: Path, work: Path) -> Path:
     from eagle3nb.accept.heldout import greedy_hidden_states
     from eagle3nb.params import from_dict
-    from eagle3nb.train import train
+    from eagle3nb.train.stage import run
 
     data = greedy_hidden_states(model_dir, "toy:train", 48, 64, work, draft_vocab_size=128)
-    train(from_dict("03_train", dict(run_name="bench", data_dir=str(data), output_dir=str(work / "03"), ttt_steps=4,
-                                     max_length=256, batch_tokens=512, lr=3e-3, warmup_ratio=0.05, eval_every=0,
-                                     save_every=1000, holdout_fraction=0.05, max_steps=120)))
+    run(from_dict("03_train", dict(run_name="bench", data_dir=str(data), output_dir=str(work / "03"), ttt_steps=4,
+                                   max_length=256, batch_tokens=512, lr=3e-3, warmup_ratio=0.05, eval_every=0,
+                                   save_every=1000, holdout_fraction=0.05, max_steps=120)))
     return work / "03" / "draft"
 
 

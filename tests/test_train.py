@@ -18,9 +18,12 @@ import yaml
 from safetensors.torch import load_file
 
 from eagle3nb.draft import DraftMismatchError, load_draft, save_draft
+from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.params import from_dict
-from eagle3nb.train import read_metrics, train
-from eagle3nb.train.loop import TrainingDiverged, checkpoints
+from eagle3nb.train.checkpoint import ResumeMismatch, checkpoints
+from eagle3nb.train.data import DeviceTargets, split_holdout
+from eagle3nb.train.report import read_metrics
+from eagle3nb.train.stage import TrainingDiverged, run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_data import make_hidden_states  # noqa: E402
@@ -55,15 +58,13 @@ def curve(out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("scratch")
-    return out, train(params(data_dir, out, max_steps=40, lr=5e-3, export_format="both"))
+    return out, run(params(data_dir, out, max_steps=40, lr=5e-3, export_format="both"))
 
 
 def heldout_acceptance(draft, data_dir: Path) -> dict:
     """04's offline acceptance (its own chains over the target's argmax, not the TTT code under test) on the
     samples 03 held out."""
     from eagle3nb.accept.offline import offline_acceptance
-    from eagle3nb.hidden import HiddenStates
-    from eagle3nb.train.data import split_holdout
 
     data = HiddenStates(data_dir)
     _, held = split_holdout([s["id"] for s in data.meta["samples"]], BASE["holdout_fraction"])
@@ -71,7 +72,6 @@ def heldout_acceptance(draft, data_dir: Path) -> dict:
 
 
 def test_trained_from_scratch_beats_untrained_and_exports_for_vllm_and_sglang(trained, data_dir):
-    from eagle3nb.hidden import HiddenStates
     from eagle3nb.train.build import build_draft
 
     out, result = trained
@@ -112,7 +112,7 @@ def test_trained_from_scratch_beats_untrained_and_exports_for_vllm_and_sglang(tr
 
 def test_finetune_starts_at_the_checkpoints_quality(trained, data_dir, tmp_path):
     out, result = trained
-    ft = train(params(data_dir, tmp_path, init_from=str(out / "draft"), max_steps=1, lr=1e-7))
+    ft = run(params(data_dir, tmp_path, init_from=str(out / "draft"), max_steps=1, lr=1e-7))
     assert ft["init"] == str(out / "draft")
     start = ft["initial_heldout"]
     assert start["acc"] == pytest.approx(result["heldout"]["acc"], abs=1e-9)
@@ -126,14 +126,14 @@ def test_checkpoint_that_does_not_fit_the_data_is_refused_before_training(traine
     model.config.aux_layer_ids = [1, 3, 4]  # SGLang numbering of the same layers
     save_draft(model, bad)
     with pytest.raises(DraftMismatchError, match=r"has \[1, 3, 4\], hidden states .* has \[2, 4, 5\].*add 1"):
-        train(params(data_dir, tmp_path / "o1", init_from=str(bad), max_steps=1))
+        run(params(data_dir, tmp_path / "o1", init_from=str(bad), max_steps=1))
     # another draft vocabulary: refused unless asked to remap (rows follow their target ids)
     model = load_draft(out / "draft")
     model.d2t[:3] = torch.tensor([5, 5, 5]) - torch.arange(3)  # maps 3 ids elsewhere: another vocabulary
     save_draft(model, bad)
     with pytest.raises(DraftMismatchError, match="draft vocabulary: checkpoint .* remap_vocab"):
-        train(params(data_dir, tmp_path / "o2", init_from=str(bad), max_steps=1))
-    r = train(params(data_dir, tmp_path / "o3", init_from=str(bad), max_steps=1, remap_vocab=True))
+        run(params(data_dir, tmp_path / "o2", init_from=str(bad), max_steps=1))
+    r = run(params(data_dir, tmp_path / "o3", init_from=str(bad), max_steps=1, remap_vocab=True))
     assert r["vocab_remap"]["new"] > 0 and not (tmp_path / "o2" / "draft").exists()
 
 
@@ -144,7 +144,7 @@ def test_nan_loss_stops_with_step_and_samples(trained, data_dir, tmp_path):
         model.fc.weight[0, 0] = float("nan")
     save_draft(model, tmp_path / "nan")
     with pytest.raises(TrainingDiverged, match=r"NaN/inf at step 1 .*micro-batch 0 with samples \['toy-"):
-        train(params(data_dir, tmp_path / "o", init_from=str(tmp_path / "nan"), max_steps=3))
+        run(params(data_dir, tmp_path / "o", init_from=str(tmp_path / "nan"), max_steps=3))
 
 
 # ---- resume and multi-process: both compared to one uninterrupted single-process run --------------------
@@ -155,7 +155,7 @@ RUN = dict(max_steps=30, grad_accum=2, eval_every=10)
 @pytest.fixture(scope="module")
 def reference(data_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
-    train(params(data_dir, out, **RUN))
+    run(params(data_dir, out, **RUN))
     return out
 
 
@@ -191,14 +191,14 @@ def test_resume_after_kill9_follows_the_uninterrupted_curve(reference, data_dir,
     proc.wait()
     killed_at = int(checkpoints(out / "checkpoints")[-1].stem.split("-")[1])
     assert 4 <= killed_at < 30
-    train(from_dict("03_train", values))
+    run(from_dict("03_train", values))
     assert curve(out) == curve(reference)  # exactly: same batches, same optimizer state, same order
     want, got = final_state(reference), final_state(out)
     assert all(torch.equal(want[k], got[k]) for k in want)
     evals = [r["step"] for r in read_metrics(out) if r["kind"] == "eval"]
     assert evals == [0, 10, 20, 30]
     # a finished run run again (the notebook after a torchrun run): nothing retrained, the same report
-    again = train(from_dict("03_train", values))
+    again = run(from_dict("03_train", values))
     assert curve(out) == curve(reference) and again["heldout"]["step"] == 30
 
 
@@ -207,9 +207,9 @@ def test_resume_with_changed_settings_is_refused_and_resume_false_starts_over(re
     the ways out; ``resume: false`` drops the old checkpoints and trains from step 0 under the new settings."""
     out = tmp_path / "out"
     shutil.copytree(reference, out)
-    with pytest.raises(ValueError, match=r"other settings \(lr: checkpoint 0\.003, now 0\.001\).*resume: false"):
-        train(params(data_dir, out, **RUN, lr=1e-3))
-    train(params(data_dir, out, **RUN, lr=1e-3, resume=False))
+    with pytest.raises(ResumeMismatch, match=r"other settings \(lr: checkpoint 0\.003, now 0\.001\).*resume: false"):
+        run(params(data_dir, out, **RUN, lr=1e-3))
+    run(params(data_dir, out, **RUN, lr=1e-3, resume=False))
     assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, 31))
     assert curve(out)[0] == curve(reference)[0] and curve(out)[1:] != curve(reference)[1:]  # from the start
     assert {torch.load(c, weights_only=False)["run_config"]["lr"] for c in checkpoints(out / "checkpoints")} == {1e-3}
@@ -227,9 +227,9 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(referen
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "eagle3nb.train", str(params_dir(tmp_path, values)),
            "--set", "grad_accum=1"]
-    run = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "2 process(es) x grad_accum 1" in run.stdout
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es) x grad_accum 1" in done.stdout
     assert json.loads((out / "metrics.json").read_text())["processes"] == 2
     assert curve(out) == pytest.approx(curve(reference), rel=1e-5)
     want, got = final_state(reference), final_state(out)
@@ -242,9 +242,6 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(referen
 
 def test_device_targets_equal_the_readers(data_dir):
     """The loss targets computed on the training device are the reader's, exactly (here both on CPU)."""
-    from eagle3nb.hidden import HiddenStates
-    from eagle3nb.train.data import DeviceTargets
-
     data = HiddenStates(data_dir)
     targets = DeviceTargets(data, torch.device("cpu"))
     for i in range(3):

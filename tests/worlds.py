@@ -28,7 +28,7 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str) -> dict:
     from eagle3nb.hidden import extract
     from eagle3nb.params import from_dict, run_params
     from eagle3nb.synth.stage import run as synth
-    from eagle3nb.train import train
+    from eagle3nb.train.stage import run as train
 
     stages = {
         "01_synth": {"model_path": model_dir, "vllm_url": server_url, "max_samples": 32,

@@ -19,10 +19,10 @@ The CUDA paths (where the code picks or follows a device), and what each check c
   ``auto`` = bf16 on CUDA, ``TargetHead`` on cuda for top-k storage) vs the same run on CPU in fp32: fp32 on
   cuda <= 1e-4, bf16 <= 3e-2 (relative norm of the aux and final states), target argmax agreeing >= 95% (bf16)
   / 99% (fp32, top-k storage).
-- ``autocast_bf16``: ``train.loop.autocast_for("auto")`` turns bf16 autocast on: 03 ``train`` on cuda under
+- ``autocast_bf16``: ``train.stage.autocast_for("auto")`` turns bf16 autocast on: 03 ``stage.run`` on cuda under
   autocast vs on CPU in fp32, same seed and data: initial held-out loss within 2e-2, final loss finite and
   within 10%.
-- ``train_step``: 03 ``train`` on cuda in fp32 (TTT objective with the fused attention, AdamW, clipping,
+- ``train_step``: 03 ``stage.run`` on cuda in fp32 (TTT objective with the fused attention, AdamW, clipping,
   ``DeviceTargets``, ``collate`` to cuda) vs on CPU: initial held-out loss within 1e-4, final within 1e-2.
 - ``export``: 03's export of a draft trained on cuda; ``draft.load_draft(device="cuda")`` equals the last
   checkpoint's weights exactly, and the SGLang copy is written.
@@ -177,9 +177,9 @@ class World:
     def train(self, name: str, device: str, autocast: str, steps: int) -> dict[str, Any]:
         """03 on the CPU reference data (so only the training device differs between runs)."""
         from eagle3nb.params import from_dict
-        from eagle3nb.train import train
+        from eagle3nb.train.stage import run
 
-        return train(from_dict("03_train", {
+        return run(from_dict("03_train", {
             "data_dir": str(self.data()["cpu-fp32"]), "output_dir": str(self.work / f"03-{name}"), "device": device,
             "autocast": autocast, "max_steps": steps, "ttt_steps": 3, "lr": 5e-3, "max_length": 512,
             "batch_tokens": 2048, "eval_every": 0, "save_every": 1000, "holdout_fraction": 0.2, "resume": False,
@@ -309,7 +309,7 @@ def check_hidden_transformers(w: World) -> str:
 def check_autocast_bf16(w: World) -> str:
     import torch
 
-    from eagle3nb.train.loop import autocast_for
+    from eagle3nb.train.stage import autocast_for
 
     with autocast_for("auto", torch.device(GPU)):
         on = torch.is_autocast_enabled(GPU) and torch.get_autocast_dtype(GPU) == torch.bfloat16
@@ -321,7 +321,7 @@ def check_autocast_bf16(w: World) -> str:
                 f"final loss {a['final_loss']:.4f} vs CPU fp32 {b['final_loss']:.4f} ({within('rel', e1, 1e-1)}) "
                 f"after {SHORT_STEPS} steps")
     return expect(on and math.isfinite(a["final_loss"]) and e0 <= 2e-2 and e1 <= 1e-1, measured,
-                  "bf16 autocast training drifts from fp32: check autocast_for in eagle3nb/train/loop.py and the "
+                  "bf16 autocast training drifts from fp32: check autocast_for in eagle3nb/train/stage.py and the "
                   "float() casts of the loss in eagle3nb/train/ttt.py")
 
 
@@ -335,14 +335,14 @@ def check_train_step(w: World) -> str:
                 f"{b['tokens_per_s']:.0f} tok/s)")
     return expect(e0 <= 1e-4 and e1 <= 1e-2, measured,
                   "03 on GPU differs from CPU: check the device moves in eagle3nb/train/data.py (collate, "
-                  "DeviceTargets) and loop.py")
+                  "DeviceTargets) and stage.py")
 
 
 def check_export(w: World) -> str:
     import torch
 
     from eagle3nb.draft import load_draft
-    from eagle3nb.train.loop import checkpoints
+    from eagle3nb.train.checkpoint import checkpoints
 
     res = w.served()
     last = checkpoints(w.work / "03-served" / "checkpoints")[-1]
@@ -352,7 +352,7 @@ def check_export(w: World) -> str:
     measured = (f"{len(trained)} tensors of {last.name} vs load_draft(device='cuda'): {len(bad)} differ; "
                 f"SGLang copy {'written' if (Path(res['sglang_draft_dir']) / 'config.json').exists() else 'MISSING'}")
     return expect(not bad and (Path(res["sglang_draft_dir"]) / "config.json").exists(), measured + (f" ({bad[:3]})" if bad else ""),
-                  "export in eagle3nb/train/loop.py must write exactly the trained weights (draft.to('cpu') first)")
+                  "export in eagle3nb/train/stage.py must write exactly the trained weights (draft.to('cpu') first)")
 
 
 def check_offline_acceptance(w: World) -> str:
@@ -556,13 +556,14 @@ PATHS: list[CudaPath] = [
     CudaPath("hidden_transformers", check_hidden_transformers,
              ("eagle3nb/hidden/stage.py", "eagle3nb/hidden/capture.py", "eagle3nb/hidden/head.py",
               "eagle3nb/hidden/params.py"), "see eagle3nb/hidden/stage.py extract"),
-    CudaPath("autocast_bf16", check_autocast_bf16, ("eagle3nb/train/loop.py", "eagle3nb/train/params.py"),
-             "see eagle3nb/train/loop.py autocast_for"),
+    CudaPath("autocast_bf16", check_autocast_bf16, ("eagle3nb/train/stage.py", "eagle3nb/train/params.py"),
+             "see eagle3nb/train/stage.py autocast_for"),
     CudaPath("train_step", check_train_step,
-             ("eagle3nb/train/loop.py", "eagle3nb/train/ttt.py", "eagle3nb/train/data.py"),
-             "see eagle3nb/train/loop.py train"),
-    CudaPath("export", check_export, ("eagle3nb/train/loop.py", "eagle3nb/draft.py"),
-             "see eagle3nb/train/loop.py export and eagle3nb/draft.py load_draft"),
+             ("eagle3nb/train/stage.py", "eagle3nb/train/ttt.py", "eagle3nb/train/data.py",
+              "eagle3nb/train/checkpoint.py"),
+             "see eagle3nb/train/stage.py run"),
+    CudaPath("export", check_export, ("eagle3nb/train/stage.py", "eagle3nb/draft.py"),
+             "see eagle3nb/train/stage.py export and eagle3nb/draft.py load_draft"),
     CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept/offline.py",),
              "see eagle3nb/accept/offline.py offline_acceptance"),
     CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),

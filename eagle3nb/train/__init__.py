@@ -1,22 +1,9 @@
-"""03_train: training-time test, the training loop (single process or torchrun), checkpoints, export.
-
-Importing this package registers the ``03_train`` parameter schema without importing torch; the training
-functions load on first use."""
+"""Stage 03 (``notebooks/03_train.ipynb``): train (or fine-tune) the EAGLE-3 draft with training-time test on
+02's hidden states, in one process or under torchrun, and export it for vLLM/SGLang. ``stage.run(P)`` does the
+work; ``report`` draws what it wrote. Importing this package registers the ``03_train`` schema (no torch)."""
 
 from __future__ import annotations
 
 from eagle3nb.train.params import TrainParams
 
-__all__ = ["TrainParams", "train", "describe", "evaluate", "export", "read_metrics", "plot_metrics", "LivePlot"]
-
-
-def __getattr__(name: str):
-    if name in ("train", "describe", "evaluate", "export", "read_metrics"):
-        from eagle3nb.train import loop
-
-        return getattr(loop, name)
-    if name in ("plot_metrics", "LivePlot"):
-        from eagle3nb.train import plot
-
-        return getattr(plot, name)
-    raise AttributeError(name)
+__all__ = ["TrainParams"]

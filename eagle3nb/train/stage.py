@@ -1,6 +1,6 @@
-"""The 03 training loop: AdamW + warmup/cosine, grad accumulation and clipping, bf16 autocast where supported,
-torch.distributed (DDP; launch with torchrun), exact resume from atomic checkpoints, held-out evaluation,
-metrics files, and the export vLLM/SGLang load."""
+"""Stage 03's work, ``run(P)``: the training loop (AdamW + warmup/cosine, grad accumulation and clipping, bf16
+autocast where supported, torch.distributed (DDP; launch with torchrun), exact resume from atomic checkpoints,
+held-out evaluation), its metrics files and figure, and the export vLLM/SGLang load."""
 
 from __future__ import annotations
 
@@ -8,24 +8,32 @@ import contextlib
 import json
 import math
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
+from eagle3nb.draft import draft_config_json, save_draft
 from eagle3nb.formulas import tau_from_conditional
+from eagle3nb.hidden.reader import HiddenStates
+from eagle3nb.layers import to_sglang
+from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
 from eagle3nb.train.build import build_draft
+from eagle3nb.train.checkpoint import checkpoints, load_checkpoint, run_config, save_checkpoint
 from eagle3nb.train.data import DeviceTargets, collate, schedule, split_holdout
-from eagle3nb.train.params import CURVE_KEYS, TrainParams
+from eagle3nb.train.params import TrainParams
+from eagle3nb.train.report import read_metrics, save_figures
 from eagle3nb.train.ttt import TTTObjective
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(StageError):
     """The loss became NaN/inf; the message names the step and the samples of the batch."""
+
+
+class MissingData(StageError, FileNotFoundError):
+    """data_dir (02's output) does not exist."""
 
 
 # ---- processes and devices ------------------------------------------------------------------------
@@ -67,7 +75,7 @@ def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
     return t
 
 
-# ---- schedule, checkpoints, metrics ---------------------------------------------------------------
+# ---- schedule and metrics --------------------------------------------------------------------------
 
 
 def lr_lambda(total: int, warmup_ratio: float) -> Callable[[int], float]:
@@ -81,54 +89,6 @@ def lr_lambda(total: int, warmup_ratio: float) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
-
-
-def run_config(P: TrainParams, world: int) -> dict[str, Any]:
-    """The settings a resumed run must share with the run it continues."""
-    cfg = {k: getattr(P, k) for k in CURVE_KEYS}
-    cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
-    cfg["global_micro_batches"] = P.grad_accum * world
-    return cfg
-
-
-def checkpoints(ckpt_dir: Path) -> list[Path]:
-    return sorted(ckpt_dir.glob("step-*.pt"))
-
-
-def save_checkpoint(path: Path, draft, optimizer, scheduler, step: int, config: dict[str, Any]) -> None:
-    """Model (without the frozen embedding), optimizer, scheduler, RNG states and the data position (the
-    step: the schedule is a function of it). Written to a temporary name and renamed."""
-    state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
-    blob = {
-        "step": step, "model": state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        "run_config": config,
-    }
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(blob, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, Any]) -> int:
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    changed = {k: (blob["run_config"].get(k), v) for k, v in config.items() if blob["run_config"].get(k) != v}
-    if changed:
-        lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
-        raise ValueError(f"{path} was made with other settings ({lines}). Restore them to resume, or set "
-                         "resume: false / another output_dir to start a new run")
-    draft.load_state_dict({**blob["model"], "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
-    optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
-    rng = blob["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return int(blob["step"])
 
 
 class Metrics:
@@ -166,21 +126,6 @@ class Metrics:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (a torn last line from a kill is skipped)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return rows
 
 
 # ---- evaluation -----------------------------------------------------------------------------------
@@ -224,9 +169,6 @@ def layout(P: TrainParams, meta: dict[str, Any], world: int = 1):
 
 def describe(P: TrainParams, world: int = 1) -> dict[str, Any]:
     """What a run will do, before it starts: the data, the split, the steps, the layers and where things go."""
-    from eagle3nb.hidden import HiddenStates
-    from eagle3nb.layers import to_sglang
-
     meta = HiddenStates(P.data_path).meta
     train_idx, held_idx, plan, dropped = layout(P, meta, world)
     lengths = [int(s["length"]) for s in meta["samples"]]
@@ -245,13 +187,13 @@ def describe(P: TrainParams, world: int = 1) -> dict[str, Any]:
     }
 
 
-def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Train (or fine-tune) the draft per ``P``; resume if a checkpoint exists; export; return metrics.json.
+def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Train (or fine-tune) the draft per ``P``; resume if a checkpoint exists; export; write metrics.json and
+    training.png; return metrics.json (an empty dict on ranks other than 0).
 
     Run it as is for one process, or under ``torchrun --nproc_per_node N`` for N (the same code path: each
-    process takes its share of the same global batch). ``callback(row)`` sees every metrics row (live plots)."""
-    from eagle3nb.hidden import HiddenStates
-
+    process takes its share of the same global batch). ``callback(row)`` sees every metrics row (live plots,
+    ``report.LivePlot``)."""
     rank, world, local_rank = _dist_setup(P.device)
     device = pick_device(P.device, local_rank)
     if device.type == "cuda":
@@ -266,7 +208,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
             for old in checkpoints(ckpt_dir):
                 old.unlink()
     if not P.data_path.is_dir():
-        raise FileNotFoundError(f"data_dir {P.data_path} does not exist; run 02_hidden_states first or point "
+        raise MissingData(f"data_dir {P.data_path} does not exist; run 02_hidden_states first or point "
                                 "data_dir at its output folder")
     data = HiddenStates(P.data_path)
     targets = DeviceTargets(data, device)
@@ -378,6 +320,7 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
     }
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
     write_json_atomic(out / "metrics.json", result)
+    save_figures(out)
     return result
 
 
@@ -387,9 +330,6 @@ def train(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = No
 def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]:
     """Write ``draft/`` (EAGLE-3 layout, vLLM ids), ``draft-sglang/`` (same weights, SGLang's output-of-layer
     ids) and, on request, ``draft-speculators/`` (naming ``verifier``, the target); print the serving flags."""
-    from eagle3nb.draft import draft_config_json, save_draft
-    from eagle3nb.layers import to_sglang
-
     out = P.stage_dir
     dtype = getattr(torch, P.export_dtype)
     draft = draft.to("cpu").eval()

@@ -1,0 +1,67 @@
+"""03's checkpoints: atomic files holding everything an exact resume needs (model, optimizer, scheduler, RNG
+states, the step), and the settings a resumed run must share with the run it continues."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3nb.params import StageError
+from eagle3nb.train.params import CURVE_KEYS, TrainParams
+
+
+class ResumeMismatch(StageError, ValueError):
+    """The checkpoint to resume from was made with other settings; the message names them and the ways out."""
+
+
+def run_config(P: TrainParams, world: int) -> dict[str, Any]:
+    """The settings a resumed run must share with the run it continues."""
+    cfg = {k: getattr(P, k) for k in CURVE_KEYS}
+    cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
+    cfg["global_micro_batches"] = P.grad_accum * world
+    return cfg
+
+
+def checkpoints(ckpt_dir: Path) -> list[Path]:
+    return sorted(ckpt_dir.glob("step-*.pt"))
+
+
+def save_checkpoint(path: Path, draft, optimizer, scheduler, step: int, config: dict[str, Any]) -> None:
+    """Model (without the frozen embedding), optimizer, scheduler, RNG states and the data position (the
+    step: the schedule is a function of it). Written to a temporary name and renamed."""
+    state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    blob = {
+        "step": step, "model": state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "run_config": config,
+    }
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(blob, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, Any]) -> int:
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    changed = {k: (blob["run_config"].get(k), v) for k, v in config.items() if blob["run_config"].get(k) != v}
+    if changed:
+        lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ResumeMismatch(f"{path} was made with other settings ({lines}). Restore them to resume, or set "
+                             "resume: false / another output_dir to start a new run")
+    draft.load_state_dict({**blob["model"], "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    rng = blob["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(blob["step"])
