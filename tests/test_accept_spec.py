@@ -33,7 +33,7 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
 
     from eagle3nb.accept.heldout import greedy_hidden_states
     from eagle3nb.draft import load_draft
-    from eagle3nb.hidden import HiddenStates
+    from eagle3nb.hidden.reader import HiddenStates
     from eagle3nb.synth.stream import Template
     from eagle3nb.train.stage import run
 

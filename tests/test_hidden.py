@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3nb.hidden import HiddenStates, check_layer_ids, default_aux_layer_ids, extract, from_sglang, to_sglang
-from eagle3nb.layers import LayerIdError
-from eagle3nb.hidden.stage import HiddenStatesError
-from eagle3nb.hidden.storage import ShardError, bytes_per_token, file_sha256
+from eagle3nb.hidden.cost import compare_targets
+from eagle3nb.hidden.reader import HiddenStates
+from eagle3nb.hidden.stage import HiddenStatesError, preview, run
+from eagle3nb.hidden.storage import STORAGES, ShardError, bytes_per_token, file_sha256
 from eagle3nb.hidden.vocab import build_draft_vocab
+from eagle3nb.layers import LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.params import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def synth(toy_smoke, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fp32_run(synth, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fp32")
-    extract(params(synth, out))
+    run(params(synth, out))
     return out
 
 
@@ -143,6 +144,7 @@ def test_reader_contract(fp32_run):
     metrics = json.loads((fp32_run / "metrics.json").read_text())
     assert metrics["tokens"] == sum(s["length"] for s in index["samples"]) and 0 < metrics["coverage"] <= 1
     assert metrics["bytes_per_token"] > 0 and metrics["tokens_per_s"] > 0
+    assert sorted(p.name for p in fp32_run.glob("*.png")) == ["lengths.png", "throughput.png"]  # run saved the figures
 
 
 def test_draft_vocab_is_exact_size_sorted_and_padded_when_short():
@@ -161,15 +163,15 @@ def test_draft_vocab_is_exact_size_sorted_and_padded_when_short():
 
 def test_vllm_backend_through_embedded_server_equals_transformers(synth, tmp_path):
     from eagle3nb.hidden.vllm_backend import VllmBackendError
-    from eagle3nb.serve import start_server
+    from eagle3nb.launch import start_server
 
     with start_server(synth.parent / "model", extra_args=["--hidden-states-dir", str(tmp_path / "srv")]) as srv:
-        extract(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=srv.url, tokens_per_batch=1))
+        run(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=srv.url, tokens_per_batch=1))
         # a server started with other layers than this run's is caught (here: it writes 4 states, we want 3)
         with pytest.raises(VllmBackendError, match="returns 4 hidden states per token, this run expects 3"):
-            extract(params(synth, tmp_path / "other", backend="vllm", vllm_url=srv.url, aux_layer_ids=[2, 4]))
+            run(params(synth, tmp_path / "other", backend="vllm", vllm_url=srv.url, aux_layer_ids=[2, 4]))
     assert not list((tmp_path / "srv").iterdir()), "the client deletes each file and its lock after reading"
-    extract(params(synth, tmp_path / "hf", tokens_per_batch=1))  # one sample per forward, as the server runs them
+    run(params(synth, tmp_path / "hf", tokens_per_batch=1))  # one sample per forward, as the server runs them
     a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
     assert len(a) == len(b) == 12
     for i in range(len(a)):
@@ -216,7 +218,7 @@ def test_reader_of_vllm_per_sample_files(synth, fp32_run, tmp_path):
 
 def _run_subprocess(yaml_path: Path) -> subprocess.Popen:
     env = {**os.environ, "EAGLE3NB_ROOT": str(ROOT), "EAGLE3NB_CACHE": os.environ["EAGLE3NB_CACHE"]}
-    return subprocess.Popen([sys.executable, "-m", "eagle3nb.hidden.stage", str(yaml_path)], env=env,
+    return subprocess.Popen([sys.executable, "-m", "eagle3nb.hidden", str(yaml_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -244,7 +246,7 @@ def test_kill_9_and_resume_gives_identical_shards(synth, tmp_path):
 
     watcher = threading.Thread(target=kill_after_first_shard)
     watcher.start()
-    extract(from_dict("02_hidden_states", {**cfg, "output_dir": str(tmp_path / "ref")}))  # meanwhile, the reference
+    run(from_dict("02_hidden_states", {**cfg, "output_dir": str(tmp_path / "ref")}))  # meanwhile, the reference
     watcher.join()
     victim.wait()
     assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed"
@@ -274,17 +276,26 @@ def test_corrupt_or_truncated_shard_is_detected_and_redone(fp32_run, synth, tmp_
     bad[len(bad) // 2] ^= 0xFF
     victim.write_bytes(bytes(bad))
     HiddenStates(out)  # same size: only the hash can tell
-    metrics = extract(params(synth, out))
+    metrics = run(params(synth, out))
     assert metrics["redone_shards"] == [victim.name] and metrics["resumed_shards"] == len(index["shards"]) - 1
     assert victim.read_bytes() == good
 
 
 # ---------------------------------------------------------------------------------------- clear errors
 
+def test_preview_says_what_a_run_will_do_before_doing_it(synth, tmp_path):
+    plan = preview(params(synth, tmp_path / "o"))
+    assert plan["layer_ids"] == default_aux_layer_ids(plan["num_layers"])
+    assert plan["sglang_layer_ids"] == to_sglang(plan["layer_ids"]) and plan["samples"] == 12
+    assert list(plan["storage_table"]["storage"]) == list(STORAGES)
+    assert "extract_hidden_states" in plan["vllm_command"]
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
 def test_wrong_layer_id_is_a_clear_error_before_work(synth, tmp_path):
     L = json.loads((synth.parent / "model" / "config.json").read_text())["num_hidden_layers"]
     with pytest.raises(LayerIdError, match=rf"\[{L + 1}\] out of range.*{L} decoder layers"):
-        extract(params(synth, tmp_path / "o", aux_layer_ids=[2, 4, L + 1]))
+        run(params(synth, tmp_path / "o", aux_layer_ids=[2, 4, L + 1]))
     assert not list((tmp_path / "o").glob("shard-*"))
 
 
@@ -293,13 +304,13 @@ def test_mismatched_model_is_a_clear_error(synth, toy_smoke, tmp_path):
     shutil.copytree(toy_smoke, tmp_path / "model")
     other = write_synth(tmp_path / "synth2", toy_smoke, n=2, extra=(alien,))
     with pytest.raises(ValueError, match="another tokenizer than model_path"):
-        extract(params(other, tmp_path / "o"))
+        run(params(other, tmp_path / "o"))
     # an output_dir made with other settings (here: another model) is refused, not mixed
     out = tmp_path / "o2"
     out.mkdir()
     (out / "plan.json").write_text(json.dumps({"config": {"model_fingerprint": "0123"}, "shards": []}))
     with pytest.raises(HiddenStatesError, match="model_fingerprint"):
-        extract(params(synth, out))
+        run(params(synth, out))
 
 
 def test_resume_with_other_data_settings_is_refused_and_force_starts_over(fp32_run, synth, tmp_path):
@@ -310,11 +321,11 @@ def test_resume_with_other_data_settings_is_refused_and_force_starts_over(fp32_r
     plan = (out / "plan.json").read_bytes()
     for key, value in (("storage", "bf16"), ("max_length", 64)):
         with pytest.raises(HiddenStatesError, match=rf"other settings \([^)]*\b{key}\b[^)]*differ\).*force: true"):
-            extract(params(synth, out, **{key: value}))
+            run(params(synth, out, **{key: value}))
     assert (out / "plan.json").read_bytes() == plan and HiddenStates(out).meta["storage"] == "fp32"
-    m = extract(params(synth, out, storage="bf16", force=True))
+    m = run(params(synth, out, storage="bf16", force=True))
     assert m["resumed_shards"] == 0 and HiddenStates(out).meta["storage"] == "bf16"
-    assert extract(params(synth, out, storage="bf16"))["resumed_shards"] == len(HiddenStates(out).meta["shards"])
+    assert run(params(synth, out, storage="bf16"))["resumed_shards"] == len(HiddenStates(out).meta["shards"])
 
 
 def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypatch, capsys):
@@ -325,7 +336,7 @@ def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypat
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(HiddenStatesError, match="projected disk use.*Not starting.*force"):
-        extract(params(synth, tmp_path / "o"))
+        run(params(synth, tmp_path / "o"))
     assert "GB for the whole run" in capsys.readouterr().out
 
 
@@ -334,7 +345,7 @@ def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypat
 def test_compact_storage_halves_bytes_and_keeps_the_training_signal(synth, tmp_path):
     runs = {}
     for storage in ("bf16", "fp8", "topk"):
-        m = extract(params(synth, tmp_path / storage, storage=storage, topk=8))
+        m = run(params(synth, tmp_path / storage, storage=storage, topk=8))
         runs[storage] = (m, HiddenStates(tmp_path / storage))
     H = runs["bf16"][1].meta["hidden_size"]
     for storage, (m, _) in runs.items():  # the layout formula is the real file size (headers aside)
@@ -343,8 +354,6 @@ def test_compact_storage_halves_bytes_and_keeps_the_training_signal(synth, tmp_p
     assert runs["fp8"][0]["bytes_per_token"] < 0.6 * runs["bf16"][0]["bytes_per_token"]
     kimi = bytes_per_token("bf16", 7168)  # at Kimi's width: fp8 ~half, topk well under half
     assert bytes_per_token("fp8", 7168) / kimi < 0.501 and bytes_per_token("topk", 7168, topk=32) / kimi < 0.4
-    from eagle3nb.hidden.report import compare_targets
-
     ref = runs["bf16"][1]
     fp8 = compare_targets(ref, runs["fp8"][1])
     assert fp8["positions"] == runs["bf16"][0]["loss_tokens"]

@@ -188,12 +188,13 @@ def test_embedded_server_answers_like_vllm(vllm, embedded):
 def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
     from test_hidden import params, write_synth
 
-    from eagle3nb.hidden import HiddenStates, extract
+    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.hidden.stage import run
 
     shutil.copytree(toy_smoke, tmp_path / "model")
     synth = write_synth(tmp_path / "synth", tmp_path / "model", n=6)
-    extract(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=vllm["extract"].url, tokens_per_batch=1))
-    extract(params(synth, tmp_path / "hf", tokens_per_batch=1))
+    run(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=vllm["extract"].url, tokens_per_batch=1))
+    run(params(synth, tmp_path / "hf", tokens_per_batch=1))
     a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
     assert len(a) == len(b) == 6
     for i in range(len(a)):

@@ -11,7 +11,7 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
     """``root/02`` (stage 02's output over ``n`` toy dialogues rendered with the toy's chat template)."""
     from transformers import AutoTokenizer
 
-    from eagle3nb.hidden import extract
+    from eagle3nb.hidden.stage import run as extract
     from eagle3nb.params import from_dict
     from eagle3nb.toy import dialogues
 
@@ -37,4 +37,3 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
                                        "storage": "fp32", "run_name": "test"})
     extract(P)
     return root / "02"
-

@@ -25,7 +25,7 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str) -> dict:
     """01 against ``server_url``, 02 extracted, 03 trained; returns ``{"run", "out", "stages"}``."""
     import torch
 
-    from eagle3nb.hidden import extract
+    from eagle3nb.hidden.stage import run as extract
     from eagle3nb.params import from_dict, run_params
     from eagle3nb.synth.stage import run as synth
     from eagle3nb.train.stage import run as train

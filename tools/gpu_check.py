@@ -15,7 +15,7 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``ttt_attention``: ``draft.TTTCache.attend`` takes fused ``scaled_dot_product_attention`` with a block mask
   on CUDA (``dense=None`` -> ``q.is_cuda``): fused vs element-wise on cuda vs the CPU fp32 element-wise
   reference, fp32 (rel. error <= 1e-5) and bf16 (<= 2e-2: bf16 keeps 8 bits, one rounding is 3.9e-3).
-- ``hidden_transformers``: 02 ``hidden.extract`` (``capture.load_target`` with ``device_map="auto"``, dtype
+- ``hidden_transformers``: 02 ``hidden.stage.run`` (``capture.load_target`` with ``device_map="auto"``, dtype
   ``auto`` = bf16 on CUDA, ``TargetHead`` on cuda for top-k storage) vs the same run on CPU in fp32: fp32 on
   cuda <= 1e-4, bf16 <= 3e-2 (relative norm of the aux and final states), target argmax agreeing >= 95% (bf16)
   / 99% (fp32, top-k storage).
@@ -161,10 +161,10 @@ class World:
     def data(self) -> dict[str, Path]:
         """The CPU reference, made in a process that sees no GPU: 01 = the target's greedy answers, 02 in fp32
         (stored exactly, and with top-k storage). Paths: ``synth``, ``cpu-fp32``, ``cpu-topk``."""
-        code = ("import json, sys\nfrom eagle3nb.accept.heldout import greedy_hidden_states\nfrom eagle3nb.hidden import "
-                "extract\nfrom eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
+        code = ("import json, sys\nfrom eagle3nb.accept.heldout import greedy_hidden_states\nfrom eagle3nb.hidden.stage "
+                "import run\nfrom eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
                 "greedy_hidden_states(a['toy'], 'toy:train', a['n'], a['max_new'], a['out'])\n"
-                "extract(from_dict('02_hidden_states', a['topk']))")
+                "run(from_dict('02_hidden_states', a['topk']))")
         args = {"toy": str(self.toy), "n": N_SAMPLES, "max_new": MAX_NEW, "out": str(self.work / "data"),
                 "topk": self.extract_values("cpu-topk", "float32", "topk")}
         self.log.flush()
@@ -272,7 +272,8 @@ def check_ttt_attention(w: World) -> str:
 def check_hidden_transformers(w: World) -> str:
     import torch
 
-    from eagle3nb.hidden import HiddenStates, extract
+    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.hidden.stage import run as extract
     from eagle3nb.params import from_dict
 
     d = w.data()
@@ -358,7 +359,7 @@ def check_export(w: World) -> str:
 def check_offline_acceptance(w: World) -> str:
     from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.draft import load_draft
-    from eagle3nb.hidden import HiddenStates
+    from eagle3nb.hidden.reader import HiddenStates
 
     data = HiddenStates(w.data()["cpu-fp32"])
     gpu, cpu = (offline_acceptance(load_draft(w.draft_dir, device=dev), data, K, K + 1, temperature=1.0)
@@ -380,7 +381,7 @@ def check_draft_sanity(w: World) -> str:
     from eagle3nb.doctor import run_checks
     from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
     from eagle3nb.draft import load_draft
-    from eagle3nb.hidden import HiddenStates
+    from eagle3nb.hidden.reader import HiddenStates
     from eagle3nb.train.data import split_holdout
 
     data_dir = w.data()["cpu-fp32"]
@@ -505,7 +506,9 @@ def start_gpu_vllm(w: World, mode: str, **kw):
 
 
 def check_vllm_hidden_states(w: World) -> str:
-    from eagle3nb.hidden import HiddenStates, default_aux_layer_ids, extract
+    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.hidden.stage import run as extract
+    from eagle3nb.layers import default_aux_layer_ids
     from eagle3nb.params import from_dict
 
     d = w.data()
@@ -555,7 +558,7 @@ PATHS: list[CudaPath] = [
     CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/draft.py",), "see eagle3nb/draft.py TTTCache"),
     CudaPath("hidden_transformers", check_hidden_transformers,
              ("eagle3nb/hidden/stage.py", "eagle3nb/hidden/capture.py", "eagle3nb/hidden/head.py",
-              "eagle3nb/hidden/params.py"), "see eagle3nb/hidden/stage.py extract"),
+              "eagle3nb/hidden/params.py"), "see eagle3nb/hidden/stage.py run"),
     CudaPath("autocast_bf16", check_autocast_bf16, ("eagle3nb/train/stage.py", "eagle3nb/train/params.py"),
              "see eagle3nb/train/stage.py autocast_for"),
     CudaPath("train_step", check_train_step,

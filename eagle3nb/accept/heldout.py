@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3nb.hidden.stage import extract
+from eagle3nb.hidden.stage import run as extract_hidden_states
 from eagle3nb.params import from_dict
 from eagle3nb.spec import plain_generate
 from eagle3nb.synth.prompts import load_prompts
@@ -33,7 +33,7 @@ def greedy_hidden_states(model_dir: Path, prompts: str, n: int, max_new_tokens: 
     synth = Path(out_dir) / "01"
     synth.mkdir(parents=True, exist_ok=True)
     (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extract(from_dict("02_hidden_states", {"synth_dir": str(synth), "model_path": str(model_dir),
-                                           "output_dir": str(Path(out_dir) / "02"), "storage": "fp32",
-                                           "draft_vocab_size": draft_vocab_size, "run_name": "heldout"}))
+    extract_hidden_states(from_dict("02_hidden_states", {
+        "synth_dir": str(synth), "model_path": str(model_dir), "output_dir": str(Path(out_dir) / "02"), "storage": "fp32",
+        "draft_vocab_size": draft_vocab_size, "run_name": "heldout"}))
     return Path(out_dir) / "02"

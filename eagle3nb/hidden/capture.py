@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from eagle3nb.hf import from_pretrained
+
 if TYPE_CHECKING:
     import torch
 
@@ -121,8 +123,6 @@ def load_target(model_dir, dtype: str = "auto", trust_remote_code: bool = False)
     """The target in eval mode; spread over every GPU with ``device_map="auto"`` (accelerate) when CUDA is present."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from eagle3nb.hf import from_pretrained
 
     kw = {"device_map": "auto"} if torch.cuda.is_available() else {}
     model = from_pretrained(AutoModelForCausalLM, model_dir, trust_remote_code=trust_remote_code,

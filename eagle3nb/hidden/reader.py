@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3nb.hidden.head import read_head_tensors, rms_norm, target_info
 from eagle3nb.hidden.storage import ShardError, check_shard, decode, file_sha256
 from eagle3nb.hidden.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, load_draft_vocab
+from eagle3nb.toy import resolve_model_path
 
 if TYPE_CHECKING:
     import torch
@@ -134,8 +136,6 @@ class VllmSampleStates(HiddenStates):
                  layer_ids: list[int] | None = None):
         from safetensors import safe_open
 
-        from eagle3nb.hidden.head import read_head_tensors, target_info
-
         self.dir = Path(data_dir)
         self.files = sorted(p for p in self.dir.glob("*.safetensors") if p.name not in (VOCAB_FILE, HEAD_FILE))
         if not self.files:
@@ -144,8 +144,6 @@ class VllmSampleStates(HiddenStates):
         if model_path is None:
             raise ValueError(f"{self.dir} holds vLLM/speculators per-sample files: pass model_path=<the target's "
                              "folder> to read its final norm and head")
-        from eagle3nb.toy import resolve_model_path
-
         model_dir = resolve_model_path(str(model_path))
         info = target_info(model_dir)
         self._head = read_head_tensors(model_dir)
@@ -186,8 +184,6 @@ class VllmSampleStates(HiddenStates):
 
     def __getitem__(self, i: int) -> dict:
         import torch
-
-        from eagle3nb.hidden.head import rms_norm
 
         s = self.samples[i]
         f = self._file(s["file"])

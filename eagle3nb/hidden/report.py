@@ -1,4 +1,7 @@
-"""Tables and plots of a 02_hidden_states run, for the notebook (plots take an optional matplotlib ``ax``)."""
+"""Tables and plots of a 02_hidden_states run, from what ``stage.run`` wrote (``index.json``, ``metrics.json``,
+``throughput.jsonl``); plots take an optional matplotlib ``ax``, ``figures`` / ``save_figures`` give the
+stage's figures (``run`` writes them as PNGs beside the shards). Reads only: the storage comparison that
+extracts again is ``eagle3nb.hidden.cost``."""
 
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ def throughput(stage_dir: str | Path, window_s: float = 30.0):
 
 
 def plot_throughput(stage_dir: str | Path, ax=None):
+    """Tokens/s over compute time, from ``throughput.jsonl``."""
     import matplotlib.pyplot as plt
 
     df = throughput(stage_dir)
@@ -74,6 +78,7 @@ def plot_throughput(stage_dir: str | Path, ax=None):
 
 
 def plot_lengths(meta: dict, ax=None):
+    """Histogram of the stored samples' lengths (``meta``: ``index.json``, e.g. ``HiddenStates(d).meta``)."""
     import matplotlib.pyplot as plt
 
     lengths = [s["length"] for s in meta["samples"]]
@@ -83,44 +88,26 @@ def plot_lengths(meta: dict, ax=None):
     return ax
 
 
-def compare_targets(ref, other, max_samples: int | None = None, temperature: float = 1.0) -> dict:
-    """What a compact storage costs in training signal: the loss target (draft-vocab distribution) it yields
-    against ``ref``'s, over loss-masked positions. Returns mean total variation, mean KL(other || ref),
-    argmax agreement and the relative error of the aux states."""
-    tv, kl, agree, aux_err, n = 0.0, 0.0, 0.0, 0.0, 0
-    for i in range(min(len(ref), max_samples or len(ref))):
-        a, b = ref[i], other[i]
-        if a["id"] != b["id"]:
-            raise ValueError(f"sample {i}: {a['id']} vs {b['id']}: compare runs over the same samples")
-        m = a["loss_mask"].bool()
-        p, q = ref.target_probs(a, temperature)[m], other.target_probs(b, temperature)[m]
-        tv += 0.5 * (p - q).abs().sum(-1).sum().item()
-        kl += (q * (q.clamp_min(1e-12).log() - p.clamp_min(1e-12).log())).sum(-1).sum().item()
-        agree += (ref.target_argmax(a)[m] == other.target_argmax(b)[m]).sum().item()
-        aux_err += ((b["aux"][m] - a["aux"][m]).norm(dim=-1) / a["aux"][m].norm(dim=-1).clamp_min(1e-12)).sum().item()
-        n += int(m.sum())
-    return {"positions": n, "total_variation": tv / n, "kl_other_to_ref": kl / n, "argmax_agreement": agree / n,
-            "aux_relative_error": aux_err / n}
+def figures(stage_dir: str | Path) -> dict:
+    """The stage's figures (matplotlib Figures, not registered with pyplot; the caller displays or saves them):
+    extraction throughput and the stored samples' lengths."""
+    from matplotlib.figure import Figure
+
+    meta = json.loads((Path(stage_dir) / "index.json").read_text())
+    figs = {}
+    for name, plot in (("throughput", lambda ax: plot_throughput(stage_dir, ax=ax)),
+                       ("lengths", lambda ax: plot_lengths(meta, ax=ax))):
+        fig = Figure(figsize=(7, 3.5), layout="constrained")
+        plot(fig.subplots())
+        figs[name] = fig
+    return figs
 
 
-def storage_cost(P, samples: int = 16, storages: tuple[str, ...] = ("fp8", "topk")):
-    """Extract the first ``samples`` samples in bf16 and in each compact storage (under
-    ``<stage_dir>/storage_check/``) and compare the loss targets they yield: one row per storage."""
-    import pandas as pd
-
-    from eagle3nb.hidden.reader import HiddenStates
-    from eagle3nb.hidden.stage import extract
-
-    base = P.stage_dir / "storage_check"
-    runs = {}
-    for s in ("bf16", *storages):
-        q = P.model_copy(update={"storage": s, "output_dir": str(base / s), "max_samples": samples, "force": True})
-        runs[s] = (extract(q), HiddenStates(base / s))
-    bf16 = runs["bf16"][0]["bytes_per_token"]
-    rows = [{"storage": "bf16", "bytes/token": bf16, "vs bf16": 1.0, "total_variation": 0.0, "kl_other_to_ref": 0.0,
-             "argmax_agreement": 1.0, "aux_relative_error": 0.0}]
-    for s in storages:
-        c = compare_targets(runs["bf16"][1], runs[s][1])
-        rows.append({"storage": s, "bytes/token": runs[s][0]["bytes_per_token"],
-                     "vs bf16": runs[s][0]["bytes_per_token"] / bf16, **{k: v for k, v in c.items() if k != "positions"}})
-    return pd.DataFrame(rows)
+def save_figures(stage_dir: str | Path, dpi: int = 100) -> list[Path]:
+    """Write ``figures(stage_dir)`` as ``<name>.png`` in ``stage_dir``; returns the paths."""
+    paths = []
+    for name, fig in figures(stage_dir).items():
+        path = Path(stage_dir) / f"{name}.png"
+        fig.savefig(path, dpi=dpi)
+        paths.append(path)
+    return paths

@@ -5,7 +5,8 @@ shards; the draft vocabulary is chosen; the disk the run will take is printed an
 space. Then each shard not already on disk (and intact) is computed and written atomically. A killed run
 restarts at the first missing shard and produces the same files as an uninterrupted one.
 
-Run headless with ``python -m eagle3nb.hidden.stage params/<run>/02_hidden_states.yaml``.
+``run(P)`` is what the notebook and ``python -m eagle3nb.hidden params/<run>/`` call; it also writes
+``metrics.json`` and the report's figures (PNG). ``preview(P)`` says what a run will do before doing it.
 """
 
 from __future__ import annotations
@@ -14,17 +15,22 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from eagle3nb.hidden import report
+from eagle3nb.hidden.capture import capture_batch, load_target, pack_batches
 from eagle3nb.hidden.head import TargetHead, read_head_tensors, target_info, text_config
-from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
 from eagle3nb.hidden.params import STAGE, HiddenParams
 from eagle3nb.hidden.storage import FORMAT, ShardError, bytes_per_token, check_shard, encode, shard_name, write_shard
+from eagle3nb.hidden.vllm_backend import VllmClient, vllm_command
 from eagle3nb.hidden.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, save_draft_vocab
+from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
+from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
+from eagle3nb.synth.store import load_samples
+from eagle3nb.toy import resolve_model_path
 
 PLAN_FILE = "plan.json"
 INDEX_FILE = "index.json"
@@ -33,15 +39,13 @@ THROUGHPUT_FILE = "throughput.jsonl"
 GB = 1e9
 
 
-class HiddenStatesError(RuntimeError):
+class HiddenStatesError(StageError):
     """A problem found before (or instead of) doing the work, phrased with what to do."""
 
 
 def prepare_samples(P: HiddenParams) -> tuple[list[dict], dict]:
     """01's samples to extract, cut to ``max_length``, in extraction order (by length, then id), and a report of
     every sample left out and why."""
-    from eagle3nb.synth.store import load_samples
-
     if not P.synth_path.is_dir():
         raise HiddenStatesError(f"synth_dir {P.synth_path} does not exist: run 01_synth first or set synth_dir")
     try:
@@ -127,9 +131,9 @@ def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
     for tmp in stage_dir.glob(".shard-*.tmp"):
         tmp.unlink()
     path = stage_dir / PLAN_FILE
-    report = {"resumed_shards": 0, "redone_shards": []}
+    resumed = {"resumed_shards": 0, "redone_shards": []}
     if not path.exists():
-        return report
+        return resumed
     old = json.loads(path.read_text())
     if old.get("config") != config:
         diff = sorted(k for k in set(config) | set(old.get("config", {})) if config.get(k) != old.get("config", {}).get(k))
@@ -141,7 +145,7 @@ def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
         for f in stage_dir.glob("shard-*.safetensors"):
             f.unlink()
         (stage_dir / INDEX_FILE).unlink(missing_ok=True)
-        return report
+        return resumed
     old_by_file = {s["file"]: s for s in old.get("shards", [])}
     for s in shards:
         o = old_by_file.get(s["file"])
@@ -151,30 +155,27 @@ def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
             check_shard(stage_dir / s["file"], o["bytes"], o["sha256"] if P.verify_sha256 else None)
         except ShardError as e:
             print(f"redoing {s['file']}: {e}", flush=True)
-            report["redone_shards"].append(s["file"])
+            resumed["redone_shards"].append(s["file"])
             (stage_dir / s["file"]).unlink(missing_ok=True)
             continue
         s.update({k: o[k] for k in ("done", "bytes", "sha256", "seconds")})
-        report["resumed_shards"] += 1
-    return report
+        resumed["resumed_shards"] += 1
+    return resumed
 
 
 def preview(P: HiddenParams) -> dict:
     """What a run will do, before doing it: the target's shape, the layers (both conventions), the samples and
     tokens, bytes/token of every storage option, and the vLLM command line for the vllm backend."""
-    from eagle3nb.hidden.report import storage_table
-    from eagle3nb.hidden.vllm_backend import vllm_command
-    from eagle3nb.toy import resolve_model_path
-
     model_dir = resolve_model_path(P.model_path)
     info = target_info(model_dir)
     L = info["num_layers"]
     layer_ids = check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(L), L)
-    samples, report = prepare_samples(P)
+    samples, sample_report = prepare_samples(P)
     tokens = sum(len(s["input_ids"]) for s in samples)
     return {**info, "model_dir": str(model_dir), "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
-            "samples": len(samples), "tokens": tokens, **report,
-            "storage_table": storage_table(info["hidden_size"], tokens, len(layer_ids), P.topk, P.draft_vocab_size),
+            "samples": len(samples), "tokens": tokens, **sample_report,
+            "storage_table": report.storage_table(info["hidden_size"], tokens, len(layer_ids), P.topk,
+                                                  P.draft_vocab_size),
             "vllm_command": vllm_command(P.model_path, layer_ids, L, P.max_length, P.api_key_env,
                                          trust_remote_code=P.trust_remote_code)}
 
@@ -192,8 +193,6 @@ class TransformersSource:
     """The target loaded here; one forward per token-budget batch, hooks keep only the chosen states."""
 
     def __init__(self, P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]):
-        from eagle3nb.hidden.capture import load_target
-
         self.model = load_target(model_dir, P.dtype, trust_remote_code=P.trust_remote_code)
         cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         if cfg.num_hidden_layers != info["num_layers"] or cfg.hidden_size != info["hidden_size"]:
@@ -202,8 +201,6 @@ class TransformersSource:
 
     def batches(self, shard_samples: list[dict]):
         """Yield ``(rows, aux [B, T, n, H], final [B, T, H])`` per batch (rows index ``shard_samples``)."""
-        from eagle3nb.hidden.capture import capture_batch, pack_batches
-
         for rows in pack_batches([len(s["input_ids"]) for s in shard_samples], self.tokens_per_batch):
             aux, final = capture_batch(self.model, [shard_samples[r]["input_ids"] for r in rows], self.layer_ids)
             yield rows, aux, final
@@ -213,8 +210,6 @@ class VllmSource:
     """A vLLM server (or the embedded one) started with extract_hidden_states; see ``vllm_backend``."""
 
     def __init__(self, P: HiddenParams, info: dict, layer_ids: list[int], head: TargetHead):
-        from eagle3nb.hidden.vllm_backend import VllmClient
-
         self.client = VllmClient(P.vllm_url, P.api_key(), P.vllm_model, num_states=len(layer_ids) + 1,
                                  hidden_size=info["hidden_size"], timeout_s=P.request_timeout_s,
                                  concurrency=P.concurrency)
@@ -241,11 +236,10 @@ class VllmSource:
                 f"samples (last: {sample_id}): the server serves another model than model_path, or other layer ids")
 
 
-def extract(P: HiddenParams) -> dict:
-    """Run stage 02 with validated parameters; returns (and writes) ``metrics.json``."""
+def run(P: HiddenParams) -> dict:
+    """Run stage 02 with validated parameters: the shards, ``index.json``, ``metrics.json`` and the report's
+    figures (``throughput.png``, ``lengths.png``) in ``P.stage_dir``; returns the metrics."""
     import torch
-
-    from eagle3nb.toy import resolve_model_path
 
     t_start = time.time()
     stage_dir = P.stage_dir
@@ -356,23 +350,8 @@ def extract(P: HiddenParams) -> dict:
         "shards": len(shards), **resume, **sample_report, "elapsed_s": time.time() - t_start,
     }
     write_json_atomic(stage_dir / "metrics.json", metrics)
+    report.save_figures(stage_dir)
     print(f"done: {total_tokens:,} tokens in {len(shards)} shards, {shard_bytes / GB:.3f} GB "
           f"({metrics['bytes_per_token']:.0f} bytes/token), draft-vocab coverage {vocab['coverage']:.1%}", flush=True)
     return metrics
 
-
-def main(argv: list[str] | None = None) -> int:
-    from eagle3nb.params import from_dict, load_yaml
-
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m eagle3nb.hidden.stage params/<run>/02_hidden_states.yaml", file=sys.stderr)
-        return 2
-    path = Path(argv[0])
-    values = {"params_file": str(path), **load_yaml(path)}
-    extract(from_dict(STAGE, values))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

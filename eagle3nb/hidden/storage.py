@@ -24,6 +24,8 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3nb.params import StageError
+
 if TYPE_CHECKING:
     import torch
 
@@ -33,7 +35,7 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 TOKEN_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8, stored with every layout
 
 
-class ShardError(RuntimeError):
+class ShardError(StageError):
     """A shard file that is missing, truncated or corrupt."""
 
 

@@ -21,13 +21,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Iterable, Iterator
 
+from eagle3nb.params import StageError
 from eagle3nb.vllm_config import connector_config, extract_spec
 
 if TYPE_CHECKING:
     import torch
 
 
-class VllmBackendError(RuntimeError):
+class VllmBackendError(StageError):
     """The server's answer breaks the extract_hidden_states contract (wrong ids, layers, model, files)."""
 
 

@@ -1,0 +1,3 @@
+import sys
+from eagle3nb.stage_cli import main
+sys.exit(main("02_hidden_states"))
