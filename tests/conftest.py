@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from worlds import SEED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,13 +24,13 @@ def toy_smoke(_project_env) -> Path:
     """The smoke-size toy target (tokenizer + trained Llama), built once and cached."""
     from eagle3nb.toy import build
 
-    return build(size="smoke")
+    return build(size="smoke", seed=SEED)
 
 
 @pytest.fixture(scope="session")
 def embedded(toy_smoke):
     """The embedded server on the smoke toy (reasoning parser on), shared by every test that only reads it."""
-    from eagle3nb.serve import start_server
+    from eagle3nb.launch import start_server
 
     with start_server(toy_smoke) as handle:
         yield handle
@@ -40,4 +41,4 @@ def trained(tmp_path_factory, toy_smoke, embedded) -> dict:
     """A small healthy run with a well-trained draft (``tests/worlds.py``): ``{"run", "out", "stages"}``."""
     from worlds import build_trained_run
 
-    return build_trained_run(tmp_path_factory.mktemp("trained"), toy_smoke, embedded.url)
+    return build_trained_run(tmp_path_factory.mktemp("trained"), toy_smoke, embedded.url, seed=SEED)

@@ -10,6 +10,8 @@ import shutil
 import pytest
 import torch
 
+from worlds import SEED
+
 from eagle3nb.params import from_dict
 
 MAX_NEW = 40
@@ -41,7 +43,8 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
     data_dir = greedy_hidden_states(toy_smoke, "toy:heldout", N_PROMPTS, MAX_NEW, root, draft_vocab_size=96)
     run(from_dict("03_train", dict(run_name="test", data_dir=str(data_dir), output_dir=str(root / "03"),
                                     ttt_steps=3, max_length=256, batch_tokens=400, lr=3e-3, warmup_ratio=0.05,
-                                    eval_every=0, save_every=1000, holdout_fraction=0.1, max_steps=30)))
+                                    eval_every=0, save_every=1000, holdout_fraction=0.1, max_steps=30,
+                                    seed=SEED)))
     tpl = Template(toy_smoke, thinking=True)
     rows = [json.loads(line) for line in (root / "01" / "samples-00000.jsonl").read_text().splitlines()]
     return {"root": root, "target": AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval(),

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 
-def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_size: int = 160) -> Path:
+def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_size: int = 160, seed: int = 0) -> Path:
     """``root/02`` (stage 02's output over ``n`` toy dialogues rendered with the toy's chat template)."""
     from transformers import AutoTokenizer
 
@@ -18,7 +18,7 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
     synth = root / "01"
     synth.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     rows = []
     for k in range(n):
         d = dialogues.dialogue(rng, "train")
@@ -37,3 +37,4 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
                                        "storage": "fp32", "run_name": "test"})
     extract(P)
     return root / "02"
+

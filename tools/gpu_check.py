@@ -432,7 +432,7 @@ def check_spec_decoding(w: World) -> str:
 
 def check_embedded_server(w: World) -> str:
     from eagle3nb.params import from_dict
-    from eagle3nb.serve import start_server
+    from eagle3nb.launch import start_server
     from eagle3nb.synth.stage import run
     from eagle3nb.synth.store import load_samples
 
@@ -454,7 +454,7 @@ def check_embedded_server(w: World) -> str:
 
 def check_embedded_spec_server(w: World) -> str:
     from eagle3nb.accept.online import bench_endpoint
-    from eagle3nb.serve import start_server
+    from eagle3nb.launch import start_server
 
     rows, _, _ = w.prompts
     with start_server(w.toy, draft_dir=w.draft_dir, num_speculative_tokens=K) as server:
