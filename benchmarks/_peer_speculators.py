@@ -1,0 +1,148 @@
+"""The speculators side of ``bench_peer.py``; runs in ``.venv-speculators/`` (speculators 0.9.0, its own env).
+
+    .venv-speculators/bin/python benchmarks/_peer_speculators.py PLAN.json
+
+PLAN: ``{"mode": "logits" | "train", "draft": speculators-layout folder (the shared initial weights), "threads",
+"ttt_steps", "decay", ...}``. Writes ``PLAN["out"]`` (JSON) and, for ``logits``, ``PLAN["logits_file"]``.
+
+Everything trains through speculators' own code: ``Eagle3DraftModel`` (attention ``eager``: flex attention has no
+CPU backward), its losses (``eager``: the fused ones need Triton), its ``shift_batch``, its multipack sampler and
+``CollateFn`` (``_setup_dataloader``) and its ``Trainer.train_epoch``. Two things are adapted to a CPU, at run
+time only: the trainer's device (``get_local_rank`` -> ``"cpu"``; it moves the model to ``local_rank``, i.e. cuda:0),
+its step timer's ``torch.accelerator.synchronize()`` (a no-op: there is no accelerator, and a CPU is synchronous),
+and the dataset, a ``BaseDataset`` over the per-sample files vLLM's ``extract_hidden_states`` writes (the layout
+its ``FileTransfer`` reads: ``token_ids [T]``, ``hidden_states [T, 4, H]``), plus ``loss_mask [T]`` (its
+ArrowDataset keeps that in the arrow table instead).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def load_model(draft_dir: str):
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(draft_dir)
+    config.transformer_layer_config._attn_implementation = "eager"  # noqa: SLF001
+    model = Eagle3DraftModel.from_pretrained(draft_dir, config=config, dtype=torch.float32)
+    model.load_verifier_weights()  # verifier_lm_head (draft rows of the target head) and verifier_norm
+    return model.float()
+
+
+def sample_batch(path: str, dtype):
+    """One per-sample file -> the model's keyword arguments, through speculators' own shift_batch."""
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.eagle3.data import shift_batch
+
+    f = load_file(path)
+    T = f["token_ids"].shape[0]
+    raw = {"hidden_states": f["hidden_states"][:, :-1].flatten(1).to(dtype), "input_ids": f["token_ids"].long(),
+           "verifier_last_hidden_states": f["hidden_states"][:, -1].to(dtype), "loss_mask": f["loss_mask"].bool(),
+           "lengths": torch.tensor([T]), "position_ids": torch.arange(T)}
+    b = shift_batch(raw)
+    b.pop("lengths")
+    out = {k: v[None] for k, v in b.items()}
+    out["document_ids"] = torch.zeros_like(out["input_ids"])
+    return out
+
+
+def logits(plan: dict) -> dict:
+    """Per-TTT-step draft logits and the loss targets' logits on one sample, with the shared initial weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = load_model(plan["draft"]).eval()
+    steps = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: steps.append(o.detach()[0].clone()))
+    batch = sample_batch(plan["sample"], torch.float32)
+    from speculators.losses import resolve_loss_config
+
+    with torch.no_grad():
+        model(**batch, ttt_steps=plan["ttt_steps"], ttt_step_loss_decay=plan["decay"],
+              loss_config=resolve_loss_config("kl_div", "eager"))
+        targets = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"]))[0]
+    hook.remove()
+    save_file({**{f"step{j}": s.contiguous() for j, s in enumerate(steps)}, "targets": targets.contiguous()},
+              plan["logits_file"])
+    return {"steps": len(steps)}
+
+
+def train(plan: dict) -> dict:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train import trainer as trainer_mod
+    from speculators.train.data import BaseDataset
+    from speculators.train.dataloader import _setup_dataloader
+
+    files = [str(p) for p in sorted(Path(plan["data"]).glob("*.safetensors"))]
+
+    class PerSampleFiles(BaseDataset):
+        def _compute_approx_lengths(self):
+            out = []
+            for p in files:
+                with safe_open(p, "pt") as f:
+                    out.append(f.get_slice("token_ids").get_shape()[0])
+            return out
+
+        def __len__(self):
+            return len(files)
+
+        def _get_raw_data(self, index):
+            f = load_file(files[index])
+            return {"hidden_states": f["hidden_states"][:, :-1].flatten(1), "input_ids": f["token_ids"].long(),
+                    "verifier_last_hidden_states": f["hidden_states"][:, -1], "loss_mask": f["loss_mask"].bool()}
+
+    torch.manual_seed(plan["seed"])
+    model = load_model(plan["draft"])
+    dataset = PerSampleFiles(max_len=plan["total_seq_len"], hidden_states_dtype=torch.float32)
+    loader = _setup_dataloader(dataset, plan["total_seq_len"], model.hidden_size, num_workers=0,
+                               num_target_layers=3, preprocess=shift_batch, seed=plan["seed"])
+    trainer_mod.get_local_rank = lambda: "cpu"  # the trainer moves the model to local_rank (cuda:0 otherwise)
+    if not torch.accelerator.is_available():  # its step timer syncs the accelerator; a CPU has none (and is synchronous)
+        torch.accelerator.synchronize = lambda *a, **k: None
+    loss_config = resolve_loss_config("kl_div", "eager")
+    kwargs = {"ttt_steps": plan["ttt_steps"], "ttt_step_loss_decay": plan["decay"], "loss_config": loss_config}
+    cfg = trainer_mod.TrainerConfig(
+        lr=plan["lr"], num_epochs=plan["epochs"], save_path=plan["save_path"], train_call_kwargs=kwargs,
+        val_call_kwargs=kwargs, weight_decay=plan["weight_decay"], scheduler_type="cosine",
+        scheduler_warmup_ratio=plan["warmup_ratio"], hidden_states_dtype=torch.float32, log_freq=10**9)
+    trainer = trainer_mod.Trainer(model, cfg, loader, None)
+    epoch_tokens = sum(dataset.approx_lengths)  # sample tokens, counted as ours counts them
+    times = []
+    for epoch in range(plan["epochs"]):
+        t = time.perf_counter()
+        trainer.train_epoch(epoch)
+        times.append(time.perf_counter() - t)
+    model.save_pretrained(plan["out_draft"])
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"epoch_s": times, "epoch_tokens": epoch_tokens, "steps_per_epoch": len(loader),
+            "tokens_per_s": epoch_tokens * len(times) / sum(times), "trainable_params": trainable,
+            "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad)}
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    import torch
+
+    torch.set_num_threads(plan["threads"])
+    import logging
+
+    logging.disable(logging.INFO)
+    result = {"logits": logits, "train": train}[plan["mode"]](plan)
+    from importlib.metadata import version
+
+    result["speculators"] = version("speculators")
+    Path(plan["out"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
