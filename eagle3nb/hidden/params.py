@@ -29,7 +29,7 @@ class HiddenParams(TargetParams):
     aux_layer_ids: list[int] | None = Field(None, description="aux layers in HF hidden_states / vLLM ids (input of layer i); null = EAGLE-3 default [2, L//2, L-3]")
     max_length: int = Field(2048, ge=2, description="tokens kept per sample (longer samples are cut, and counted)")
     tokens_per_batch: int = Field(4096, ge=1, description="token budget of one forward pass (batch x longest sample in it)")
-    shard_tokens: int = Field(32768, ge=1, description="tokens per shard file; a killed run redoes at most one shard")
+    shard_tokens: int = Field(16384, ge=1, description="tokens per shard file; a killed run redoes at most one shard")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="compute dtype of the target; auto = float32 on CPU, bfloat16 on GPU")
     storage: Literal["bf16", "fp8", "topk", "fp32"] = Field("bf16", description="bf16: 3 aux + final state in bf16 (8H bytes/token); fp8: e4m3 with per-token scales (~half); topk: fp8 aux + the target's top-k draft-vocab log-probs instead of the final state; fp32: exact, for checks")
     topk: int = Field(32, ge=1, description="probabilities kept per token with storage: topk")

@@ -30,7 +30,6 @@ from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
 from eagle3nb.synth.store import load_samples
-from eagle3nb.toy import resolve_model_path
 
 PLAN_FILE = "plan.json"
 INDEX_FILE = "index.json"
@@ -166,7 +165,7 @@ def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
 def preview(P: HiddenParams) -> dict:
     """What a run will do, before doing it: the target's shape, the layers (both conventions), the samples and
     tokens, bytes/token of every storage option, and the vLLM command line for the vllm backend."""
-    model_dir = resolve_model_path(P.model_path)
+    model_dir = P.model_dir
     info = target_info(model_dir)
     L = info["num_layers"]
     layer_ids = check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(L), L)
@@ -244,7 +243,7 @@ def run(P: HiddenParams) -> dict:
     t_start = time.time()
     stage_dir = P.stage_dir
     stage_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model_path(P.model_path)
+    model_dir = P.model_dir
     info = target_info(model_dir)
     L, H = info["num_layers"], info["hidden_size"]
     layer_ids = check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(L), L)

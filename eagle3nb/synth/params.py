@@ -25,7 +25,7 @@ class SynthParams(TargetParams):
     prompts: str = Field("toy:train", description="JSONL / parquet file or HF datasets folder of prompts, or toy:train / toy:heldout")
     max_samples: int | None = Field(300, ge=1, description="number of prompts to answer (the first ones); null = all")
     max_completion_tokens: int = Field(256, ge=1, description="token budget per answer, reasoning included")
-    concurrency: int = Field(8, ge=1, description="requests in flight at all times while work remains")
+    concurrency: int = Field(16, ge=1, description="requests in flight at all times while work remains")
     vllm_url: str | list[str] = Field("embedded", description="server URL (http://host:8000, /v1 added when missing), a list served round-robin, or 'embedded'")
     temperature: float = Field(0.7, ge=0.0, description="sampling temperature")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="nucleus sampling cutoff")

@@ -31,7 +31,6 @@ from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
 from eagle3nb.synth.store import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
 from eagle3nb.synth.stream import StreamError, Template, build, naive_text
 from eagle3nb.tokens import segment_ids
-from eagle3nb.toy import resolve_model_path
 
 EARLY_CHECK = 8  # first answers looked at to decide that reasoning is missing or every request fails
 DONE_STATUSES = ("ok", "truncated")  # never requested again; error / no_reasoning are, with retry_errors
@@ -281,7 +280,7 @@ def run(P: SynthParams) -> dict[str, Any]:
     KeyboardInterrupt after a clean stop on Ctrl-C / SIGTERM."""
     stage_dir = P.stage_dir
     prompts = load_prompts(P.prompts, P.max_samples)
-    model_dir = resolve_model_path(P.model_path)
+    model_dir = P.model_dir
     tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
     P.api_key()  # a missing key variable is an error before anything starts
     early = P.data_config()
@@ -393,7 +392,7 @@ def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
     """Ask one question with the run's settings and show where everything landed: the raw reasoning and
     content fields, whether token ids came back, and the training stream decoded with special tokens
     visible. Catches a missing reasoning parser or a wrong template kwarg before a long run."""
-    model_dir = resolve_model_path(P.model_path)
+    model_dir = P.model_dir
     tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
     messages = [{"role": "user", "content": question}]
 
