@@ -17,6 +17,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from eagle3nb.toy import resolve_model_path
+
 __all__ = ["start_server", "ServerHandle", "launch", "free_port"]
 
 
@@ -75,8 +77,6 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
     cmd = [sys.executable, "-m", "eagle3nb", "serve", "--host", host, "--port", str(port),
            "--reasoning-field", reasoning_field]
     if model.startswith("toy:"):
-        from eagle3nb.toy import resolve_model_path
-
         cmd += ["--model", str(resolve_model_path(model))]
         if "--served-model-name" not in extra_args:
             cmd += ["--served-model-name", model]

@@ -16,78 +16,32 @@ import argparse
 import contextlib
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+from eagle3nb.doctor import checks
+from eagle3nb.doctor.checks import rank_causes
+from eagle3nb.doctor.context import Context
+from eagle3nb.doctor.result import (
+    CHECKS,
+    FAIL,
+    PASS,
+    SKIP,
+    STAGE_CHECKS,
+    WARN,
+    CheckResult,
+    DoctorError,
+    Report,
+    render,
+    summary,
+)
+from eagle3nb.params import STAGES
 
-# Stable names: the acceptance notebook's verdict and the docs point at them.
-CHECKS = ["server", "token_stream", "thinking", "layer_ids", "shapes_vocab", "data_health", "disk", "draft_sanity"]
-
-# What is worth checking at the start of each stage (the artifacts that stage reads or writes).
-STAGE_CHECKS = {
-    "01_synth": ["server", "token_stream", "thinking", "data_health", "disk"],
-    "02_hidden_states": ["token_stream", "thinking", "data_health", "layer_ids", "shapes_vocab", "disk"],
-    "03_train": ["thinking", "data_health", "layer_ids", "shapes_vocab"],
-    "04_acceptance": ["thinking", "data_health", "layer_ids", "shapes_vocab", "draft_sanity"],
-}
-
-
-class DoctorError(RuntimeError):
-    """Raised by ``check_stage(..., strict=True)`` when a check fails."""
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: str  # pass | warn | fail | skip
-    measured: str
-    fix: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def line(self) -> str:
-        head = f"{self.status.upper():4}  {self.name:12}  {self.measured}"
-        return head if self.status == PASS or not self.fix else f"{head}\n{'':18}-> {self.fix}"
-
-
-class Report(list):
-    """The results of one check-up; shows as aligned lines (text) or a table (JupyterLab)."""
-
-    @property
-    def failed(self) -> list[CheckResult]:
-        return [r for r in self if r.status == FAIL]
-
-    def __repr__(self) -> str:
-        return render(self)
-
-    def _repr_html_(self) -> str:
-        import html
-
-        colors = {PASS: "#1a7f37", WARN: "#9a6700", FAIL: "#cf222e", SKIP: "#6e7781"}
-        rows = "".join(
-            f"<tr><td style='color:{colors[r.status]};font-weight:bold'>{r.status.upper()}</td>"
-            f"<td><code>{r.name}</code></td><td style='text-align:left'>{html.escape(r.measured)}</td>"
-            f"<td style='text-align:left'>{html.escape(r.fix)}</td></tr>"
-            for r in self
-        )
-        return (f"<table><tr><th>status</th><th>check</th><th>measured</th><th>what to do</th></tr>{rows}</table>"
-                f"<p>{html.escape(summary(self))}</p>")
-
-
-def summary(results: list[CheckResult]) -> str:
-    counts = {s: sum(r.status == s for r in results) for s in (PASS, WARN, FAIL, SKIP)}
-    return "doctor: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-
-
-def render(results: list[CheckResult]) -> str:
-    """One line per check (plus a '-> fix' line for anything but pass), then the counts."""
-    return "\n".join([r.line() for r in results] + [summary(results)])
-
+__all__ = ["CHECKS", "STAGE_CHECKS", "PASS", "WARN", "FAIL", "SKIP", "CheckResult", "Report", "DoctorError",
+           "render", "summary", "run_checks", "check_stage", "likely_causes"]
 
 def _normalize_stage(stage: str) -> str:
-    from eagle3nb.params import STAGES
-
     for s in STAGES:
         if stage in (s, s[:2], s.split("_", 1)[1]):
             return s
@@ -102,8 +56,6 @@ def run_checks(params_dir: str | Path, stage: str | None = None, *, serving_engi
     ``serving_engine`` is the engine that will serve the draft (layer-id convention); ``serving_thinking``
     the thinking mode serving will ask for (default: the server's default, probed); ``server_url`` overrides
     01_synth's ``vllm_url`` (e.g. a server the notebook already started)."""
-    from eagle3nb.doctor.context import Context
-
     stage = _normalize_stage(stage) if stage else None
     ctx = Context.from_run_dir(Path(params_dir), serving_engine=serving_engine, serving_thinking=serving_thinking,
                                server_url=server_url, timeout_s=timeout_s)
@@ -116,8 +68,6 @@ def check_stage(stage: str, params: Any, *, strict: bool = False, serving_engine
     """The check-up a notebook runs before its stage's work, from the stage's validated params ``P``
     (the other stages' params come from the same run folder when ``P.params_file`` is in one).
     ``strict`` raises DoctorError on any fail."""
-    from eagle3nb.doctor.context import Context
-
     stage = _normalize_stage(stage)
     ctx = Context.from_stage(stage, params, serving_engine=serving_engine, serving_thinking=serving_thinking,
                              server_url=server_url, timeout_s=timeout_s)
@@ -129,8 +79,6 @@ def check_stage(stage: str, params: Any, *, strict: bool = False, serving_engine
 
 
 def _run(ctx, names: list[str]) -> Report:
-    from eagle3nb.doctor import checks
-
     report = Report(ctx.params_problems())
     ctx.use_server = "server" in names
     with ctx:
@@ -142,8 +90,6 @@ def _run(ctx, names: list[str]) -> Report:
 def likely_causes(results: list[CheckResult]) -> list[str]:
     """Causes of a low acceptance, likeliest first, from a check-up's results (used by draft_sanity and
     by the acceptance notebook's verdict)."""
-    from eagle3nb.doctor.checks import rank_causes
-
     return rank_causes(results)
 
 

@@ -11,13 +11,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.doctor import FAIL, PASS, SKIP, WARN, CheckResult
-from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Unavailable
+from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Subset, Unavailable
+from eagle3nb.doctor.result import FAIL, PASS, SKIP, WARN, CheckResult
 from eagle3nb.formulas import speedup
-from eagle3nb.vllm_config import TESTED_VERSION, version_notes
+from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
+from eagle3nb.layers import check_layer_ids as validate_layer_ids
 from eagle3nb.params import ParamsError
 from eagle3nb.synth.client import FatalServerError, GaveUp
+from eagle3nb.synth.stream import StreamError, build
 from eagle3nb.tokens import THINK_END, THINK_START
+from eagle3nb.vllm_config import TESTED_VERSION, version_notes
 
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 # data_health: shares of samples (of all ids) above which the data is suspect / unusable
@@ -135,8 +138,6 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def check_token_stream(ctx: Context) -> CheckResult:
-    from eagle3nb.synth.stream import StreamError, build
-
     try:
         tpl = ctx.template
     except StreamError as e:  # no tokenizer (e.g. one that needs its own code while trust_remote_code is off)
@@ -259,9 +260,6 @@ def _default_probe(ctx: Context) -> dict | None:
 # -- 4. layer ids -------------------------------------------------------------------------------------------------
 
 def check_layer_ids(ctx: Context) -> CheckResult:
-    from eagle3nb.layers import (LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang,
-                                        to_sglang)
-
     L = ctx.target_dims["num_layers"]
     problems, details = [], {"num_layers": L, "engine": ctx.serving_engine}
     try:
@@ -275,7 +273,7 @@ def check_layer_ids(ctx: Context) -> CheckResult:
         data, src = (list(planned), "02 params") if planned else (default_aux_layer_ids(L), "EAGLE-3 default")
     details["data_ids"] = data
     try:
-        check_layer_ids(data, L)
+        validate_layer_ids(data, L)
     except LayerIdError as e:
         problems.append((FAIL, str(e), ""))
     said = [f"{src} {data} (HF/vLLM; SGLang {to_sglang(data)}) for {L} layers"]
@@ -506,8 +504,6 @@ def _mismatch_kinds(ctx: Context, samples: list[dict]) -> dict[str, int]:
     """Why server ids differ from the template rendering: ``split`` (same text, other token boundaries:
     sampling picked a non-canonical tokenization, harmless), ``unclosed`` (the model stopped inside its
     reasoning, which no template can render), ``text`` (the template renders other text: a real mismatch)."""
-    from eagle3nb.synth.stream import StreamError, build
-
     tpl = ctx.template
     out = {"text": 0, "split": 0, "unclosed": 0}
     for s in samples:
@@ -587,7 +583,6 @@ def chance_acceptance(data) -> float:
 
 def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     from eagle3nb.accept.offline import offline_acceptance
-    from eagle3nb.doctor.context import Subset
     from eagle3nb.draft import load_draft
 
     drafts = [d for label, d in ctx.drafts if label == "draft"]

@@ -4,13 +4,18 @@ servers it starts are stopped when the check-up ends."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from eagle3nb.doctor.result import FAIL, CheckResult
+from eagle3nb.launch import start_server
 from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict, run_params
 from eagle3nb.paths import project_root, resolve
-from eagle3nb.synth.client import Endpoint, FatalServerError, GaveUp, chat, retried, run_sync
+from eagle3nb.synth.client import Endpoint, FatalServerError, GaveUp, base_url, chat, retried, run_sync
+from eagle3nb.synth.reasoning import REASONING_FIELDS, extract, field
+from eagle3nb.synth.stream import Template
 
 PROBE_QUESTION = "What is 2+2?"
 # Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
@@ -64,8 +69,6 @@ class Context:
         return ctx
 
     def params_problems(self) -> list:
-        from eagle3nb.doctor import FAIL, CheckResult
-
         return [CheckResult("params", FAIL, f"{stage}: {msg.splitlines()[0]}", "fix the parameter file named above",
                             {"stage": stage, "error": msg}) for stage, msg in self.problems.items()]
 
@@ -111,8 +114,6 @@ class Context:
     def template(self):
         """The target's tokenizer + chat template with 01_synth's thinking kwarg (the one 01 renders with);
         the folder's own code runs only with the params' trust_remote_code."""
-        from eagle3nb.synth.stream import Template
-
         P1 = self.params.get("01_synth")
         return Template(self.model_dir, P1.thinking if P1 else True, P1.thinking_kwarg if P1 else "thinking",
                         self.target_params.trust_remote_code)
@@ -235,15 +236,11 @@ class Context:
 
     def server_urls(self) -> list[str]:
         """Base URLs (ending in /v1) of the server 01_synth talks to; 'embedded' starts one for the target."""
-        from eagle3nb.synth.client import base_url
-
         if self.server_url:
             urls = [self.server_url]
         else:
             urls = self.p("01_synth").urls
         if urls == ["embedded"]:
-            from eagle3nb.launch import start_server
-
             handle = start_server(self.model_dir)
             self._servers.append(handle)
             self.server_url = handle.base_url
@@ -302,8 +299,6 @@ class Context:
     def probe_all(self, base_url: str, thinking: bool) -> None:
         """Send every probe the check-up will read at once (the server batches them): the stream probes in
         the run's thinking mode, and the question in the server's default mode."""
-        from concurrent.futures import ThreadPoolExecutor
-
         keys = [(q, thinking) for q in STREAM_PROBES] + [(PROBE_QUESTION, None)]
         with ThreadPoolExecutor(len(keys)) as pool:
             list(pool.map(lambda k: self.probe(base_url, *k), keys))
@@ -326,8 +321,6 @@ class Context:
         return got
 
     def _probe(self, base_url: str, question: str, thinking: bool | None) -> dict:
-        from eagle3nb.synth.reasoning import REASONING_FIELDS, extract, field
-
         P1 = self.p("01_synth")
         messages = [{"role": "user", "content": question}]
         max_tokens = min(PROBE_MAX_TOKENS, P1.max_completion_tokens)

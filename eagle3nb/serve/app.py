@@ -23,25 +23,24 @@ import hmac
 import json
 import time
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from eagle3nb import __version__
 from eagle3nb.serve.engine import Engine, Request, SamplingParams, Update
+from eagle3nb.serve.errors import APIError
+from eagle3nb.serve.extract import handle_completion_extract
 from eagle3nb.tokens import THINK_END, THINK_START
 
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type, param
 
 
 def error_json(status: int, message: str, type: str, param: str | None = None) -> JSONResponse:
@@ -90,10 +89,7 @@ class Server:
         self.reasoning_parser = reasoning_parser and THINK_END in vocab
         self.api_key = api_key
         self.hidden_states_dir = hidden_states_dir
-        self.extract = None
-        if hidden_states_dir is not None:
-            from eagle3nb.serve.extract import handle_completion_extract
-            self.extract = handle_completion_extract
+        self.extract = handle_completion_extract if hidden_states_dir is not None else None
         self.created = int(time.time())
 
     # ---------------------------------------------------------------------------------------- helpers
@@ -330,7 +326,6 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 def create_app(server: Server) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with it."""
-    from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app):
@@ -373,8 +368,6 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        from eagle3nb import __version__
-
         return {"version": __version__}
 
     @app.get("/v1/models")

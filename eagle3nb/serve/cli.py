@@ -8,6 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from eagle3nb.serve.spec_engine import SpecEngine
+from eagle3nb.toy import resolve_model_path
+
 
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a local Hugging Face causal LM (or toy:smoke / toy:demo) "
@@ -62,7 +65,6 @@ def serve(args: argparse.Namespace) -> int:
 
     from eagle3nb.serve.app import Server, create_app
     from eagle3nb.serve.engine import Engine, Metrics, load_model
-    from eagle3nb.toy import resolve_model_path
 
     torch.set_num_threads(max(1, args.threads))
     model_dir = resolve_model_path(args.model)
@@ -71,7 +73,6 @@ def serve(args: argparse.Namespace) -> int:
     metrics = Metrics(name)
     decoder = None
     if args.draft:
-        from eagle3nb.serve.spec_engine import SpecEngine
         decoder = SpecEngine(model, tokenizer, Path(args.draft), args.num_speculative_tokens, metrics)
     engine = Engine(model, tokenizer, model_name=name, max_batch_size=args.max_batch_size, decoder=decoder,
                     metrics=metrics)

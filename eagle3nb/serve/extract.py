@@ -22,14 +22,15 @@ import time
 import uuid
 from pathlib import Path
 
+from eagle3nb.layers import default_aux_layer_ids
+from eagle3nb.serve.errors import APIError
+
 LAYER_IDS_ENV = "EAGLE3NB_HIDDEN_LAYER_IDS"
 _FORWARD = threading.Lock()  # hooks are per model: one capture at a time
 
 
 def served_layer_ids(num_layers: int) -> list[int]:
     """The ids this server writes: $EAGLE3NB_HIDDEN_LAYER_IDS, else speculators' default ``[2, L//2, L-3, L]``."""
-    from eagle3nb.layers import default_aux_layer_ids
-
     env = os.environ.get(LAYER_IDS_ENV)
     ids = [int(x) for x in env.split(",")] if env else [*default_aux_layer_ids(num_layers), num_layers]
     if not ids or any(not 0 <= i <= num_layers for i in ids):
@@ -38,8 +39,6 @@ def served_layer_ids(num_layers: int) -> list[int]:
 
 
 def _prompt_ids(tokenizer, body: dict) -> list[int]:
-    from eagle3nb.serve.app import APIError
-
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]

@@ -24,8 +24,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlparse
 
+from eagle3nb.layers import default_aux_layer_ids
 from eagle3nb.params import from_dict, run_params
 from eagle3nb.serve.vllm import start_vllm
+from eagle3nb.toy import resolve_model_path
 
 
 def _port(url: str) -> int:
@@ -44,9 +46,6 @@ def _eagle3nb(*args: str) -> None:
 
 def rehearse(run_dir: Path, force: bool = False) -> None:
     """Run the four stages of ``run_dir`` against the real vLLM servers each one needs."""
-    from eagle3nb.layers import default_aux_layer_ids
-    from eagle3nb.toy import resolve_model_path
-
     P1, P2, P4 = (from_dict(s, run_params(run_dir, s), check_paths=False)
                   for s in ("01_synth", "02_hidden_states", "04_acceptance"))
     urls = P1.vllm_url if isinstance(P1.vllm_url, list) else [P1.vllm_url]

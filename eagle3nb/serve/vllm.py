@@ -18,6 +18,7 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.launch import ServerHandle, free_port, launch
+from eagle3nb.toy import resolve_model_path
 from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
@@ -80,8 +81,6 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
         raise RuntimeError(f"the real vLLM cannot start: {reason}")
     model = str(model_dir)
     if model.startswith("toy:"):
-        from eagle3nb.toy import resolve_model_path
-
         kw.setdefault("served_model_name", model)
         model = str(resolve_model_path(model))
     port = port or free_port(host)

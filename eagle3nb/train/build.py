@@ -9,14 +9,13 @@ from typing import Any
 import torch
 
 from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft, check_fits, load_draft
+from eagle3nb.toy import resolve_model_path
 
 
 def target_config(meta: dict[str, Any]) -> dict[str, Any]:
     """The target's config.json (text part), from the model path 02 recorded; {} when it cannot be read."""
     model_path = str(meta.get("model_path") or "")
     if model_path.startswith("toy:"):
-        from eagle3nb.toy import resolve_model_path
-
         path = Path(resolve_model_path(model_path))
     else:
         path = Path(model_path)
