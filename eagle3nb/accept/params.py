@@ -36,25 +36,38 @@ class Endpoint(BaseModel):
 class AcceptParams(TargetParams):
     """Parameters of ``notebooks/04_acceptance.ipynb`` (docs/ARCHITECTURE.md "04_acceptance output")."""
 
-    draft_dir: str | None = Field(None, description="the draft to judge (EAGLE-3 or speculators layout); default outputs/<run_name>/03_train/draft")
-    data_dir: str | None = Field(None, description="held-out hidden states (02_hidden_states layout); default outputs/<run_name>/02_hidden_states")
+    draft_dir: str | None = Field(None, description="the draft to judge (EAGLE-3 or speculators layout); default "
+                                                    "outputs/<run_name>/03_train/draft")
+    data_dir: str | None = Field(None, description="held-out hidden states (02_hidden_states layout); default "
+                                                   "outputs/<run_name>/02_hidden_states")
     model_path: str = Field("toy:demo", description="the target in Hugging Face layout, or toy:smoke / toy:demo")
-    output_dir: str | None = Field(None, description="where metrics.json and figures go; default outputs/<run_name>/04_acceptance")
+    output_dir: str | None = Field(None, description="where metrics.json and figures go; default "
+                                                     "outputs/<run_name>/04_acceptance")
     k: int = Field(3, ge=1, le=16, description="drafted tokens per target step (vLLM num_speculative_tokens)")
     max_k: int = Field(6, ge=1, le=16, description="offline: chain length for the tau(k) curve, k = 1..max_k")
-    temperature: float = Field(0.0, ge=0.0, description="sampling temperature served (online) and estimated offline besides greedy; 0 = greedy")
+    temperature: float = Field(0.0, ge=0.0, description="sampling temperature served (online) and estimated offline "
+                                                        "besides greedy; 0 = greedy")
     offline_samples: int | None = Field(200, ge=1, description="held-out samples used offline; null = all")
-    local_prompts: int = Field(8, ge=0, description="prompts decoded here plainly and speculatively (lossless check, speed); 0 = skip (target too big for this machine)")
-    endpoints: Literal["embedded"] | list[Endpoint] = Field("embedded", description="'embedded' (the notebook serves the target without and with the draft) or a list of {label, url}; the first is the speedup baseline")
+    local_prompts: int = Field(8, ge=0, description="prompts decoded here plainly and speculatively (lossless check, "
+                                                    "speed); 0 = skip (target too big for this machine)")
+    endpoints: Literal["embedded"] | list[Endpoint] = Field("embedded", description="'embedded' (the notebook serves "
+                                                                                    "the target without and with the "
+                                                                                    "draft) or a list of {label, url}; "
+                                                                                    "the first is the speedup baseline")
     concurrency_levels: list[int] = Field([1, 4], description="concurrent requests per benchmark level")
     num_prompts: int = Field(16, ge=1, description="requests per concurrency level")
-    prompts: str = Field("toy:heldout", description="prompt set (JSONL / parquet / datasets folder, or toy:heldout) for the local check and the benchmark")
+    prompts: str = Field("toy:heldout", description="prompt set (JSONL / parquet / datasets folder, or toy:heldout) "
+                                                    "for the local check and the benchmark")
     max_tokens: int = Field(64, ge=1, description="tokens generated per request / local prompt")
     thinking: bool = Field(True, description="chat-template thinking switch for the prompts (as served)")
-    thinking_kwarg: str = Field("thinking", description="chat-template kwarg for thinking: Kimi 'thinking', Qwen 'enable_thinking'")
-    cost_ratio: float | None = Field(None, ge=0.0, description="draft step / target step cost c; null = measured here on the target and draft")
-    overhead: float | None = Field(None, ge=0.0, description="extra cost of a verify pass over a decode step (fraction of a step); null = measured here")
-    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the endpoints' API key (never the key)")
+    thinking_kwarg: str = Field("thinking", description="chat-template kwarg for thinking: Kimi 'thinking', Qwen "
+                                                        "'enable_thinking'")
+    cost_ratio: float | None = Field(None, ge=0.0, description="draft step / target step cost c; null = measured here "
+                                                               "on the target and draft")
+    overhead: float | None = Field(None, ge=0.0, description="extra cost of a verify pass over a decode step (fraction "
+                                                             "of a step); null = measured here")
+    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the endpoints' API key "
+                                                      "(never the key)")
     seed: int = Field(0, description="seed of sampled local decoding")
 
     @field_validator("concurrency_levels")

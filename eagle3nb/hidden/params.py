@@ -24,26 +24,45 @@ class HiddenParams(TargetParams):
     """Parameters of ``notebooks/02_hidden_states.ipynb`` (see docs/ARCHITECTURE.md "02_hidden_states output")."""
 
     synth_dir: str | None = Field(None, description="01_synth's output folder; default outputs/<run_name>/01_synth")
-    model_path: str = Field("toy:demo", description="the target in Hugging Face layout (the model 01 sampled from), or toy:smoke / toy:demo")
+    model_path: str = Field("toy:demo", description="the target in Hugging Face layout (the model 01 sampled from), or "
+                                                    "toy:smoke / toy:demo")
     output_dir: str | None = Field(None, description="where shards go; default outputs/<run_name>/02_hidden_states")
-    aux_layer_ids: list[int] | None = Field(None, description="aux layers in HF hidden_states / vLLM ids (input of layer i); null = EAGLE-3 default [2, L//2, L-3]")
+    aux_layer_ids: list[int] | None = Field(None, description="aux layers in HF hidden_states / vLLM ids (input of "
+                                                              "layer i); null = EAGLE-3 default [2, L//2, L-3]")
     max_length: int = Field(2048, ge=2, description="tokens kept per sample (longer samples are cut, and counted)")
-    tokens_per_batch: int = Field(4096, ge=1, description="token budget of one forward pass (batch x longest sample in it)")
+    tokens_per_batch: int = Field(4096, ge=1, description="token budget of one forward pass (batch x longest sample in "
+                                                          "it)")
     shard_tokens: int = Field(16384, ge=1, description="tokens per shard file; a killed run redoes at most one shard")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="compute dtype of the target; auto = float32 on CPU, bfloat16 on GPU")
-    storage: Literal["bf16", "fp8", "topk", "fp32"] = Field("bf16", description="bf16: 3 aux + final state in bf16 (8H bytes/token); fp8: e4m3 with per-token scales (~half); topk: fp8 aux + the target's top-k draft-vocab log-probs instead of the final state; fp32: exact, for checks")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="compute dtype of the target; "
+                                                                                         "auto = float32 on CPU, "
+                                                                                         "bfloat16 on GPU")
+    storage: Literal["bf16", "fp8", "topk", "fp32"] = Field("bf16", description="bf16: 3 aux + final state in bf16 (8H "
+                                                                                "bytes/token); fp8: e4m3 with "
+                                                                                "per-token scales (~half); topk: fp8 "
+                                                                                "aux + the target's top-k draft-vocab "
+                                                                                "log-probs instead of the final state; "
+                                                                                "fp32: exact, for checks")
     topk: int = Field(32, ge=1, description="probabilities kept per token with storage: topk")
-    backend: Literal["transformers", "vllm"] = Field("transformers", description="transformers: load the target here; vllm: drive a vLLM server started with extract_hidden_states (see the notebook)")
-    vllm_url: str | None = Field(None, description="backend vllm: the server (http://host:8000); it must write its files where this machine can read them")
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="transformers: load the target here; "
+                                                                                 "vllm: drive a vLLM server started "
+                                                                                 "with extract_hidden_states (see the "
+                                                                                 "notebook)")
+    vllm_url: str | None = Field(None, description="backend vllm: the server (http://host:8000); it must write its "
+                                                   "files where this machine can read them")
     vllm_model: str | None = Field(None, description="backend vllm: served model name; null = ask /v1/models")
-    api_key_env: str | None = Field(None, description="backend vllm: NAME of the environment variable holding the API key (never the key)")
+    api_key_env: str | None = Field(None, description="backend vllm: NAME of the environment variable holding the API "
+                                                      "key (never the key)")
     concurrency: int = Field(8, ge=1, description="backend vllm: requests in flight")
     request_timeout_s: float = Field(600.0, gt=0, description="backend vllm: seconds before a request is retried")
-    draft_vocab_size: int = Field(256, ge=1, description="draft vocabulary size: the most frequent target ids over loss-masked tokens (32000 for big models)")
-    statuses: list[str] = Field(["ok"], description="01_synth sample statuses to use (ok, truncated, no_reasoning, error)")
+    draft_vocab_size: int = Field(256, ge=1, description="draft vocabulary size: the most frequent target ids over "
+                                                         "loss-masked tokens (32000 for big models)")
+    statuses: list[str] = Field(["ok"], description="01_synth sample statuses to use (ok, truncated, no_reasoning, "
+                                                    "error)")
     max_samples: int | None = Field(None, ge=1, description="use only the first N samples (by id order); null = all")
-    verify_sha256: bool = Field(True, description="on resume re-hash finished shards (size and header are always checked)")
-    force: bool = Field(False, description="start even if the projected disk use exceeds free space; discard shards made with other settings")
+    verify_sha256: bool = Field(True, description="on resume re-hash finished shards (size and header are always "
+                                                  "checked)")
+    force: bool = Field(False, description="start even if the projected disk use exceeds free space; discard shards "
+                                           "made with other settings")
 
     @field_validator("statuses")
     @classmethod

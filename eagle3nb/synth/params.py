@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from pydantic import Field, field_validator
 
 from eagle3nb.params import ParamsError, TargetParams, register
@@ -20,25 +19,34 @@ DATA_KEYS = ("model_path", "served_model_name", "prompts", "thinking", "thinking
 class SynthParams(TargetParams):
     """Parameters of ``notebooks/01_synth.ipynb`` (see docs/ARCHITECTURE.md "01_synth output")."""
 
-    model_path: str = Field("toy:demo", description="target model folder (tokenizer + chat template), or toy:smoke / toy:demo")
+    model_path: str = Field("toy:demo", description="target model folder (tokenizer + chat template), or toy:smoke / "
+                                                    "toy:demo")
     output_dir: str | None = Field(None, description="where samples go; default outputs/<run_name>/01_synth")
-    prompts: str = Field("toy:train", description="JSONL / parquet file or HF datasets folder of prompts, or toy:train / toy:heldout")
+    prompts: str = Field("toy:train", description="JSONL / parquet file or HF datasets folder of prompts, or toy:train "
+                                                  "/ toy:heldout")
     max_samples: int | None = Field(300, ge=1, description="number of prompts to answer (the first ones); null = all")
     max_completion_tokens: int = Field(256, ge=1, description="token budget per answer, reasoning included")
     concurrency: int = Field(16, ge=1, description="requests in flight at all times while work remains")
-    vllm_url: str | list[str] = Field("embedded", description="server URL (http://host:8000, /v1 added when missing), a list served round-robin, or 'embedded'")
+    vllm_url: str | list[str] = Field("embedded", description="server URL (http://host:8000, /v1 added when missing), "
+                                                              "a list served round-robin, or 'embedded'")
     temperature: float = Field(0.7, ge=0.0, description="sampling temperature")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="nucleus sampling cutoff")
     thinking: bool = Field(True, description="ask for reasoning (sent as chat_template_kwargs[thinking_kwarg])")
-    thinking_kwarg: str = Field("thinking", description="chat-template kwarg that switches thinking: Kimi 'thinking', Qwen 'enable_thinking'")
-    return_token_ids: bool = Field(True, description="ask the server for the exact token ids (vLLM/SGLang); false = re-render through the chat template")
+    thinking_kwarg: str = Field("thinking", description="chat-template kwarg that switches thinking: Kimi 'thinking', "
+                                                        "Qwen 'enable_thinking'")
+    return_token_ids: bool = Field(True, description="ask the server for the exact token ids (vLLM/SGLang); false = "
+                                                     "re-render through the chat template")
     seed: int = Field(0, description="base sampling seed; each prompt gets its own seed derived from its id")
     max_retries: int = Field(6, ge=0, description="retries per request on 429 / 5xx / timeouts / dropped connections")
-    retry_backoff_s: float = Field(1.0, gt=0, description="first retry delay in seconds; doubles per retry (with jitter, capped at 60 s)")
-    request_timeout_s: float = Field(600.0, gt=0, description="seconds before one request counts as timed out (then retried)")
-    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key (never the key itself)")
+    retry_backoff_s: float = Field(1.0, gt=0, description="first retry delay in seconds; doubles per retry (with "
+                                                          "jitter, capped at 60 s)")
+    request_timeout_s: float = Field(600.0, gt=0, description="seconds before one request counts as timed out (then "
+                                                              "retried)")
+    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key (never the "
+                                                      "key itself)")
     served_model_name: str | None = Field(None, description="model name the server serves; null = ask /v1/models")
-    retry_errors: bool = Field(True, description="on resume, request again the ids whose last record is error or no_reasoning")
+    retry_errors: bool = Field(True, description="on resume, request again the ids whose last record is error or "
+                                                 "no_reasoning")
     force: bool = Field(False, description="allow data-changing settings against an existing output_dir (mixes data)")
 
     @field_validator("vllm_url")
@@ -72,7 +80,8 @@ class SynthParams(TargetParams):
                               f"toy:train or toy:heldout, or a JSONL / parquet file")
         if not self.model_path.startswith("toy:") and not resolve(self.model_path).is_dir():
             raise ParamsError(f"parameter 'model_path' in {src}: folder {resolve(self.model_path)} does not exist; "
-                              f"point it at the target's Hugging Face folder (tokenizer + chat template) or use toy:demo")
+                              f"point it at the target's Hugging Face folder (tokenizer + chat template) or use "
+                              f"toy:demo")
         if not self.prompts.startswith("toy:") and not resolve(self.prompts).exists():
             raise ParamsError(f"parameter 'prompts' in {src}: {resolve(self.prompts)} does not exist; point it at a "
                               f"JSONL / parquet file or a datasets folder, or use toy:train")
