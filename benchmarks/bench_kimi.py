@@ -226,7 +226,6 @@ def measure_ttt_overhead(T: int) -> float:
         draft.zero_grad(set_to_none=True)
 
     s = timed(step, 1)
-    del draft, obj
     gc.collect()
     return s / T / TTT
 

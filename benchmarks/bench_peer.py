@@ -81,13 +81,13 @@ def data_dir(args, model_dir: Path) -> Path:
     demo = ROOT / "outputs" / "demo" / "02_hidden_states"
     if (demo / "index.json").exists() and args.model == "toy:demo":
         return demo
-    from _api import get
+    from eagle3nb.accept.heldout import greedy_hidden_states
 
     cache = ROOT / ".cache" / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}"
     if not (cache / "02" / "index.json").exists():
         print(f"[bench_peer] building data: the target's greedy answers to {args.samples} toy prompts -> 02 "
               f"({cache})", flush=True)
-        get("greedy_hidden_states")(model_dir, "toy:train", args.samples, args.max_new_tokens, cache,
+        greedy_hidden_states(model_dir, "toy:train", args.samples, args.max_new_tokens, cache,
                                     draft_vocab_size=args.draft_vocab)
     return cache / "02"
 
@@ -128,20 +128,23 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from _api import get
-
+    from eagle3nb.accept.offline import chain_logits, offline_acceptance
     from eagle3nb.draft import load_draft, save_draft
     from eagle3nb.hidden.head import read_head_tensors
+    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.params import from_dict
     from eagle3nb.toy import resolve_model_path
+    from eagle3nb.train.data import split_holdout
+    from eagle3nb.train.stage import run as train_run
 
     why_not = setup_peer()
     model_dir = resolve_model_path(args.model)
     data_path = data_dir(args, model_dir)
-    data = get("HiddenStates")(data_path)
+    data = HiddenStates(data_path)
     if data.storage not in ("fp32", "bf16", "fp8"):
         raise SystemExit(f"{data_path} has storage {data.storage!r}: the peer needs the final state (bf16/fp8/fp32)")
     holdout = 0.2
-    train_idx, held_idx = get("split_holdout")([s["id"] for s in data.meta["samples"]], holdout)
+    train_idx, held_idx = split_holdout([s["id"] for s in data.meta["samples"]], holdout)
     lengths = [int(s["length"]) for s in data.meta["samples"]]
     epoch_tokens = sum(lengths[i] for i in train_idx)
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
@@ -150,7 +153,7 @@ def main() -> None:
     # The shared initial weights: 03's own fresh draft (target embedding and lm_head rows), in both layouts.
     from eagle3nb.train.build import build_draft
 
-    P0 = get("from_dict")("03_train", {"run_name": "bench-peer", "data_dir": str(data_path)})
+    P0 = from_dict("03_train", {"run_name": "bench-peer", "data_dir": str(data_path)})
     init, _ = build_draft(P0, data)
     save_draft(init, work / "init-eagle3")
     save_draft(init, work / "init-speculators", format="speculators", verifier=str(model_dir),
@@ -181,7 +184,7 @@ def main() -> None:
         item = data[held_idx[0]]
         ours_init = load_draft(work / "init-eagle3", embed_tokens=data.embed_tokens())
         with torch.no_grad():
-            ours = list(get("chain_logits")(ours_init, item["aux"], item["input_ids"], max_k))
+            ours = list(chain_logits(ours_init, item["aux"], item["input_ids"], max_k))
         max_diff = max(float((o - theirs[f"step{j}"]).abs().max()) for j, o in enumerate(ours))
         scale = max(float(o.abs().max()) for o in ours)
         p_theirs = torch.softmax(theirs["targets"], -1)
@@ -191,21 +194,19 @@ def main() -> None:
               f"|probability difference| {target_diff:.2e}")
 
     # 2. train both, judge both, repeat.
-    offline = get("offline_acceptance")
-    train_fn = get("train")
     rows: dict[str, dict[str, list]] = {"eagle3nb": {"tok_s": [], "tau": [], "s": []},
                                         "speculators": {"tok_s": [], "tau": [], "s": []}}
     peer_info: dict = {}
 
     def judge(draft_dir: Path) -> float:
         d = load_draft(draft_dir, embed_tokens=data.embed_tokens())
-        return offline(d, data, k, max_k, indices=held_idx)["greedy"]["acceptance_length"]
+        return offline_acceptance(d, data, k, max_k, indices=held_idx)["greedy"]["acceptance_length"]
 
     for r in range(args.repeats):
         out = work / f"ours-{r}"
         t = time.perf_counter()
         with open(work / f"ours-{r}.log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            m = train_fn(get("from_dict")("03_train", {
+            m = train_run(from_dict("03_train", {
                 "run_name": "bench-peer", "data_dir": str(data_path), "output_dir": str(out),
                 "init_from": str(work / "init-eagle3"), "ttt_steps": args.ttt, "step_decay": decay, "lr": args.lr,
                 "warmup_ratio": 0.05, "weight_decay": 0.01, "epochs": args.epochs, "max_length": args.seq,
