@@ -10,6 +10,7 @@ file and the fix, before any work starts.
 from __future__ import annotations
 
 import difflib
+import html
 import importlib
 import json
 import os
@@ -167,6 +168,56 @@ def from_dict(stage: str, values: dict[str, Any], source: str | None = None, che
     if check_paths:
         params.check_paths()
     return params
+
+
+class ChangedTable:
+    """The parameters of a run that differ from the schema's defaults, as a short table (HTML in a notebook, text
+    elsewhere): what a colleague reading the report needs, not the long repr of every value."""
+
+    def __init__(self, params: "StageParams"):
+        cls = type(params)
+        self.stage = cls.stage
+        self.source = params.params_file
+        self.total = len(cls.model_fields) - 1  # params_file is bookkeeping, not a setting
+        self.rows: list[tuple[str, str, str, str]] = []
+        for name, field in cls.model_fields.items():
+            if name == "params_file":
+                continue
+            value, default = getattr(params, name), field.get_default(call_default_factory=True)
+            if _plain(value) != _plain(default):
+                self.rows.append((name, repr(_plain(value)), repr(_plain(default)), field.description or ""))
+
+    def caption(self) -> str:
+        src = f" (from {self.source})" if self.source else ""
+        if not self.rows:
+            return f"{self.stage}: every parameter at its default{src}"
+        return f"{self.stage}: {len(self.rows)} of {self.total} parameters differ from the defaults{src}"
+
+    def _repr_html_(self) -> str:
+        cells = "".join(f"<tr><td><code>{html.escape(n)}</code></td><td><code>{html.escape(v)}</code></td>"
+                        f"<td><code>{html.escape(d)}</code></td><td style='text-align:left'>{html.escape(h)}</td></tr>"
+                        for n, v, d, h in self.rows)
+        head = "<tr><th>parameter</th><th>value</th><th>default</th><th style='text-align:left'>what</th></tr>"
+        return (f"<table class='changed-params'><caption style='text-align:left'>{html.escape(self.caption())}"
+                f"</caption>{head if self.rows else ''}{cells}</table>")
+
+    def __repr__(self) -> str:
+        width = max((len(n) for n, *_ in self.rows), default=0)
+        return "\n".join([self.caption()] + [f"  {n:<{width}}  {v}  (default {d})" for n, v, d, _ in self.rows])
+
+
+def _plain(value: Any) -> Any:
+    """A value as plain data (nested schema models as dicts), so values compare and print as the YAML wrote them."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def changed_table(params: "StageParams") -> ChangedTable:
+    """What a notebook's validate cell shows: the parameters that differ from the schema's defaults."""
+    return ChangedTable(params)
 
 
 def from_notebook(stage: str, namespace: dict[str, Any]) -> dict[str, Any]:

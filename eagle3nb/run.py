@@ -115,7 +115,8 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
     """Validate the run's parameters and notebooks; every problem is a ParamsError before work starts.
 
     Paths a later stage needs may be made by an earlier one (04's draft by 03), so only the first stage's
-    path checks are errors here; later ones become notes and are checked again as that stage starts."""
+    path checks are errors here; later ones are checked again as that stage starts, and until then a missing
+    path is a note, unless it lies in the folder of an earlier stage of this run (which makes it: no warning)."""
     params_dir = _user_path(params_dir)
     if not params_dir.is_dir():
         raise ParamsError(f"{params_dir}: no such parameter folder; pass params/<run>/ (e.g. params/demo/)")
@@ -146,7 +147,7 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
         except ParamsError as e:
             if stage == chosen[0]:
                 problems.append(str(e))
-            else:
+            elif not any(str(d) in str(e) for s, d in stage_dirs.items() if s != stage):  # no earlier stage makes it
                 notes.append(f"{stage}: {e} (fine if an earlier stage of this run makes it; checked again "
                              f"when {stage} starts)")
     names = sorted({str(v["run_name"]) for v in values.values()})

@@ -1,17 +1,24 @@
 """Tables and plots of a 02_hidden_states run, from what ``stage.run`` wrote (``index.json``, ``metrics.json``,
 ``throughput.jsonl``); plots take an optional matplotlib ``ax``, ``figures`` / ``save_figures`` give the
-stage's figures (``run`` writes them as PNGs beside the shards). Reads only: the storage comparison that
-extracts again is ``eagle3nb.hidden.cost``."""
+stage's figures (``run`` writes them as PNGs beside the shards); ``sample_browser`` / ``static_samples`` show the
+stored samples token by token. Reads only: the storage comparison that extracts again is ``eagle3nb.hidden.cost``."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
+from typing import Any
 
-from eagle3nb.layers import to_sglang
+from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.hidden.storage import STORAGES, bytes_per_token
+from eagle3nb.layers import to_sglang
+from eagle3nb.tokenview import HTML, browser, fields_table, pieces_for, render_tokens, roles_for, special_ids
 
 GB = 1e9
+# Work the sample view may spend on the target's greedy picks (T x V x H multiply-adds, x2): a few seconds on a
+# CPU; a 1T model's head over a long sample is far above it, and its picks show only when stored (topk storage).
+PICKS_FLOPS = 2e11
 
 
 def layer_table(meta: dict):
@@ -111,3 +118,92 @@ def save_figures(stage_dir: str | Path, dpi: int = 100) -> list[Path]:
         fig.savefig(path, dpi=dpi)
         paths.append(path)
     return paths
+
+
+# --------------------------------------------------------------------------------------------- the samples
+
+
+def _max_length(stage_dir: Path) -> int | None:
+    """The run's ``max_length`` (from ``plan.json``), to tell which stored samples were cut."""
+    path = Path(stage_dir) / "plan.json"
+    return json.loads(path.read_text())["config"].get("max_length") if path.exists() else None
+
+
+def sample_rows(stage_dir: str | Path) -> list[dict[str, Any]]:
+    """One summary per stored sample: ``id``, ``category``, ``length`` and ``flags`` (``cut``: as long as
+    ``max_length``, so 01's sample was cut there), in index order."""
+    meta = json.loads((Path(stage_dir) / "index.json").read_text())
+    cap = _max_length(Path(stage_dir))
+    return [{"id": s["id"], "category": s.get("category"), "length": s["length"],
+             "flags": ["cut"] if cap and s["length"] >= cap else []} for s in meta["samples"]]
+
+
+def sample_html(data: HiddenStates, i: int, tokenizer: Any, show_ids: bool = False,
+                max_length: int | None = None) -> str:
+    """Stored sample ``i`` as training reads it: its tokens coloured by role, the loss mask underlined, each
+    token's hover naming the target's greedy pick at that position (from the stored final state) and marking in
+    blue where that pick is outside the draft vocabulary (the loss skips those positions); the cut, if any. The
+    picks need the target's head over every position: left out above ``PICKS_FLOPS`` unless stored (topk)."""
+    item = data[i]
+    ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+    think, end = special_ids(tokenizer)
+    pieces = pieces_for(tokenizer, ids)
+    marks: list[str | None] = [None] * len(ids)
+    titles: list[str | None] = [None] * len(ids)
+    fields = {"id": item["id"], "category": item.get("category"), "tokens stored": len(ids),
+              "cut by max_length": "no", "loss tokens": sum(mask)}
+    meta = data.meta
+    if "argmax" in item or 2 * len(ids) * meta["vocab_size"] * meta["hidden_size"] <= PICKS_FLOPS:
+        argmax = data.target_argmax(item).tolist()  # position t: the target's pick for token t+1
+        in_vocab = data.t2d[argmax].tolist()
+        picks = pieces_for(tokenizer, argmax)
+        for t in range(1, len(ids)):
+            agree = "= data" if argmax[t - 1] == ids[t] else "≠ data"
+            titles[t] = (f"| target's greedy pick here: {picks[t - 1]!r} (id {argmax[t - 1]}, {agree}"
+                         f"{'' if in_vocab[t - 1] else ', NOT in the draft vocab'})")
+            if mask[t] and not in_vocab[t - 1]:
+                marks[t] = "oov"
+        trained = [t for t in range(1, len(ids)) if mask[t]]
+        fields["target's pick outside the draft vocab"] = sum(not in_vocab[t - 1] for t in trained)
+        fields["target's pick = data token"] = f"{sum(argmax[t - 1] == ids[t] for t in trained)}/{len(trained)}"
+    cut = bool(max_length) and len(ids) >= max_length
+    if cut:
+        marks[-1] = "cut"
+        fields["cut by max_length"] = f"yes (max_length {max_length})"
+    fields["shard"] = data.samples[i]["shard"]
+    head = f"<b>{item['id']}</b> — {len(ids)} tokens stored" + (" — <b>cut by max_length</b>" if cut else "")
+    tokens = render_tokens(pieces, ids, roles_for(ids, mask, think, end), marks, titles, loss_mask=mask,
+                           show_ids=show_ids)
+    return (f'<div class="tv-sample" data-sample-id="{item["id"]}" style="margin:8px 0 16px">'
+            f'<div style="margin-bottom:4px">{head}</div>'
+            f'<div style="display:flex;gap:16px;align-items:flex-start"><div style="flex:3;min-width:0">{tokens}</div>'
+            f'<div style="flex:2;min-width:0">{fields_table(fields)}</div></div></div>')
+
+
+def sample_browser(stage_dir: str | Path, tokenizer: Any):
+    """JupyterLab widget over the stored samples: filter by category, cut and length, pick one by id or at
+    random among the cut ones, see it as training reads it (``sample_html``)."""
+    data = HiddenStates(stage_dir)
+    position = {s["id"]: i for i, s in enumerate(data.samples)}
+    cap = _max_length(Path(stage_dir))
+    return browser(sample_rows(stage_dir),
+                   lambda sid, show_ids: sample_html(data, position[sid], tokenizer, show_ids, cap), ("cut",))
+
+
+def chosen_samples(stage_dir: str | Path) -> dict[str, str]:
+    """``{"worst": id, "typical": id}``: the longest sample (cut by max_length when any was) and the one nearest
+    the median length."""
+    rows = sample_rows(stage_dir)
+    worst = max(rows, key=lambda r: (bool(r["flags"]), r["length"]))["id"]
+    median = statistics.median(r["length"] for r in rows)
+    typical = min([r for r in rows if r["id"] != worst] or rows, key=lambda r: (abs(r["length"] - median), r["id"]))
+    return {"worst": worst, "typical": typical["id"]}
+
+
+def static_samples(stage_dir: str | Path, tokenizer: Any, show_ids: bool = False) -> HTML:
+    """The worst and a typical stored sample (``chosen_samples``) as static HTML, for the rendered report."""
+    data = HiddenStates(stage_dir)
+    position = {s["id"]: i for i, s in enumerate(data.samples)}
+    cap = _max_length(Path(stage_dir))
+    return HTML("".join(f"<h4>{which} sample</h4>{sample_html(data, position[sid], tokenizer, show_ids, cap)}"
+                        for which, sid in chosen_samples(stage_dir).items()))

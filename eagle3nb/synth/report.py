@@ -1,14 +1,23 @@
 """What a 01_synth run wrote, shown: the summary of its ``metrics.json`` (counts by status, tokens,
 throughput, latency, token-id mismatches), its figures (``save_figures`` writes them as PNGs beside the
-samples) and the probe's findings as text. Reads only; ``stage.run`` computes the metrics."""
+samples), the probe's findings as text, and the samples themselves token by token (``sample_browser`` in
+JupyterLab, ``static_samples`` for the rendered report). Reads only; ``stage.run`` computes the metrics."""
 
 from __future__ import annotations
 
+import json
+import re
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.synth.store import STATUSES, latest
+from eagle3nb.synth.store import STATUSES, latest, sample_files
+from eagle3nb.tokenview import HTML, browser, fields_table, pieces_for, render_tokens, roles_for, special_ids
+
+# What makes a sample worth a look, worst first (``static_samples`` shows the first one present).
+FLAGS = ("ids_mismatch", "no_reasoning", "truncated", "error")
+_ID = re.compile(rb'^\{"id": ("(?:[^"\\]|\\.)*")')
 
 
 def summary(m: dict[str, Any]) -> str:
@@ -113,3 +122,104 @@ def probe_text(p: dict[str, Any]) -> str:
              f"naive reasoning+content concatenation (the story's bug, NOT used):\n  {p['naive_concatenation']}"]
     lines += [f"PROBLEM: {x}" for x in p["problems"]] or ["no problems found"]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- the samples
+
+
+def flags(rec: dict[str, Any]) -> list[str]:
+    """Why a record deserves a look (names from ``FLAGS``): server ids differing from the template rendering,
+    no reasoning, cut by the token budget, or no answer at all."""
+    out = ["ids_mismatch"] if rec.get("ids_match") is False else []
+    return out + [s for s in ("no_reasoning", "truncated", "error") if rec.get("status") == s]
+
+
+def _length(rec: dict[str, Any]) -> int:
+    return sum((rec.get("tokens") or {}).values())
+
+
+def sample_rows(stage_dir: str | Path) -> list[dict[str, Any]]:
+    """One summary per sample (latest record per id): ``id``, ``status``, ``category``, ``length`` (tokens) and
+    ``flags``, in id order."""
+    recs = latest(Path(stage_dir), light=True)
+    return [{"id": r["id"], "status": r["status"], "category": r.get("category"), "length": _length(r),
+             "flags": flags(r)} for _, r in sorted(recs.items())]
+
+
+class SampleStore:
+    """Full records by id without holding them all: the byte offset of each id's latest line (the heavy token
+    lists of a 10K-sample run would take gigabytes in memory), read on demand."""
+
+    def __init__(self, stage_dir: str | Path):
+        self.where: dict[str, tuple[Path, int]] = {}
+        for path in sample_files(Path(stage_dir)):
+            offset = 0
+            with open(path, "rb") as f:
+                for line in f:
+                    m = _ID.match(line)
+                    try:
+                        rid = json.loads(m.group(1)) if m else json.loads(line)["id"]
+                    except ValueError:  # a torn last line (a kill mid-write): the store's readers skip it too
+                        rid = None
+                    if rid is not None:
+                        self.where[rid] = (path, offset)
+                    offset += len(line)
+
+    def __getitem__(self, rid: str) -> dict[str, Any]:
+        path, offset = self.where[rid]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return json.loads(f.readline())
+
+
+def sample_html(rec: dict[str, Any], tokenizer: Any, show_ids: bool = False) -> str:
+    """One record: its tokens coloured by role with the loss mask underlined (hover: id and text), beside its
+    fields (status, finish_reason, the reasoning and content the server returned, ...)."""
+    ids, mask = rec.get("input_ids") or [], rec.get("loss_mask") or []
+    think, end = special_ids(tokenizer)
+    head = (f"<b>{rec['id']}</b> — {rec.get('status')}, {len(ids)} tokens, category {rec.get('category')}"
+            + (f" — <b>flagged: {', '.join(flags(rec))}</b>" if flags(rec) else ""))
+    tokens = (render_tokens(pieces_for(tokenizer, ids), ids, roles_for(ids, mask, think, end), loss_mask=mask,
+                            show_ids=show_ids) if ids else f"<i>no tokens ({rec.get('error') or 'no answer'})</i>")
+    fields = fields_table({k: v for k, v in rec.items() if k not in ("input_ids", "loss_mask")})
+    return (f'<div class="tv-sample" data-sample-id="{rec["id"]}" style="margin:8px 0 16px">'
+            f'<div style="margin-bottom:4px">{head}</div>'
+            f'<div style="display:flex;gap:16px;align-items:flex-start"><div style="flex:3;min-width:0">{tokens}</div>'
+            f'<div style="flex:2;min-width:0">{fields}</div></div></div>')
+
+
+def sample_browser(stage_dir: str | Path, tokenizer: Any):
+    """JupyterLab widget over a run's samples: filter by status, category, flag and length, pick one by id or at
+    random among the flagged ones, see its tokens and fields (``sample_html``)."""
+    store = SampleStore(stage_dir)
+    return browser(sample_rows(stage_dir), lambda rid, show_ids: sample_html(store[rid], tokenizer, show_ids), FLAGS)
+
+
+def chosen_samples(stage_dir: str | Path) -> dict[str, str]:
+    """``{"worst": id, "typical": id}``: the worst is the longest sample of the first flag present (``FLAGS``
+    order), else the longest ok one; the typical is the ok sample nearest the median ok length."""
+    rows = sample_rows(stage_dir)
+    if not rows:
+        raise FileNotFoundError(f"no samples in {stage_dir}: run 01_synth first (stage.run)")
+    ok = [r for r in rows if r["status"] == "ok"] or rows
+    out: dict[str, str] = {}
+    for f in FLAGS:
+        hit = [r for r in rows if f in r["flags"]]
+        if hit:
+            out["worst"] = max(hit, key=lambda r: r["length"])["id"]
+            break
+    else:
+        out["worst"] = max(ok, key=lambda r: r["length"])["id"]
+    median = statistics.median(r["length"] for r in ok)
+    typical = [r for r in ok if r["id"] != out["worst"]] or ok
+    out["typical"] = min(typical, key=lambda r: (abs(r["length"] - median), r["id"]))["id"]
+    return out
+
+
+def static_samples(stage_dir: str | Path, tokenizer: Any, show_ids: bool = False) -> HTML:
+    """The worst and a typical sample (``chosen_samples``) as static HTML: what the rendered report shows, where
+    no widget survives."""
+    store = SampleStore(stage_dir)
+    parts = [f"<h4>{which} sample</h4>{sample_html(store[rid], tokenizer, show_ids)}"
+             for which, rid in chosen_samples(stage_dir).items()]
+    return HTML("".join(parts))
