@@ -115,30 +115,39 @@ def plot_alpha(metrics: dict[str, Any]):
 
 
 def plot_tau(offline: dict[str, Any], prediction: dict[str, Any] | None = None):
-    """tau(k) offline for k = 1..K against i.i.d. references, with the predicted speedup per k."""
+    """tau(k) offline for k = 1..K against i.i.d. references, with the predicted speedup per k (right axis).
+    The references are labelled inside the plot, left of their last point, and the legend sits below the axes,
+    so no label meets the right axis or another label."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.4, 4.6), layout="constrained")
     ks = list(range(1, offline["max_k"] + 1))
-    ax.plot(ks, offline["greedy"]["tau_by_k"], "o-", label="offline greedy")
+    top = 0.0
+    for a in (0.85, 0.5, 0.15):
+        ys = [tau_iid(a, k) for k in ks]
+        top = max(top, ys[-1])
+        ax.plot(ks, ys, color="gray", lw=0.8, ls=":")
+        ax.annotate(f"i.i.d. α={a}", (ks[-1], ys[-1]), xytext=(-4, 3), textcoords="offset points", ha="right",
+                    va="bottom", fontsize=7, color="gray")
+    ax.plot(ks, offline["greedy"]["tau_by_k"], "o-", label="offline greedy τ(k)")
     if offline.get("sampled"):
-        ax.plot(ks, offline["sampled"]["tau_by_k"], "s-", label=f"offline T={offline['temperature']}")
-    for a in (0.15, 0.5, 0.85):
-        ax.plot(ks, [tau_iid(a, k) for k in ks], color="gray", lw=0.8, ls=":")
-        ax.annotate(f"iid a={a}", (ks[-1], tau_iid(a, ks[-1])), fontsize=7, color="gray")
+        ax.plot(ks, offline["sampled"]["tau_by_k"], "s-", label=f"offline T={offline['temperature']} τ(k)")
+    top = max([top, *offline["greedy"]["tau_by_k"], *((offline.get("sampled") or {}).get("tau_by_k") or [])])
+    ax.set_ylim(0.9, top * 1.1 + 0.1)  # room above the highest curve for its label
     ax.set_xticks(ks)
     ax.set_xlabel("k (drafted tokens per step)")
-    ax.set_ylabel("tau = tokens per target step")
+    ax.set_ylabel("τ = tokens per target step")
     ax.set_title("Acceptance length vs k")
+    handles, labels = ax.get_legend_handles_labels()
     if prediction:
         ax2 = ax.twinx()
         ax2.plot(ks, speedup_by_k(offline["alpha_by_position"], prediction["cost_ratio"], prediction["overhead"]),
-                 "^--", color="C3", label="predicted speedup")
+                 "^--", color="C3", label="predicted speedup (right axis)")
         ax2.axhline(1.0, color="C3", lw=0.6, ls=":")
         ax2.set_ylabel("predicted speedup", color="C3")
-        ax2.legend(loc="lower right", fontsize=8)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8, frameon=False)
     return fig
 
 
