@@ -16,8 +16,8 @@ OUT = ROOT / "outputs" / "smoke"
 STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
 FIGURES_04 = ["alpha_per_position", "tau_vs_k", "offline_vs_local", "throughput_vs_concurrency",
               "speedup_vs_concurrency", "predicted_vs_measured_speedup"]
-# the doctor's checks that the healthy smoke run must PASS (draft_sanity is judged apart: see the test)
-PASSING = ["server", "token_stream", "thinking", "layer_ids", "shapes_vocab", "data_health", "disk"]
+# the doctor's checks that the healthy smoke run must PASS: all of them
+PASSING = ["server", "token_stream", "thinking", "layer_ids", "shapes_vocab", "data_health", "disk", "draft_sanity"]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,6 @@ def test_doctor_passes_the_healthy_smoke_run(smoke_run):
     results = {r["name"]: r for r in json.loads(proc.stdout)}
     assert proc.returncode == 0 and not [r for r in results.values() if r["status"] == "fail"], results
     # every check applies to the smoke run; an all-SKIP report must not pass
+    # draft_sanity too: the 80-step smoke draft predicts ~2.05x (tau 2.56) against the 1.2x warn line (20 steps
+    # gave 1.28x, a coin toss on another CPU)
     assert {n: results[n]["status"] for n in PASSING} == {n: "pass" for n in PASSING}, results
-    # the 20-step smoke draft sits near the 1.2x warn line (1.28x here), so another CPU may WARN
-    assert results["draft_sanity"]["status"] in ("pass", "warn"), results["draft_sanity"]
