@@ -261,7 +261,8 @@ def main() -> None:
     modules = measure_modules(T)
     ttt_over = measure_ttt_overhead(T)
 
-    print(f"\n{'measured (per token)':34} {'fwd ms':>8} {'fwd+bwd ms':>11} {'GFLOP fwd+bwd':>14} {'achieved GFLOP/s':>17}")
+    print(f"\n{'measured (per token)':34} {'fwd ms':>8} {'fwd+bwd ms':>11} {'GFLOP fwd+bwd':>14} "
+          f"{'achieved GFLOP/s':>17}")
     for name, m in modules.items():
         print(f"{name:34} {m['fwd_s_per_tok'] * 1e3:8.2f} {m['fb_s_per_tok'] * 1e3:11.2f} "
               f"{m['fb_flops_per_tok'] / 1e9:14.3f} {m['fb_flops_per_tok'] / m['fb_s_per_tok'] / 1e9:17.1f}")
@@ -294,7 +295,8 @@ def main() -> None:
     avg_T = N / 10000
     print(f"\nPROJECTION (not measured): the seed's run = {N / 1e6:.1f} M tokens ({SEED_DISK / 1e9:.0f} GB of bf16 "
           f"at {bytes_per_token('bf16', H):,} B/token), {avg_T:,.0f} tokens/sample on average; 03 = 2 epochs, TTT "
-          f"{TTT}; 8 GPUs at {UTIL:.0%} of dense bf16 peak ({', '.join(f'{g} {p / 1e12:.0f} TFLOP/s' for g, p in GPUS.items())})")
+          f"{TTT}; 8 GPUs at {UTIL:.0%} of dense bf16 peak "
+          f"({', '.join(f'{g} {p / 1e12:.0f} TFLOP/s' for g, p in GPUS.items())})")
     print(f"{'figure':44} {'projection':>24} {'seed':>12} {'from':>32}")
 
     def row(name, value, seed, source):

@@ -119,10 +119,12 @@ def main() -> None:
             proc.terminate()
     ratio = synth_rps / bare_rps
     fill = seen / CONCURRENCY
-    print(f"instant server, concurrency {CONCURRENCY}, {N_FAST} requests, best of {ROUNDS}: synth {synth_rps:.0f} req/s "
+    print(f"instant server, concurrency {CONCURRENCY}, {N_FAST} requests, best of {ROUNDS}: synth {synth_rps:.0f} "
+          f"req/s "
           f"{[round(x) for x in synth]}, bare httpx {bare_rps:.0f} req/s {[round(x) for x in bare]}, "
           f"ratio {ratio:.2f} (target >= 0.8)")
-    print(f"  stricter: bare loop on openai's HTTP client {bare_openai_rps:.0f} req/s {[round(x) for x in bare_openai]}, "
+    print(f"  stricter: bare loop on openai's HTTP client {bare_openai_rps:.0f} req/s "
+          f"{[round(x) for x in bare_openai]}, "
           f"ratio {synth_rps / bare_openai_rps:.2f} (what the openai client + the stage cost over the transport)")
     print(f"random latency {LATENCY[0]}-{LATENCY[1]} s, concurrency {CONCURRENCY}, {N_LATENCY} requests: "
           f"mean in flight {seen:.1f} seen by the server, {m['session']['in_flight_mean']:.1f} by the client; "

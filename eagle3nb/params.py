@@ -55,7 +55,8 @@ class StageParams(BaseModel):
     stage: ClassVar[str] = ""
 
     run_name: str = Field("demo", description="names the output folder outputs/<run_name>/")
-    params_file: str | None = Field(None, description="the YAML these values came from (set by eagle3nb run; named in errors)")
+    params_file: str | None = Field(None, description="the YAML these values came from (set by eagle3nb run; named in "
+                                                      "errors)")
 
     @field_validator("api_key_env", check_fields=False)
     @classmethod
@@ -93,7 +94,9 @@ class StageParams(BaseModel):
 class TargetParams(StageParams):
     """Base of the stages that load the target's tokenizer or weights from ``model_path`` (01, 02, 04)."""
 
-    trust_remote_code: bool = Field(False, description="let transformers run Python code shipped in model_path (Kimi's tokenizer needs it); off because that code runs with your rights")
+    trust_remote_code: bool = Field(False, description="let transformers run Python code shipped in model_path (Kimi's "
+                                                       "tokenizer needs it); off because that code runs with your "
+                                                       "rights")
     _model_dir: tuple[str, Path] | None = PrivateAttr(None)
 
     @property

@@ -161,7 +161,8 @@ class World:
     def data(self) -> dict[str, Path]:
         """The CPU reference, made in a process that sees no GPU: 01 = the target's greedy answers, 02 in fp32
         (stored exactly, and with top-k storage). Paths: ``synth``, ``cpu-fp32``, ``cpu-topk``."""
-        code = ("import json, sys\nfrom eagle3nb.accept.heldout import greedy_hidden_states\nfrom eagle3nb.hidden.stage "
+        code = ("import json, sys\nfrom eagle3nb.accept.heldout import greedy_hidden_states\nfrom "
+                "eagle3nb.hidden.stage "
                 "import run\nfrom eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
                 "greedy_hidden_states(a['toy'], 'toy:train', a['n'], a['max_new'], a['out'])\n"
                 "run(from_dict('02_hidden_states', a['topk']))")

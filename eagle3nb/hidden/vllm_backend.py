@@ -119,7 +119,8 @@ class VllmClient:
             raise VllmBackendError(f"sample {sample_id}: the response has no prompt_token_ids; the server must accept "
                                    "return_token_ids (vLLM >= 0.10.2)")
         if list(echoed) != list(ids):
-            raise VllmBackendError(f"sample {sample_id}: the server tokenized the prompt differently ({len(echoed)} ids "
+            raise VllmBackendError(f"sample {sample_id}: the server tokenized the prompt differently ({len(echoed)} "
+                                   f"ids "
                                    f"back for {len(ids)} sent); send token ids to /v1/completions of a vLLM server")
         params = getattr(res, "kv_transfer_params", None) or {}
         path = params.get("hidden_states_path")

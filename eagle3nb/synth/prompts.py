@@ -59,7 +59,8 @@ def to_messages(row: dict, where: str) -> list[dict]:
                 raise PromptsError(f"{where}: 'conversations' entries need 'from' and 'value', got {m!r}")
             role = SHAREGPT_ROLES.get(str(m["from"]).lower())
             if role is None:
-                raise PromptsError(f"{where}: unknown ShareGPT speaker {m['from']!r}; use one of {sorted(SHAREGPT_ROLES)}")
+                raise PromptsError(f"{where}: unknown ShareGPT speaker {m['from']!r}; use one of "
+                                   f"{sorted(SHAREGPT_ROLES)}")
             msgs.append({"role": role, "content": m.get("value")})
     elif row.get("prompt") is not None:
         msgs = [{"role": "user", "content": row["prompt"]}]
@@ -131,7 +132,8 @@ def _rows(path: Path) -> Iterator[tuple[dict, str]]:
                 table = pa.ipc.open_file(src).read_all()
         yield from _rows_table(table, str(path))
     else:
-        raise PromptsError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl, .parquet or a datasets folder")
+        raise PromptsError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl, .parquet or a datasets "
+                           f"folder")
 
 
 def prompt_id(messages: list[dict]) -> str:
@@ -146,7 +148,8 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
     else:
         path = resolve(value)
     if not path.exists():
-        raise PromptsError(f"prompts {path} does not exist; point 'prompts' at a JSONL / parquet file or a datasets folder")
+        raise PromptsError(f"prompts {path} does not exist; point 'prompts' at a JSONL / parquet file or a datasets "
+                           f"folder")
     out: list[dict] = []
     seen: dict[str, str] = {}
     duplicates = 0

@@ -33,7 +33,8 @@ def summary(m: dict[str, Any]) -> str:
                      f"{s['output_tokens_per_s']:.1f} output tok/s, {s['retries']} retries, "
                      f"{s['in_flight_mean']:.1f} in flight on average")
     if m["ids_compared"]:
-        lines.append(f"  server token ids vs template rendering: {m['ids_mismatch']} of {m['ids_compared']} ok samples differ "
+        lines.append(f"  server token ids vs template rendering: {m['ids_mismatch']} of {m['ids_compared']} ok samples "
+                     f"differ "
                      f"(the server ids are kept; eagle3nb doctor explains the differences)")
     return "\n".join(lines)
 

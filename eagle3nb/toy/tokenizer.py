@@ -30,7 +30,8 @@ PUNCTUATION = list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
 # ``thinking=false`` renders an empty think block in the generation prompt.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- "
+    "endfor -%}"
     "{%- if messages|length == 0 or messages[0]['role'] != 'system' -%}"
     "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM + "<|im_end|>"
     "{%- endif -%}"
