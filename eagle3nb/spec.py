@@ -137,6 +137,7 @@ class SpecOutput:
     counters: SpecCounters
     seconds: float
     accepted_per_round: list[int]  # n accepted drafts in each round (round r starts right after round r-1's tokens)
+    drafted_per_round: list[list[int]] = field(default_factory=list)  # the k drafted tokens of each round (04's misses)
 
 
 def left_padded(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -307,14 +308,16 @@ class SpecDecoder:
         batch = SpecBatch(self)
         out = batch.add([prompt_ids], [Sampling(temperature, top_p, generator)])
         rounds: list[int] = []
+        drafted: list[list[int]] = []
         while len(out) < max_new_tokens and out[-1] not in eos_token_ids:
             new = batch.round()[0]
             rounds.append(len(new) - 1)
+            drafted.append(batch.drafted[0])
             for tok in new:
                 out.append(tok)
                 if tok in eos_token_ids or len(out) >= max_new_tokens:
                     break
-        return SpecOutput(out, batch.counters, time.perf_counter() - t0, rounds)
+        return SpecOutput(out, batch.counters, time.perf_counter() - t0, rounds, drafted)
 
 
 class SpecBatch:
@@ -405,8 +408,8 @@ class SpecBatch:
         # the token after each: the next draft, or at n the target's own token.
         self.pend_aux, self.pend_n = aux, n + 1
         self.pend_ids = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, n[:, None], self.last[:, None])
-        rows = drafts.tolist()
-        return [row[:a] + [t] for row, a, t in zip(rows, accepted, nxt)]
+        self.drafted = drafts.tolist()  # each row's k drafted tokens of this round, accepted or not
+        return [row[:a] + [t] for row, a, t in zip(self.drafted, accepted, nxt)]
 
     def _propose(self) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """k draft tokens per row [B, k] (target ids) and, for sampled rows, the distributions [k, V] they were
@@ -472,6 +475,8 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
     plain_tokens = spec_tokens = 0
     mismatches: list[int] = []
     rounds: list[list[int]] = []
+    drafted: list[list[list[int]]] = []
+    outputs: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         g = torch.Generator().manual_seed(seed + i)
         t0 = time.perf_counter()
@@ -484,6 +489,8 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
         spec_tokens += len(res.tokens)
         counters.merge(res.counters)
         rounds.append(res.accepted_per_round)
+        drafted.append(res.drafted_per_round)
+        outputs.append(res.tokens)
         if res.tokens != ref:
             mismatches.append(i)
         if progress is not None:
@@ -497,7 +504,7 @@ def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, 
         "mismatched_prompts": mismatches,
         "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
         "speedup": spec_tps / plain_tps if plain_tps else None,
-        "accepted_per_round": rounds,
+        "accepted_per_round": rounds, "drafted_per_round": drafted, "outputs": outputs,
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3nb.accept.cache import cached, fingerprint
+from eagle3nb.accept.misses import ROUNDS, local_records, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.progress import Progress
 from eagle3nb.spec import compare_with_plain, measure_costs
@@ -22,11 +23,13 @@ def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int
     return [tpl.prompt_ids(r["messages"]) for r in rows], sorted(eos)
 
 
-def run_local(P: AcceptParams, target, draft) -> dict[str, Any]:
-    """Lossless greedy speculative decoding here vs the target alone, plus the measured costs."""
+def run_local(P: AcceptParams, target, draft, tokenizer) -> dict[str, Any]:
+    """Lossless greedy speculative decoding here vs the target alone, plus the measured costs; the real rounds
+    (what was drafted, how much accepted) go to ``local_rounds.jsonl`` for the miss view."""
     prompts, eos = prompt_token_ids(P, P.local_prompts)
     config = {"draft": fingerprint(P.draft_path), "model": P.model_path, "k": P.k, "prompts": P.prompts,
-              "n": P.local_prompts, "max_tokens": P.max_tokens, "thinking": P.thinking}
+              "n": P.local_prompts, "max_tokens": P.max_tokens, "thinking": P.thinking,
+              "fields": ["outputs", "drafted_per_round"]}  # what the miss view reads (older results lack them)
 
     def work() -> dict[str, Any]:
         prog = Progress(P.stage_dir, len(prompts), "local speculative decoding", "prompts")
@@ -35,4 +38,8 @@ def run_local(P: AcceptParams, target, draft) -> dict[str, Any]:
         res["costs"] = measure_costs(target, draft, P.k, context=min(256, max(len(p) for p in prompts) + P.max_tokens))
         return res
 
-    return cached(P.stage_dir / "local.json", config, work)
+    local = cached(P.stage_dir / "local.json", config, work)
+    rows = load_prompts(P.prompts, P.local_prompts)
+    records = local_records(prompts, local, rows)
+    write_records(P.stage_dir / ROUNDS, [with_pieces(r, tokenizer, "local") for r in records])
+    return local

@@ -10,10 +10,12 @@ accepted chain feeds when the data is the target's own (greedy) output.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from eagle3nb.accept.cache import cached, fingerprint
+from eagle3nb.accept.misses import POSITIONS, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.draft import TTTCache
 from eagle3nb.formulas import tau_from_conditional
@@ -59,8 +61,10 @@ def expected_acceptance(q, p):
 
 def chain_acceptance(draft, item: dict, target_argmax, target_probs, steps: int, temperature: float) -> dict:
     """Per start position t: greedy acceptance [K, T-1] (0/1), expected sampled acceptance [K, T-1] (when
-    ``target_probs`` [T, draft_vocab] at ``temperature`` is given), and validity [K, T-1] (step j counts
-    only when the tokens t+2..t+2+j exist and are all generated ones, i.e. in the loss mask)."""
+    ``target_probs`` [T, draft_vocab] at ``temperature`` is given), validity [K, T-1] (step j counts
+    only when the tokens t+2..t+2+j exist and are all generated ones, i.e. in the loss mask), and the first
+    step's ``guess`` [T-1] (the draft's token t+2, target ids; -1 where none) beside the target's own ``target``
+    [T-1] (its argmax for token t+2): what the miss view shows where the draft was wrong."""
     import torch
 
     dev = draft.fc.weight.device
@@ -73,6 +77,7 @@ def chain_acceptance(draft, item: dict, target_argmax, target_probs, steps: int,
     sampled = torch.zeros(steps, n, device=dev) if target_probs is not None else None
     valid = torch.zeros(steps, n, dtype=torch.bool, device=dev)
     ok = torch.ones(n, dtype=torch.bool, device=dev)
+    guess = torch.full((n,), -1, dtype=torch.long, device=dev)
     with torch.no_grad():  # evaluation only, whoever calls it
         for j, lg in enumerate(chain_logits(draft, item["aux"], ids, steps)):
             m = n - 1 - j  # positions t whose step-j target (the target's distribution at t+1+j) exists
@@ -84,11 +89,15 @@ def chain_acceptance(draft, item: dict, target_argmax, target_probs, steps: int,
             valid[j] = ok
             pred = draft.draft_to_target(lg[:m].argmax(-1))
             greedy[j, :m] = (pred == target_argmax[1 + j: 1 + j + m]).float()
+            if j == 0:
+                guess[:m] = pred
             if sampled is not None:
                 q = torch.softmax(lg[:m] / temperature, dim=-1)
                 sampled[j, :m] = expected_acceptance(q, target_probs[1 + j: 1 + j + m])
+    target = torch.full((n,), -1, dtype=torch.long)
+    target[:n - 1] = target_argmax[1:n].cpu()
     return {"greedy": greedy.cpu(), "sampled": sampled.cpu() if sampled is not None else None,
-            "valid": valid.cpu()}
+            "valid": valid.cpu(), "guess": guess.cpu(), "target": target}
 
 
 def simulate_rounds(greedy, valid, mask, k: int) -> list[int]:
@@ -107,6 +116,37 @@ def simulate_rounds(greedy, valid, mask, k: int) -> list[int]:
         out.append(n)
         t += n + 1
     return out
+
+
+def chain_counts(greedy, valid, k: int) -> list[int]:
+    """Per start position t: how many of the ``k`` tokens drafted from t the target accepts (the leading run of
+    accepted steps); -1 where nothing is drafted (the first drafted token is not a generated one)."""
+    import torch
+
+    run = ((greedy[:k] > 0.5) & valid[:k]).long().cumprod(0).sum(0)
+    return torch.where(valid[0], run, torch.full_like(run, -1)).tolist()
+
+
+LONG_CONTEXT_EDGES = (256, 1024, 4096)
+
+
+def context_edges(positions) -> list[int]:
+    """Inner edges of the context-length buckets over the drafted positions (index in the sequence): 256 / 1k /
+    4k once the data reaches 1k tokens (reasoning at scale), else the quartiles of the positions the data
+    holds (rounded), so every bucket has data on a toy."""
+    import torch
+
+    top = int(positions.max())
+    if top >= LONG_CONTEXT_EDGES[1]:
+        return [e for e in LONG_CONTEXT_EDGES if e <= top]
+    q = torch.quantile(positions.float(), torch.tensor([0.25, 0.5, 0.75])).round().long().tolist()
+    return sorted({e for e in q if 0 < e <= top})
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    """'0-255', '256-1023', ..., '4096+' for inner edges [256, 1024, 4096]."""
+    bounds = [0, *edges]
+    return [f"{lo}-{hi - 1}" for lo, hi in pairwise(bounds)] + [f"{bounds[-1]}+"]
 
 
 def conditional_alphas(acc, valid) -> list[float]:
@@ -174,9 +214,13 @@ def heldout_indices(P: AcceptParams, data) -> tuple[list[int], str]:
 
 def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0,
                        think_ids: tuple[int | None, int | None] = (None, None), indices: Sequence[int] | None = None,
-                       stage_dir: Path | None = None) -> dict[str, Any]:
+                       stage_dir: Path | None = None, keep_positions: bool = False) -> dict[str, Any]:
     """Acceptance of ``draft`` on the held-out hidden states ``data`` (an ``eagle3nb.hidden.HiddenStates``):
-    greedy, at ``temperature`` (when > 0), by segment (reasoning / answer) and by prompt category."""
+    greedy, at ``temperature`` (when > 0), by segment (reasoning / answer), by prompt category and by context
+    length (the drafted token's index in the sequence, ``by_context``). With ``keep_positions`` the result also
+    holds ``positions``: per sample its ids, loss mask and, per token, how many of ``k`` drafted tokens from
+    there were accepted, with the draft's guess and the target's token where the first was rejected (what
+    ``eagle3nb.accept.misses`` shows)."""
     import torch
 
     indices = list(range(len(data))) if indices is None else list(indices)
@@ -185,7 +229,9 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
                          "set data_dir, or raise 03_train's holdout_fraction")
     head = data.lm_head().float().to(draft.fc.weight.device) if temperature > 0 else None
     prog = Progress(stage_dir, len(indices), "offline acceptance", "samples") if stage_dir else None
-    parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": [], "rounds": []}
+    parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": [], "rounds": [],
+                              "position": []}
+    positions: list[dict[str, Any]] = []
     skipped = 0
     with torch.inference_mode():
         for i in indices:
@@ -203,6 +249,8 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
                 seg = [2 if m else 0 for m in mask]
             parts["segment"].append(torch.tensor(seg[2:] + [0]))  # segment of the first drafted token t+2
             parts["category"] += [item.get("category")] * (len(ids) - 1)
+            parts["position"].append(torch.arange(2, len(ids) + 1))  # index of the first drafted token t+2
+            positions.append(position_record(item, r, k))
             for key in ("greedy", "sampled", "valid"):
                 if r[key] is not None:
                     parts[key].append(r[key])
@@ -214,7 +262,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
         raise ValueError("every held-out sample is shorter than 3 tokens; nothing to draft")
     greedy, valid = torch.cat(parts["greedy"], 1), torch.cat(parts["valid"], 1)
     sampled = torch.cat(parts["sampled"], 1) if parts["sampled"] else None
-    segment = torch.cat(parts["segment"])
+    segment, position = torch.cat(parts["segment"]), torch.cat(parts["position"])
     if int(valid[0].sum()) == 0:
         raise ValueError("no generated (loss-masked) tokens to draft in the held-out data: check 02's loss masks "
                          "(eagle3nb doctor: data_health)")
@@ -243,12 +291,30 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
     if any(c is not None for c in cats):
         names = sorted({c for c in cats if c is not None})
         result["by_category"] = {c: block(torch.tensor([x == c for x in cats])) for c in names}
-    return result
+    edges = context_edges(position[valid[0]])
+    bucket = torch.bucketize(position, torch.tensor(edges, dtype=position.dtype), right=True)
+    result["context_edges"] = edges
+    result["by_context"] = {label: block(bucket == b) for b, label in enumerate(bucket_labels(edges))
+                            if bool((valid[0] & (bucket == b)).any())}
+    return {**result, "positions": positions} if keep_positions else result
+
+
+def position_record(item: dict, chains: dict, k: int) -> dict[str, Any]:
+    """One held-out sample for the miss view: ``accepted[p]`` = how many of the ``k`` tokens drafted from token p
+    on the target accepted (-1: not drafted), and ``misses`` = [p, draft's guess, target's token] where the
+    first drafted token was rejected (target vocabulary ids)."""
+    ids = item["input_ids"].tolist()
+    counts = chain_counts(chains["greedy"], chains["valid"], k)
+    accepted = ([-1, -1] + counts)[:len(ids)]
+    guess, target = chains["guess"].tolist(), chains["target"].tolist()
+    misses = [[p, guess[p - 2], target[p - 2]] for p, n in enumerate(accepted) if n == 0]
+    return {"id": item.get("id"), "category": item.get("category"), "ids": ids,
+            "loss_mask": item["loss_mask"].tolist(), "accepted": accepted, "misses": misses}
 
 
 def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:
     """Offline acceptance of the stage's draft on its held-out samples (``offline.json``, reused when
-    the draft, data and settings are unchanged)."""
+    the draft, data and settings are unchanged), and the miss view's per-position records (``positions.jsonl``)."""
     data = HiddenStates(P.data_path)
     vocab = tokenizer.get_vocab()
     think = (vocab.get(THINK_START), vocab.get(THINK_END))
@@ -258,7 +324,12 @@ def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:
               "temperature": P.temperature, "indices": indices}
 
     def work() -> dict[str, Any]:
-        return {**offline_acceptance(draft, data, P.k, P.max_k, P.temperature, think, indices, P.stage_dir),
-                "data": how}
+        res = offline_acceptance(draft, data, P.k, P.max_k, P.temperature, think, indices, P.stage_dir,
+                                 keep_positions=True)
+        P.stage_dir.mkdir(parents=True, exist_ok=True)
+        write_records(P.stage_dir / POSITIONS, [with_pieces(r, tokenizer, "offline") for r in res.pop("positions")])
+        return {**res, "data": how}
 
+    if not (P.stage_dir / POSITIONS).exists():  # the miss view's positions come with the step: redo it without them
+        (P.stage_dir / "offline.json").unlink(missing_ok=True)
     return cached(P.stage_dir / "offline.json", config, work)

@@ -12,7 +12,7 @@ from eagle3nb.formulas import tau_iid
 
 # The PNGs ``save_figures`` writes (offline_vs_local only when the local check ran).
 FIGURES = ["offline_vs_local", "tau_vs_k", "throughput_vs_concurrency", "speedup_vs_concurrency", "alpha_per_position",
-           "predicted_vs_measured_speedup"]
+           "predicted_vs_measured_speedup", "acceptance_by_context"]
 
 
 # ----------------------------------------------------------------------------------------- tables
@@ -47,6 +47,22 @@ def breakdown_table(offline: dict[str, Any], by: str = "by_segment"):
             row[f"tau(k={offline['k']}) T={offline['temperature']}"] = b["sampled"]["acceptance_length"]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def context_table(metrics: dict[str, Any]):
+    """Offline acceptance per context-length bucket (the drafted token's index in the sequence; buckets from the
+    lengths the held-out data holds), and how far the draft trained and the benchmark serves."""
+    import pandas as pd
+
+    off, k = metrics["offline"], metrics["offline"]["k"]
+    rows = [{"context (tokens)": name, "positions": b["greedy"]["positions"],
+             "alpha_1 greedy": b["greedy"]["per_position"][0], f"tau(k={k}) greedy": b["greedy"]["acceptance_length"]}
+            for name, b in (off.get("by_context") or {}).items()]
+    df = pd.DataFrame(rows)
+    ctx = metrics.get("context") or {}
+    df.attrs["note"] = (f"longest training sequence {ctx.get('longest_trained')}, longest served (prompt + max_tokens) "
+                        f"{ctx.get('longest_served')}" + (f". WARNING: {ctx['warning']}" if ctx.get("warning") else ""))
+    return df
 
 
 def online_table(rows: list[dict[str, Any]]):
@@ -199,6 +215,38 @@ def plot_predicted_vs_measured(metrics: dict[str, Any]):
     return fig
 
 
+def plot_context(metrics: dict[str, Any]):
+    """Offline acceptance length and first-token acceptance per context-length bucket, positions per bar."""
+    import matplotlib.pyplot as plt
+
+    table = context_table(metrics)
+    if table.empty:
+        return None
+    k = metrics["offline"]["k"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    xs = range(len(table))
+    bars = ax.bar(xs, table[f"tau(k={k}) greedy"], color="C0", label=f"tau(k={k}) greedy")
+    for bar, n in zip(bars, table["positions"]):
+        ax.annotate(f"{n} positions", (bar.get_x() + bar.get_width() / 2, 0.05), ha="center", va="bottom",
+                    fontsize=8, color="white")
+    ax.set_ylim(0, k + 1.3)
+    ax.set_ylabel("tokens per target step (greedy)")
+    ax2 = ax.twinx()
+    ax2.plot(list(xs), table["alpha_1 greedy"], "o-", color="C3", label="alpha_1 (first token)")
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("alpha_1", color="C3")
+    ax.set_xticks(list(xs), table["context (tokens)"])
+    ax.set_xlabel("position of the drafted token in the sequence (tokens)")
+    ctx = metrics.get("context") or {}
+    trained = f"; trained up to {ctx['longest_trained']} tokens" if ctx.get("longest_trained") else ""
+    ax.set_title(f"Acceptance by context length (offline{trained})", fontsize=10)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
 def plot_throughput(rows: list[dict[str, Any]]):
     """Output tokens/s vs concurrency, one line per endpoint."""
     import matplotlib.pyplot as plt
@@ -246,6 +294,7 @@ def figures(metrics: dict[str, Any]) -> dict[str, Any]:
                                                        (metrics.get("prediction") or {}).get("speedup")),
         "alpha_per_position": lambda: plot_alpha(metrics),
         "predicted_vs_measured_speedup": lambda: plot_predicted_vs_measured(metrics),
+        "acceptance_by_context": lambda: plot_context(metrics) if metrics["offline"].get("by_context") else None,
     }
     return {name: fig for name, fig in ((n, makers[n]()) for n in FIGURES) if fig is not None}
 

@@ -11,7 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.accept.local import run_local
+from eagle3nb.accept.local import prompt_token_ids, run_local
+from eagle3nb.accept.misses import summary as miss_summary
 from eagle3nb.accept.offline import run_offline
 from eagle3nb.accept.online import baseline_label, run_online
 from eagle3nb.accept.params import STAGE, AcceptParams
@@ -31,11 +32,15 @@ def run(P: AcceptParams) -> dict[str, Any]:
     print(f"draft {P.draft_path}: aux layers {draft.config.aux_layer_ids}, draft vocab {draft.config.draft_vocab_size}")
     print(f"held-out data {P.data_path}; output {P.stage_dir}", flush=True)
     offline = run_offline(P, draft, tokenizer)
-    local = run_local(P, target, draft) if P.local_prompts else None
+    local = run_local(P, target, draft, tokenizer) if P.local_prompts else None
     pred = prediction(P, offline, local)
     del target, draft  # the benchmark's servers load their own
+    context = context_check(P)
     online = run_online(P)
     metrics = clean(assemble(P, offline, local, pred, online))
+    metrics.update(context=context, misses=clean(miss_summary(P.stage_dir)))
+    for source, m in metrics["misses"].items():
+        print(f"misses ({source}): {m['worst']}", flush=True)
     save_figures(P.stage_dir, metrics)
     write_metrics(P, metrics)
     return metrics
@@ -69,6 +74,29 @@ def load_models(P: AcceptParams, need_target: bool = True):
     check_fits(draft.config, hidden_size=tc["hidden_size"], vocab_size=tc["vocab_size"], layer_ids=None,
                num_layers=tc["num_hidden_layers"], draft=f"the draft {P.draft_path}", data=f"the target {model_dir}")
     return target, draft, tokenizer
+
+
+def longest_trained(P: AcceptParams) -> int | None:
+    """The longest sequence the draft trained on: 03's metrics.json beside the draft (03's layout), else None."""
+    path = P.draft_path.parent / "metrics.json"
+    return json.loads(path.read_text()).get("longest_train_sequence") if path.exists() else None
+
+
+def context_check(P: AcceptParams) -> dict[str, Any]:
+    """The longest sequence the online benchmark serves (its longest prompt plus max_tokens) against the longest
+    the draft trained on, with a warning when the served ones run longer: acceptance past the trained length is
+    untested and usually falls (see the offline acceptance by context length)."""
+    prompts, _ = prompt_token_ids(P, P.num_prompts)
+    served = max(len(p) for p in prompts) + P.max_tokens
+    trained = longest_trained(P)
+    warning = None
+    if trained is not None and served > trained:
+        warning = (f"the online prompts plus their answers run to {served} tokens, but the draft trained on sequences "
+                   f"of at most {trained} (03's longest training sequence): acceptance past {trained} tokens is "
+                   "untested and usually falls; train on longer samples (01 max_completion_tokens, 02/03 max_length) "
+                   "or compare with a shorter max_tokens")
+        print(f"WARNING: {warning}", flush=True)
+    return {"longest_trained": trained, "longest_served": served, "warning": warning}
 
 
 def assemble(P: AcceptParams, offline: dict[str, Any], local: dict[str, Any] | None,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 FIGURE = "training.png"
+DATA_FIGURE = "data_curve.png"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -54,15 +55,88 @@ def plot_metrics(rows: list[dict[str, Any]] | str | Path, fig=None):
     return fig
 
 
+def data_curve(rows: list[dict[str, Any]] | str | Path, train_samples: int | None = None) -> dict[str, Any]:
+    """Held-out acceptance length against training samples seen (the evaluations that recorded it), and whether
+    it still rises at the end: the slope over the last third of the points (at least two) in tokens per verify
+    step gained per doubling of the samples seen. Samples seen count repeats after the first epoch
+    (``train_samples``), which teach less than new data would."""
+    import math
+
+    if not isinstance(rows, list):
+        rows = read_metrics(Path(rows))
+    pts = [(r["samples_seen"], r["acceptance_length"]) for r in rows if r["kind"] == "eval" and "samples_seen" in r]
+    out: dict[str, Any] = {"points": pts, "slope_per_doubling": None, "rising": None,
+                           "text": "too few held-out evaluations to tell (set eval_every)"}
+    tail = [(x, y) for x, y in pts if x > 0]
+    tail = tail[-max(2, math.ceil(len(tail) / 3)):]
+    if len(tail) < 2 or tail[0][0] == tail[-1][0]:
+        return out
+    xs = [math.log2(x) for x, _ in tail]
+    mx, my = sum(xs) / len(xs), sum(y for _, y in tail) / len(tail)
+    slope = sum((x - mx) * (y - my) for x, (_, y) in zip(xs, tail)) / sum((x - mx) ** 2 for x in xs)
+    rising = slope > RISING_PER_DOUBLING
+    epochs = f" ({tail[-1][0] / train_samples:.1f} epochs of {train_samples} samples)" if train_samples else ""
+    verdict = ("still rising: more data (new samples, not more epochs of the same) should raise acceptance"
+               if rising else "flat at the end: more of the same data is unlikely to help much; more varied data, "
+               "longer samples or a bigger draft might")
+    out.update(slope_per_doubling=slope, rising=rising,
+               text=f"held-out acceptance length {tail[-1][1]:.2f} after {tail[-1][0]} samples seen{epochs}; "
+                    f"{slope:+.3f} per doubling of the samples seen over the last {len(tail)} evaluations: {verdict}")
+    return out
+
+
+RISING_PER_DOUBLING = 0.02  # tokens per verify step gained per doubling of data seen: above this, still rising
+
+
+def plot_data_curve(rows: list[dict[str, Any]] | str | Path, train_samples: int | None = None, fig=None):
+    """Held-out acceptance length vs training samples seen (from the untrained start), the end slope in the
+    title, a line where each epoch ends (after it, samples are repeats)."""
+    if not isinstance(rows, list):
+        rows = read_metrics(Path(rows))
+    curve = data_curve(rows, train_samples)
+    if fig is None:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(6.5, 4))
+    fig.clear()
+    ax = fig.subplots()
+    pts = curve["points"]
+    if pts:
+        ax.plot(*zip(*pts), "o-", color="C2", label="held-out (simulated) acceptance length")
+        if train_samples:
+            ends = [e * train_samples for e in range(1, int(pts[-1][0] // train_samples) + 1)]
+            for i, x in enumerate(ends):
+                ax.axvline(x, color="gray", ls=":", lw=0.8, label="end of an epoch" if i == 0 else None)
+        ax.set_ylim(1.0, max(y for _, y in pts) * 1.1 + 0.05)  # tau >= 1: the floor is no acceptance at all
+        ax.legend(fontsize=8, loc="upper left")
+    slope = curve["slope_per_doubling"]
+    ax.set(xlabel="training samples seen", ylabel="tokens per verify step",
+           title="Would more data help? " + (f"end slope {slope:+.3f} per doubling: "
+                                             f"{'still rising' if curve['rising'] else 'flat'}" if slope is not None
+                                             else "too few evaluations"))
+    fig.tight_layout()
+    return fig
+
+
 def save_figures(stage_dir: str | Path) -> list[Path]:
-    """Write ``training.png`` (``plot_metrics``) into the stage folder; ``run`` calls it at the end, so a headless
-    run has it. Drawn on a bare Figure: nothing is shown and pyplot's state is untouched."""
+    """Write ``training.png`` (``plot_metrics``) and ``data_curve.png`` (``plot_data_curve``) into the stage
+    folder; ``run`` calls it at the end, so a headless run has them. Drawn on bare Figures: nothing is shown and
+    pyplot's state is untouched."""
     from matplotlib.figure import Figure
 
-    path = Path(stage_dir) / FIGURE
-    fig = plot_metrics(Path(stage_dir), Figure(figsize=(11, 3.6)))
+    stage_dir = Path(stage_dir)
+    path = stage_dir / FIGURE
+    fig = plot_metrics(stage_dir, Figure(figsize=(11, 3.6)))
     fig.savefig(path, dpi=120)
-    return [path]
+    curve = stage_dir / DATA_FIGURE
+    plot_data_curve(stage_dir, train_samples(stage_dir), Figure(figsize=(6.5, 4))).savefig(curve, dpi=120)
+    return [path, curve]
+
+
+def train_samples(stage_dir: str | Path) -> int | None:
+    """The training split's size from metrics.json (None before run wrote it)."""
+    path = Path(stage_dir) / "metrics.json"
+    return json.loads(path.read_text()).get("train_samples") if path.exists() else None
 
 
 def heldout_table(metrics: dict[str, Any]):

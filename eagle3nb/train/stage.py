@@ -157,6 +157,16 @@ def evaluate(objective: TTTObjective, data, batches: list[list[int]], P: TrainPa
 # ---- training -------------------------------------------------------------------------------------
 
 
+def data_seen(plan, lengths: list[int], max_length: int) -> list[dict[str, int]]:
+    """Training samples and tokens seen after each step (index 0: none), for the held-out curve against data."""
+    out = [{"samples_seen": 0, "tokens_seen": 0}]
+    for _, global_mbs in plan:
+        idx = [i for mb in global_mbs for i in mb]
+        out.append({"samples_seen": out[-1]["samples_seen"] + len(idx),
+                    "tokens_seen": out[-1]["tokens_seen"] + sum(min(lengths[i], max_length) for i in idx)})
+    return out
+
+
 def layout(P: TrainParams, meta: dict[str, Any], world: int = 1):
     """(train indices, held-out indices, the step plan, leftover micro-batches) for 02's index."""
     samples = meta["samples"]
@@ -248,6 +258,7 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
                 callback(row)
 
     truncated = sum(1 for i in train_idx if lengths[i] > P.max_length)
+    seen = data_seen(plan, lengths, P.max_length)
     if rank == 0:
         print(f"[03_train] {len(train_idx)} training / {len(held_idx)} held-out samples, {total} steps of "
               f"{per_step} micro-batches ({world} process(es) x grad_accum {P.grad_accum}), device {device}, "
@@ -255,7 +266,8 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
               f"{'resuming at step ' + str(start) if start else 'starting fresh'}", flush=True)
 
     if start == 0:
-        log({"kind": "eval", "step": 0, **evaluate(objective, data, held_batches, P, device, rank, world, targets)})
+        log({"kind": "eval", "step": 0, **seen[0],
+             **evaluate(objective, data, held_batches, P, device, rank, world, targets)})
     tokens, t0 = 0, time.time()
     for step in range(start, total):
         epoch, global_mbs = plan[step]
@@ -291,7 +303,7 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
         done = step + 1 == total
         if (P.eval_every and (step + 1) % P.eval_every == 0) or done:
             ev = evaluate(objective, data, held_batches, P, device, rank, world, targets)
-            log({"kind": "eval", "step": step + 1, **ev})
+            log({"kind": "eval", "step": step + 1, **seen[step + 1], **ev})
             if rank == 0:
                 print(f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
                       f"acceptance length {ev['acceptance_length']:.3f}", flush=True)
@@ -313,6 +325,7 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
         "steps": total, "processes": world, "global_micro_batches": per_step,
         "train_samples": len(train_idx), "heldout_samples": len(held_idx),
         "truncated_samples": truncated, "leftover_micro_batches": dropped,
+        "longest_train_sequence": max((min(lengths[i], P.max_length) for i in train_idx), default=0),
         "tokens_per_s": next((r["tokens_per_s"] for r in reversed(rows) if r["kind"] == "train"), None),
         "final_loss": next((r["loss"] for r in reversed(rows) if r["kind"] == "train"), None),
         "initial_heldout": evals[0] if evals else None, "heldout": evals[-1] if evals else None,
