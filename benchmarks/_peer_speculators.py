@@ -107,7 +107,8 @@ def train(plan: dict) -> dict:
     loader = _setup_dataloader(dataset, plan["total_seq_len"], model.hidden_size, num_workers=0,
                                num_target_layers=3, preprocess=shift_batch, seed=plan["seed"])
     trainer_mod.get_local_rank = lambda: "cpu"  # the trainer moves the model to local_rank (cuda:0 otherwise)
-    if not torch.accelerator.is_available():  # its step timer syncs the accelerator; a CPU has none (and is synchronous)
+    # its step timer syncs the accelerator; a CPU has none (and is synchronous)
+    if not torch.accelerator.is_available():
         torch.accelerator.synchronize = lambda *a, **k: None
     loss_config = resolve_loss_config("kl_div", "eager")
     kwargs = {"ttt_steps": plan["ttt_steps"], "ttt_step_loss_decay": plan["decay"], "loss_config": loss_config}

@@ -48,8 +48,8 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
 
 
 def write_prompts(path: Path, n: int) -> None:
-    path.write_text("".join(json.dumps({"id": f"b{i:05d}", "messages": [{"role": "user", "content": f"What is {i}+{i}?"}]})
-                            + "\n" for i in range(n)))
+    rows = ({"id": f"b{i:05d}", "messages": [{"role": "user", "content": f"What is {i}+{i}?"}]} for i in range(n))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def params(tmp: Path, url: str, n: int, name: str) -> SynthParams:

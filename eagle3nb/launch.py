@@ -70,7 +70,8 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
 
     ``model_dir`` is a Hugging Face folder or ``toy:smoke`` / ``toy:demo`` (built here first if not cached, so
     the build's progress shows in the caller and ``timeout`` covers only the server's start; it is served
-    under that name); ``port=0`` picks a free port. Raises RuntimeError with the end of the server's output if it exits or is not healthy within ``timeout``.
+    under that name); ``port=0`` picks a free port. Raises RuntimeError with the end of the server's output if
+    it exits or is not healthy within ``timeout``.
     """
     port = port or free_port(host)
     model = str(model_dir)

@@ -160,7 +160,8 @@ def test_shape_mismatch_in_checkpoint_is_named(tmp_path):
     save_draft(tiny_draft(), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
-    with pytest.raises(DraftMismatchError, match=r"midlayer\.mlp\.\w+_proj\.weight has shape .* but config.json implies"):
+    with pytest.raises(DraftMismatchError,
+                       match=r"midlayer\.mlp\.\w+_proj\.weight has shape .* but config.json implies"):
         load_draft(tmp_path)
 
 

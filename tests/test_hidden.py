@@ -50,7 +50,8 @@ def write_synth(out: Path, model_dir: Path, n: int = 12, seed: int = 0, extra: t
 def params(synth: Path, out: Path, **kw):
     """The model is the folder the samples were made with (``synth.parent / "model"``: see the fixture), not
     ``toy:smoke``, which names whatever the toy build currently is."""
-    values = {"synth_dir": str(synth), "model_path": str(synth.parent / "model"), "output_dir": str(out), "storage": "fp32",
+    values = {"synth_dir": str(synth), "model_path": str(synth.parent / "model"), "output_dir": str(out),
+              "storage": "fp32",
               "dtype": "float32", "shard_tokens": 200, "tokens_per_batch": 256, "draft_vocab_size": 64, **kw}
     return from_dict("02_hidden_states", values)
 
@@ -360,6 +361,7 @@ def test_compact_storage_halves_bytes_and_keeps_the_training_signal(synth, tmp_p
     assert fp8["total_variation"] < 0.02 and fp8["argmax_agreement"] > 0.97 and fp8["aux_relative_error"] < 0.05, fp8
     # top-k changes the loss target by exactly the probability mass it drops (and nothing else)
     topk = compare_targets(ref, runs["topk"][1])
-    tail = [1 - ref.target_probs(it)[it["loss_mask"].bool()].topk(8).values.sum(-1) for it in (ref[i] for i in range(len(ref)))]
+    items = [ref[i] for i in range(len(ref))]
+    tail = [1 - ref.target_probs(it)[it["loss_mask"].bool()].topk(8).values.sum(-1) for it in items]
     assert abs(topk["total_variation"] - torch.cat(tail).mean().item()) < 0.01, topk
     assert topk["argmax_agreement"] > 0.97 and topk["aux_relative_error"] < 0.05, topk

@@ -21,7 +21,8 @@ def pair(toy_smoke, trained):
     from eagle3nb.synth.stream import Template
 
     target = AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
-    draft = load_draft(trained["out"] / "03_train" / "draft", embed_tokens=target.get_input_embeddings().weight.detach())
+    draft = load_draft(trained["out"] / "03_train" / "draft",
+                       embed_tokens=target.get_input_embeddings().weight.detach())
     return target, draft, Template(toy_smoke, thinking=True).end_id
 
 

@@ -118,7 +118,8 @@ def test_reasoning_from_every_field():
     assert extract(msg(content="4", reasoning="2+2=4")) == ("2+2=4", "4", "reasoning")
     assert extract(msg(content="4", reasoning_content="2+2=4")) == ("2+2=4", "4", "reasoning_content")
     assert extract(msg(content="4", reasoning=None, reasoning_content="r")) == ("r", "4", "reasoning_content")
-    assert extract(msg(content=f"{THINK_START}2+2=4{THINK_END}The answer is 4.")) == ("2+2=4", "The answer is 4.", "inline")
+    got = extract(msg(content=f"{THINK_START}2+2=4{THINK_END}The answer is 4."))
+    assert got == ("2+2=4", "The answer is 4.", "inline")
     assert extract(msg(content=f"{THINK_START}{THINK_END}4")) == (None, "4", "none")
     assert extract({"content": "4"}) == (None, "4", "none")
 
@@ -158,7 +159,8 @@ def test_server_ids_are_used_and_compared_with_the_template(tpl):
     s = build(tpl, messages, "two plus two", "4", "stop", prompt_ids, odd)
     assert s["input_ids"] == prompt_ids + odd and s["ids_match"] is False
     # a server that leaves the sampled end-of-turn out of token_ids still gets it in the stream
-    assert build(tpl, messages, "two plus two", "4", "stop", prompt_ids, completion_ids[:-1])["input_ids"] == ref["input_ids"]
+    got = build(tpl, messages, "two plus two", "4", "stop", prompt_ids, completion_ids[:-1])
+    assert got["input_ids"] == ref["input_ids"]
 
 
 def test_story_bug_naive_concatenation_is_not_the_stream(tpl):
@@ -215,7 +217,8 @@ def test_changed_settings_are_refused_unless_forced(tmp_path):
     with pytest.raises(ParamsError, match=r"temperature: 0.7 -> 1.0.*force: true"):
         check_run_config(tmp_path, {**cfg, "temperature": 1.0}, force=False)
     check_run_config(tmp_path, {**cfg, "temperature": 1.0}, force=True)
-    assert json.loads((tmp_path / "run_config.json").read_text())["forced_changes"][0]["changed"]["temperature"] == [0.7, 1.0]
+    forced = json.loads((tmp_path / "run_config.json").read_text())["forced_changes"]
+    assert forced[0]["changed"]["temperature"] == [0.7, 1.0]
 
 
 # ---------------------------------------------------------------- the client against faults, over real HTTP

@@ -85,7 +85,8 @@ def test_reasoning_content_field_with_server_ids(tmp_path, servers, tpl, toy_smo
             assert r["ids_match"] is (rendered == r["input_ids"])
         elif tpl.think_ids[1] not in completion:
             assert r["ids_match"] is False  # the template would invent a </think> the model never wrote
-    assert formed >= 1, "the toy target wrote no well-formed <think>..</think>..<|im_end|> answer: its training regressed"
+    assert formed >= 1, ("the toy target wrote no well-formed <think>..</think>..<|im_end|> answer: "
+                         "its training regressed")
     ok = [r for r in rows if r["status"] == "ok"]
     assert m["ids_compared"] == len(ok) and m["ids_mismatch"] == sum(r["ids_match"] is False for r in ok)
 
@@ -114,7 +115,8 @@ def test_thinking_off_and_probe(tmp_path, servers, tpl, toy_smoke):
     assert set(p["raw"]) == {"reasoning", "reasoning_content", "content"} and p["raw"]["reasoning_content"] is None
     assert p["raw"]["reasoning"] is not None and p["reasoning_from"] == "reasoning"
     assert p["token_source"] == "server"
-    assert p["prompt"].endswith("<|im_user|>user<|im_middle|>What is 2+2?<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert p["prompt"].endswith("<|im_user|>user<|im_middle|>What is 2+2?<|im_end|>"
+                                "<|im_assistant|>assistant<|im_middle|>")
     assert p["completion"].startswith(THINK_START) and THINK_START not in p["naive_concatenation"]
 
 

@@ -45,7 +45,8 @@ def completion_ids(model, prompt_ids: list[int], sample: bool = False, seed: int
 
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt_ids]),
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              max_new_tokens=120, do_sample=sample, temperature=1.0 if sample else None, top_p=None,
                              top_k=None)
     return out[0, len(prompt_ids):].tolist()
@@ -131,7 +132,8 @@ def test_greedy_answers_are_structured(model, tok):
     for p in probs:
         ids = ids_of(tok, [{"role": "user", "content": p["question"]}], add_generation_prompt=True)
         m = REPLY.fullmatch(tok.decode(completion_ids(model, ids), skip_special_tokens=False))
-        structured += bool(m and m.group(1).strip() and m.group(2).strip() and THINK_START not in m.group(1) + m.group(2))
+        structured += bool(m and m.group(1).strip() and m.group(2).strip()
+                           and THINK_START not in m.group(1) + m.group(2))
     assert structured >= len(probs) - 2, f"{structured}/{len(probs)} held-out answers in <think>..</think>answer form"
 
 
@@ -206,7 +208,8 @@ def test_same_seed_same_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(toy_build, "SAMPLE_TOKENS", 8)
 
     def weights(out: Path) -> str:
-        return hashlib.sha256((toy_build.build(out, size="tiny", seed=seed) / "model.safetensors").read_bytes()).hexdigest()
+        weights = toy_build.build(out, size="tiny", seed=seed) / "model.safetensors"
+        return hashlib.sha256(weights.read_bytes()).hexdigest()
 
     seed = 0
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")

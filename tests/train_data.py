@@ -23,7 +23,8 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
     for k in range(n):
         d = dialogues.dialogue(rng, "train")
         kw = {"thinking": d["thinking"]}
-        reply = {"role": "assistant", "content": d["answer"], "reasoning_content": d["reasoning"] if d["thinking"] else ""}
+        reply = {"role": "assistant", "content": d["answer"],
+                 "reasoning_content": d["reasoning"] if d["thinking"] else ""}
         prompt = tok.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True, **kw)
         full = tok.apply_chat_template(d["messages"] + [reply], tokenize=False, **kw)
         ids = tok.encode(full, add_special_tokens=False)

@@ -41,7 +41,8 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0
         "02_hidden_states": {"model_path": model_dir, "synth_dir": out / "01_synth", "max_length": 512,
                              "output_dir": out / "02_hidden_states"},
         "03_train": {"data_dir": out / "02_hidden_states", "output_dir": out / "03_train", "max_length": 512,
-                     "batch_tokens": 2048, "max_steps": TRAIN_STEPS, "lr": 5e-3, "eval_every": 0, "save_every": 1000, "seed": seed},
+                     "batch_tokens": 2048, "max_steps": TRAIN_STEPS, "lr": 5e-3, "eval_every": 0, "save_every": 1000,
+                     "seed": seed},
         "04_acceptance": {"model_path": model_dir, "draft_dir": out / "03_train" / "draft",
                           "data_dir": out / "02_hidden_states", "output_dir": out / "04_acceptance"},
     }

@@ -351,9 +351,10 @@ def check_export(w: World) -> str:
     trained = torch.load(last, map_location="cpu", weights_only=False)["model"]
     loaded = load_draft(res["draft_dir"], device=GPU).state_dict()
     bad = [k for k, v in trained.items() if not torch.equal(loaded[k].cpu(), v.cpu())]
+    sglang = (Path(res["sglang_draft_dir"]) / "config.json").exists()
     measured = (f"{len(trained)} tensors of {last.name} vs load_draft(device='cuda'): {len(bad)} differ; "
-                f"SGLang copy {'written' if (Path(res['sglang_draft_dir']) / 'config.json').exists() else 'MISSING'}")
-    return expect(not bad and (Path(res["sglang_draft_dir"]) / "config.json").exists(), measured + (f" ({bad[:3]})" if bad else ""),
+                f"SGLang copy {'written' if sglang else 'MISSING'}")
+    return expect(not bad and sglang, measured + (f" ({bad[:3]})" if bad else ""),
                   "export in eagle3nb/train/stage.py must write exactly the trained weights (draft.to('cpu') first)")
 
 
@@ -388,8 +389,8 @@ def check_draft_sanity(w: World) -> str:
     data_dir = w.data()["cpu-fp32"]
     run = w.work / "doctor-run"
     run.mkdir(exist_ok=True)
-    (run / "03_train.yaml").write_text(yaml.safe_dump({"data_dir": str(data_dir), "output_dir": str(w.work / "03-served"),
-                                                      "holdout_fraction": 0.2}))
+    (run / "03_train.yaml").write_text(yaml.safe_dump({"data_dir": str(data_dir), "holdout_fraction": 0.2,
+                                                      "output_dir": str(w.work / "03-served")}))
     (run / "04_acceptance.yaml").write_text(yaml.safe_dump({"model_path": str(w.toy), "draft_dir": str(w.draft_dir),
                                                            "data_dir": str(data_dir)}))
     result = next(r for r in run_checks(run, "04") if r.name == "draft_sanity")
@@ -514,7 +515,8 @@ def check_vllm_hidden_states(w: World) -> str:
 
     d = w.data()
     L = json.loads((w.toy / "config.json").read_text())["num_hidden_layers"]
-    with start_gpu_vllm(w, "extract", layer_ids=[*default_aux_layer_ids(L), L], storage_dir=w.work / "vllm-hidden") as h:
+    layer_ids = [*default_aux_layer_ids(L), L]
+    with start_gpu_vllm(w, "extract", layer_ids=layer_ids, storage_dir=w.work / "vllm-hidden") as h:
         extract(from_dict("02_hidden_states", {"synth_dir": str(d["synth"]), "model_path": str(w.toy),
                                                "backend": "vllm", "vllm_url": h.url, "storage": "fp32",
                                                "output_dir": str(w.work / "02-vllm"), "run_name": "gpu-check"}))

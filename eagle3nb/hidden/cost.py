@@ -46,5 +46,6 @@ def storage_cost(P: HiddenParams, samples: int = 16, storages: tuple[str, ...] =
     for s in storages:
         c = compare_targets(runs["bf16"][1], runs[s][1])
         rows.append({"storage": s, "bytes/token": runs[s][0]["bytes_per_token"],
-                     "vs bf16": runs[s][0]["bytes_per_token"] / bf16, **{k: v for k, v in c.items() if k != "positions"}})
+                     "vs bf16": runs[s][0]["bytes_per_token"] / bf16,
+                     **{k: v for k, v in c.items() if k != "positions"}})
     return pd.DataFrame(rows)

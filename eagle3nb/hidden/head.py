@@ -108,7 +108,8 @@ class TargetHead:
     """The target's ``lm_head`` (and final norm) on one device, with the draft vocabulary's rows gathered,
     to turn final states into the loss target: draft-vocab logits and the full-vocab argmax."""
 
-    def __init__(self, lm_head: "torch.Tensor", draft_target_ids: "torch.Tensor", norm_weight: "torch.Tensor | None" = None,
+    def __init__(self, lm_head: "torch.Tensor", draft_target_ids: "torch.Tensor",
+                 norm_weight: "torch.Tensor | None" = None,
                  eps: float = 1e-6, device: "str | torch.device" = "cpu", chunk_tokens: int = 1024):
         import torch
 

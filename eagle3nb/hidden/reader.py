@@ -74,7 +74,8 @@ class HiddenStates:
         try:
             raw = {k: f.get_tensor(f"{s['index']}.{k}") for k in FIELDS[self.storage]}
         except Exception as e:  # a damaged file surfaces here as a safetensors error
-            raise ShardError(f"{self.dir / s['shard']}: cannot read sample {s['id']} ({e}); rerun 02_hidden_states") from None
+            raise ShardError(f"{self.dir / s['shard']}: cannot read sample {s['id']} ({e}); "
+                             "rerun 02_hidden_states") from None
         return {"id": s["id"], "input_ids": raw["input_ids"].long(), "loss_mask": raw["loss_mask"].long(),
                 "category": s.get("category"), **decode(raw, self.storage)}
 

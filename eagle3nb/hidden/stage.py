@@ -135,7 +135,8 @@ def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
         return resumed
     old = json.loads(path.read_text())
     if old.get("config") != config:
-        diff = sorted(k for k in set(config) | set(old.get("config", {})) if config.get(k) != old.get("config", {}).get(k))
+        before = old.get("config", {})
+        diff = sorted(k for k in set(config) | set(before) if config.get(k) != before.get(k))
         if not P.force:
             raise HiddenStatesError(
                 f"{stage_dir} holds hidden states made with other settings ({', '.join(diff)} differ). Choose another "
@@ -193,7 +194,8 @@ class TransformersSource:
 
     def __init__(self, P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]):
         self.model = load_target(model_dir, P.dtype, trust_remote_code=P.trust_remote_code)
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        cfg = self.model.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         if cfg.num_hidden_layers != info["num_layers"] or cfg.hidden_size != info["hidden_size"]:
             raise HiddenStatesError(f"{model_dir}: loaded model shape differs from its config.json")
         self.layer_ids, self.tokens_per_batch = layer_ids, P.tokens_per_batch
@@ -281,7 +283,8 @@ def run(P: HiddenParams) -> dict:
     if todo:
         source = (VllmSource(P, info, layer_ids, head) if P.backend == "vllm"
                   else TransformersSource(P, model_dir, info, layer_ids))
-        print(f"{len(todo)} of {len(shards)} shards to compute ({resume['resumed_shards']} already on disk)", flush=True)
+        print(f"{len(todo)} of {len(shards)} shards to compute ({resume['resumed_shards']} already on disk)",
+              flush=True)
         writer = ThreadPoolExecutor(1)
         pending: tuple[dict, Future] | None = None
 

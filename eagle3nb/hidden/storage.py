@@ -75,7 +75,8 @@ def dequantize_fp8(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
     return q.float() * scale.float()
 
 
-def encode(aux: "torch.Tensor", final: "torch.Tensor", storage: str, head=None, topk: int = 32) -> dict[str, "torch.Tensor"]:
+def encode(aux: "torch.Tensor", final: "torch.Tensor", storage: str, head=None, topk: int = 32,
+           ) -> dict[str, "torch.Tensor"]:
     """Stored tensors for a batch: ``aux`` [..., n, H] and the normed ``final`` [..., H] -> name -> tensor
     (leading dims kept, on the input's device). ``topk`` needs ``head`` (a :class:`TargetHead`)."""
     import torch
@@ -97,7 +98,8 @@ def encode(aux: "torch.Tensor", final: "torch.Tensor", storage: str, head=None, 
         k = min(topk, logp.shape[-1])
         vals, ids = logp.topk(k, dim=-1)
         id_dtype = torch.int16 if draft_id_bytes(logp.shape[-1]) == 2 else torch.int32
-        return {**out, "topk_ids": ids.to(id_dtype), "topk_logp": vals.to(torch.float16), "argmax": argmax.to(torch.int32)}
+        return {**out, "topk_ids": ids.to(id_dtype), "topk_logp": vals.to(torch.float16),
+                "argmax": argmax.to(torch.int32)}
     raise ValueError(f"unknown storage {storage!r}: use one of {', '.join(STORAGES)}")
 
 

@@ -104,7 +104,8 @@ class Server:
         limit = self.engine.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
-                                f"{prompt_len} input tokens. Please reduce the length of the input.", param=prompt_param)
+                                f"{prompt_len} input tokens. Please reduce the length of the input.",
+                           param=prompt_param)
         if max_tokens is not None and prompt_len + max_tokens > limit:
             raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
                                 f"maximum context length is {limit} tokens and your request has {prompt_len} input "

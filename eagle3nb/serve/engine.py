@@ -119,7 +119,8 @@ class Request:
         self.aborted = False
         self.counted = 0  # output tokens already added to the generation counter
         self.generator = torch.Generator()
-        self.generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big"))
+        seed = params.seed if params.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "big")
+        self.generator.manual_seed(seed)
 
 
 def sample_next(logits: torch.Tensor, reqs: list[Request]) -> list[int]:

@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 FAULTS = ("500", "503", "429", "timeout", "drop", "malformed", "nochoice", "400")
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests",
+           500: "Internal Server Error",
            503: "Service Unavailable"}
 
 

@@ -144,8 +144,9 @@ class Session:
                             return_token_ids=P.return_token_ids)
 
             try:
-                resp, attempts, err = await with_retries(call, max_retries=P.max_retries, backoff_s=P.retry_backoff_s,
-                                                         in_flight=self.in_flight, endpoint_for_attempt=self.next_endpoint)
+                resp, attempts, err = await with_retries(
+                    call, max_retries=P.max_retries, backoff_s=P.retry_backoff_s, in_flight=self.in_flight,
+                    endpoint_for_attempt=self.next_endpoint)
             except FatalServerError as e:
                 self.stop(e)
                 return

@@ -35,7 +35,8 @@ class Template:
             raise StreamError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - any loader failure means the same fix
             raise StreamError(f"cannot load the tokenizer from {model_dir} ({type(e).__name__}: {e}); point "
-                              f"model_path at the target's Hugging Face folder (tokenizer files + chat template)") from None
+                              "model_path at the target's Hugging Face folder (tokenizer files + chat template)",
+                              ) from None
         if not self.tokenizer.chat_template:
             raise StreamError(f"{model_dir} has no chat template (tokenizer_config.json 'chat_template' or "
                               f"chat_template.jinja); the training stream must use the target's own template")

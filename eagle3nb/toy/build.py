@@ -35,7 +35,8 @@ TRAIN_VERSION = 3  # bump when the training code below changes the weights (the 
 MARKER = "toy_build.json"
 # The tokenizer and dialogue code as loaded now (read at import, so a long-lived process that imported older
 # code never files its build under the key of newer code on disk).
-SOURCE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / f).read_bytes() for f in ["tokenizer.py", "dialogues.py"]))
+SOURCE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / f).read_bytes()
+                                      for f in ["tokenizer.py", "dialogues.py"]))
 
 
 def settings_hash(size: str, seed: int) -> str:
@@ -145,7 +146,8 @@ def train(out: Path, size: str, seed: int) -> dict:
         opt.zero_grad(set_to_none=True)
         if time.time() - last > 15 or step == s["steps"] - 1:
             last = time.time()
-            print(f"toy {size}: step {step + 1}/{s['steps']} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"toy {size}: step {step + 1}/{s['steps']} loss {loss.item():.3f} ({time.time() - t0:.0f}s)",
+                  flush=True)
     model.eval()
     report = {"size": size, "seed": seed, "settings": s, "heldout_loss": heldout_loss(model, tokenizer, seed),
               "train_seconds": round(time.time() - t0, 1)}
