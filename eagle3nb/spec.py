@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from eagle3nb.formulas import summarize_counts
+from eagle3nb.layers import default_aux_layer_ids
 
 
 @dataclass
@@ -266,8 +267,6 @@ class SpecDecoder:
     default (2, L//2, L-3), which is what vLLM would use for a draft config without ids."""
 
     def __init__(self, target, draft, k: int = 3, layer_ids: Sequence[int] | None = None):
-        from eagle3nb.layers import default_aux_layer_ids
-
         if k < 1:
             raise ValueError(f"k (num_speculative_tokens) must be >= 1, got {k}")
         self.target, self.draft, self.k = target.eval(), draft.eval(), k
