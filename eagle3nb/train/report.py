@@ -4,6 +4,7 @@ acceptance length, live (``LivePlot``) or after (``plot_metrics``, ``training.pn
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,6 @@ def data_curve(rows: list[dict[str, Any]] | str | Path, train_samples: int | Non
     it still rises at the end: the slope over the last third of the points (at least two) in tokens per verify
     step gained per doubling of the samples seen. Samples seen count repeats after the first epoch
     (``train_samples``), which teach less than new data would."""
-    import math
-
     if not isinstance(rows, list):
         rows = read_metrics(Path(rows))
     pts = [(r["samples_seen"], r["acceptance_length"]) for r in rows if r["kind"] == "eval" and "samples_seen" in r]

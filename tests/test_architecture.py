@@ -1,0 +1,176 @@
+"""The package's shape, kept by tests: layers that only import downward, no import cycle (imports inside
+functions count), the same roles in every stage package, and docs that name only paths that exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "eagle3nb"
+STAGES = ("synth", "hidden", "train", "accept")
+CORE = ("paths", "params", "progress", "formulas", "tokens", "layers", "draft", "spec", "vllm_config", "hf", "launch",
+        "stage_cli", "toy", "tokenview")
+TOP = ("serve", "doctor", "run", "cli", "__main__")
+# Third-party packages a module may import inside a function: heavy ones, kept off the CLI's start-up path.
+HEAVY = {"torch", "transformers", "safetensors", "fastapi", "uvicorn", "matplotlib", "pandas", "numpy", "openai",
+         "httpx", "papermill", "nbformat", "nbconvert", "pyarrow", "datasets", "IPython", "ipywidgets", "tqdm",
+         "accelerate", "scipy", "jinja2", "tokenizers", "psutil"}
+LIGHT_AT_START = {"tqdm", "psutil"}  # the runner's progress bars and process checks: milliseconds to import
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+MODULES = modules()
+
+
+def _target(name: str) -> str:
+    """The deepest module of ours an import names (``eagle3nb.x.y.func`` -> ``eagle3nb.x.y``)."""
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in MODULES else ""
+
+
+def imports(name: str) -> list[tuple[str, bool]]:
+    """(imported module of ours or third-party top name, inside a function?) for every import in a module."""
+    tree = ast.parse(MODULES[name].read_text())
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_func: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, in_func) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                for a in child.names:
+                    full = f"{child.module}.{a.name}"
+                    found.append((full if full in MODULES else child.module, in_func))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def layer(name: str) -> str:
+    first = name.split(".")[1] if "." in name else ""
+    if first in CORE:
+        return "core"
+    if first in STAGES:
+        return "stage"
+    if first in TOP:
+        return "top"
+    return "unplaced"
+
+
+def graph() -> dict[str, set[str]]:
+    return {m: {t for imp, _ in imports(m) if imp.startswith("eagle3nb") and (t := _target(imp)) and t != m}
+            for m in MODULES}
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if m != "eagle3nb" and layer(m) == "unplaced"] == []
+
+
+def test_nothing_imports_upward():
+    order = {"core": 0, "stage": 1, "top": 2}
+    bad = []
+    for m, deps in graph().items():
+        if m == "eagle3nb":
+            continue
+        for d in deps:
+            if d != "eagle3nb" and order[layer(d)] > order[layer(m)]:
+                bad.append(f"{m} ({layer(m)}) imports {d} ({layer(d)})")
+            elif layer(m) == layer(d) == "stage" and STAGES.index(d.split(".")[1]) > STAGES.index(m.split(".")[1]):
+                bad.append(f"{m} imports a later stage: {d}")
+    assert bad == []
+
+
+def test_no_import_cycles():
+    g = graph()
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in g:
+        if v not in index:
+            strong(v)
+    assert cycles == []
+
+
+def heavy_modules() -> set[str]:
+    """Our modules whose import loads a heavy package (directly or through our modules they import at the top)."""
+    top = {m: {i for i, in_func in imports(m) if not in_func} for m in MODULES}
+    heavy = {m for m, deps in top.items() if any(d.split(".")[0] in HEAVY for d in deps)}
+    while True:
+        more = {m for m, deps in top.items() if m not in heavy and any(_target(d) in heavy for d in deps)}
+        if not more:
+            return heavy
+        heavy |= more
+
+
+def test_imports_inside_functions_are_heavy_only():
+    """A function-level import defers a heavy package (torch, transformers, ...) or one of our modules that
+    loads one, so the command line starts fast; anything else belongs at the top, where a reader looks."""
+    heavy = heavy_modules()
+    bad = [f"{m}: {imp}" for m in MODULES for imp, in_func in imports(m)
+           if in_func and imp.split(".")[0] not in HEAVY and _target(imp) not in heavy]
+    assert bad == []
+
+
+def test_the_command_line_starts_without_heavy_packages():
+    """`eagle3nb status` and `--help` stay instant: building the parser loads no torch, transformers, ..."""
+    code = ("import sys; from eagle3nb.cli import build_parser; build_parser(); "
+            f"print(sorted(m for m in {sorted(HEAVY - LIGHT_AT_START)!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_packages_share_one_shape(stage):
+    folder = PKG / stage
+    for role in ("__init__.py", "__main__.py", "params.py", "stage.py", "report.py"):
+        assert (folder / role).exists(), f"eagle3nb/{stage}/{role}"
+    tree = ast.parse((folder / "stage.py").read_text())
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body), f"{stage}/stage.py: run(P)"
+    main = (folder / "__main__.py").read_text()
+    assert "from eagle3nb.stage_cli import main" in main
+    assert len((folder / "__init__.py").read_text().splitlines()) <= 15
+
+
+def test_architecture_doc_names_only_paths_that_exist():
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`((?:eagle3nb|notebooks|params|tests|benchmarks|tools|docs)/[\w./-]*)`", doc))
+    assert named, "ARCHITECTURE.md names no paths"
+    missing = sorted(p for p in named if not (ROOT / p.rstrip("/")).exists())
+    assert missing == []
