@@ -69,7 +69,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from eagle3nb.hidden.capture import load_target
-    from eagle3nb.hidden.stage import prepare_samples, run as extract
+    from eagle3nb.hidden.stage import prepare_samples
+    from eagle3nb.hidden.stage import run as extract
     from eagle3nb.hidden.storage import STORAGES, bytes_per_token
     from eagle3nb.params import from_dict
 

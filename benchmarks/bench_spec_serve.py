@@ -6,8 +6,9 @@ Two ``eagle3nb serve`` processes on the same target, one with ``--draft``; at ea
 requests (toy held-out questions) go to the plain one and then the speculative one, twice, alternating, so
 machine noise hits both alike. The speculative engine batches every running request's round (one target pass
 verifies all their drafts), so the goal is spec/plain >= 1.0 at concurrency 4 and 8, as vLLM would show; the
-outputs must be the plain server's token for token. tau: acceptance length from the server's own /metrics. The draft: ``--draft``, else outputs/demo/03_train/draft,
-else one trained here on the target's greedy answers (bench_spec.quick_draft, cached in .cache/).
+outputs must be the plain server's token for token. tau: acceptance length from the server's own /metrics.
+The draft: ``--draft``, else outputs/demo/03_train/draft, else one trained here on the target's greedy answers
+(bench_spec.quick_draft, cached in .cache/).
 """
 
 from __future__ import annotations

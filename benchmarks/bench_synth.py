@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
 os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
 
+from eagle3nb.synth.client import base_url  # noqa: E402
 from eagle3nb.synth.params import SynthParams  # noqa: E402
 from eagle3nb.synth.stage import run  # noqa: E402
-from eagle3nb.synth.client import base_url  # noqa: E402
 from eagle3nb.toy import resolve_model_path  # noqa: E402
 
 CONCURRENCY = 128

@@ -279,7 +279,8 @@ class SpecDecoder:
                              "draft's eagle_aux_hidden_state_layer_ids (eagle3nb doctor: layer_ids)")
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft maps onto a vocabulary of {draft.config.vocab_size} tokens but the target "
-                             f"has {target.config.vocab_size}: wrong target for this draft (eagle3nb doctor: shapes_vocab)")
+                             f"has {target.config.vocab_size}: wrong target for this draft "
+                             "(eagle3nb doctor: shapes_vocab)")
         self.device = target.device
         self.d2t_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
         self.d2t_ids = self.d2t_ids.to(self.device)

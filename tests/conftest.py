@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from worlds import SEED
 
 ROOT = Path(__file__).resolve().parents[1]

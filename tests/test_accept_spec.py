@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from worlds import SEED
-
 from eagle3nb.params import from_dict
+
+from worlds import SEED
 
 MAX_NEW = 40
 N_PROMPTS = 16

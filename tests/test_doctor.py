@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from worlds import write_run
 
 from eagle3nb.cli import main
-from eagle3nb.doctor import CHECKS, FAIL, PASS, WARN, STAGE_CHECKS, check_stage, render, run_checks
+from eagle3nb.doctor import CHECKS, FAIL, PASS, STAGE_CHECKS, WARN, check_stage, render, run_checks
 from eagle3nb.doctor.context import STREAM_PROBES
 from eagle3nb.synth.faults import FaultServer
+
+from worlds import write_run
 
 
 def by_name(report) -> dict:

@@ -8,8 +8,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3nb.draft import (DraftCache, DraftMismatchError, Eagle3Config, Eagle3Draft, TTTCache, check_fits,
-                            load_draft, save_draft)
+from eagle3nb.draft import (
+    DraftCache,
+    DraftMismatchError,
+    Eagle3Config,
+    Eagle3Draft,
+    TTTCache,
+    check_fits,
+    load_draft,
+    save_draft,
+)
 
 H, V, VD, T = 32, 50, 20, 12
 

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from eagle3nb.params import (NOTEBOOKS, STAGES, ParamsError, from_dict, load_yaml, parameters_cell, run_params,
-                             schema_for)
+from eagle3nb.params import (
+    NOTEBOOKS,
+    STAGES,
+    ParamsError,
+    from_dict,
+    load_yaml,
+    parameters_cell,
+    run_params,
+    schema_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

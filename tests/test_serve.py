@@ -344,7 +344,10 @@ def test_metrics_counters_move(server, toy_smoke):
     before = scrape()
     r = chat(server, toy_smoke, questions(1, seed=9)[0], max_tokens=16)
     after = scrape()
-    key = lambda m, extra="": f'{m}{{model_name="{name}"{extra}}}'
+
+    def key(metric: str, extra: str = "") -> str:
+        return f'{metric}{{model_name="{name}"{extra}}}'
+
     assert after[key("vllm:prompt_tokens_total")] - before[key("vllm:prompt_tokens_total")] == r.usage.prompt_tokens
     assert (after[key("vllm:generation_tokens_total")] - before[key("vllm:generation_tokens_total")]
             == r.usage.completion_tokens)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from eagle3nb.params import ParamsError, from_dict
-from eagle3nb.synth.params import SynthParams
-from eagle3nb.synth.stage import SynthError, probe, run
 from eagle3nb.synth.faults import FaultServer
+from eagle3nb.synth.params import SynthParams
 from eagle3nb.synth.prompts import PromptsError, load_prompts
 from eagle3nb.synth.reasoning import extract
+from eagle3nb.synth.stage import SynthError, probe, run
 from eagle3nb.synth.store import SampleWriter, check_run_config, latest, load_samples, sample_files
 from eagle3nb.synth.stream import Template, build, naive_text
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START

@@ -115,10 +115,10 @@ def test_records_from_real_vllm_equal_our_template_rendering(vllm, toy_smoke, tm
 
 
 def test_doctor_passes_with_the_parser_and_fails_without_it(vllm, toy_smoke, tmp_path):
-    from worlds import write_run
-
     from eagle3nb.doctor import FAIL, PASS, run_checks
     from eagle3nb.synth.stage import SynthError, run
+
+    from worlds import write_run
 
     def checks(url: str, name: str) -> dict:
         folder = write_run(tmp_path / name, {"01_synth": {"model_path": toy_smoke, "vllm_url": url,
@@ -138,9 +138,9 @@ def test_doctor_passes_with_the_parser_and_fails_without_it(vllm, toy_smoke, tmp
 
 
 def test_doctor_reads_the_engine_version(vllm, toy_smoke, tmp_path):
-    from worlds import write_run
-
     from eagle3nb.doctor import run_checks
+
+    from worlds import write_run
 
     folder = write_run(tmp_path / "run", {"01_synth": {"model_path": toy_smoke, "vllm_url": vllm["plain"].url,
                                                         "max_completion_tokens": 96}})
@@ -186,10 +186,10 @@ def test_embedded_server_answers_like_vllm(vllm, embedded):
 # -- 02: extract_hidden_states through the real connector --------------------------------------------------------
 
 def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
-    from test_hidden import params, write_synth
-
     from eagle3nb.hidden.reader import HiddenStates
     from eagle3nb.hidden.stage import run
+
+    from test_hidden import params, write_synth
 
     shutil.copytree(toy_smoke, tmp_path / "model")
     synth = write_synth(tmp_path / "synth", tmp_path / "model", n=6)
@@ -249,10 +249,10 @@ def test_vllm_serves_our_exports_with_the_acceptance_measured_locally(spec_serve
 
 
 def test_04_online_rows_read_the_real_metrics(spec_servers, drafts, toy_smoke, trained, tmp_path):
-    from worlds import write_run
-
     from eagle3nb.accept.online import run_online
     from eagle3nb.params import from_dict, run_params
+
+    from worlds import write_run
 
     stages = {"04_acceptance": {**trained["stages"]["04_acceptance"], "output_dir": tmp_path / "04",
                                 "endpoints": [{"label": "vllm", "url": spec_servers["plain"].base_url},

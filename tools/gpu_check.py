@@ -433,8 +433,8 @@ def check_spec_decoding(w: World) -> str:
 
 
 def check_embedded_server(w: World) -> str:
-    from eagle3nb.params import from_dict
     from eagle3nb.launch import start_server
+    from eagle3nb.params import from_dict
     from eagle3nb.synth.stage import run
     from eagle3nb.synth.store import load_samples
 

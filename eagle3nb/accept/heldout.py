@@ -34,6 +34,7 @@ def greedy_hidden_states(model_dir: Path, prompts: str, n: int, max_new_tokens: 
     synth.mkdir(parents=True, exist_ok=True)
     (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     extract_hidden_states(from_dict("02_hidden_states", {
-        "synth_dir": str(synth), "model_path": str(model_dir), "output_dir": str(Path(out_dir) / "02"), "storage": "fp32",
+        "synth_dir": str(synth), "model_path": str(model_dir), "output_dir": str(Path(out_dir) / "02"),
+        "storage": "fp32",
         "draft_vocab_size": draft_vocab_size, "run_name": "heldout"}))
     return Path(out_dir) / "02"

@@ -41,7 +41,8 @@ def breakdown_table(offline: dict[str, Any], by: str = "by_segment"):
     rows = []
     for name, b in (offline.get(by) or {}).items():
         row = {by.removeprefix("by_"): name, "positions": b["greedy"]["positions"],
-               "alpha_1 greedy": b["greedy"]["per_position"][0], f"tau(k={offline['k']}) greedy": b["greedy"]["acceptance_length"]}
+               "alpha_1 greedy": b["greedy"]["per_position"][0],
+               f"tau(k={offline['k']}) greedy": b["greedy"]["acceptance_length"]}
         if b.get("sampled"):
             row[f"alpha_1 T={offline['temperature']}"] = b["sampled"]["per_position"][0]
             row[f"tau(k={offline['k']}) T={offline['temperature']}"] = b["sampled"]["acceptance_length"]
@@ -93,7 +94,8 @@ def acceptance_by_source(metrics: dict[str, Any]):
         if r.get("acceptance_length") is None or r["endpoint"] in seen:
             continue
         seen.add(r["endpoint"])
-        rows.append({"source": f"{r['endpoint']} ({r.get('metrics_engine') or 'server'} counters, c={r['concurrency']})",
+        engine = r.get("metrics_engine") or "server"
+        rows.append({"source": f"{r['endpoint']} ({engine} counters, c={r['concurrency']})",
                      "acceptance_length": r["acceptance_length"],
                      **{f"alpha_{i + 1}": a for i, a in enumerate((r.get("per_position") or [])[:k])}})
     return pd.DataFrame(rows).set_index("source")

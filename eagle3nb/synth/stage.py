@@ -19,12 +19,22 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from eagle3nb.launch import start_server
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
-from eagle3nb.launch import start_server
 from eagle3nb.synth import report
-from eagle3nb.synth.client import (Endpoint, FatalServerError, GaveUp, InFlight, chat, connect, request_seed, retried,
-                                   run_sync, with_retries)
+from eagle3nb.synth.client import (
+    Endpoint,
+    FatalServerError,
+    GaveUp,
+    InFlight,
+    chat,
+    connect,
+    request_seed,
+    retried,
+    run_sync,
+    with_retries,
+)
 from eagle3nb.synth.params import STAGE, SynthParams
 from eagle3nb.synth.prompts import load_prompts
 from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
