@@ -19,9 +19,11 @@ class ResumeMismatch(StageError, ValueError):
     """The checkpoint to resume from was made with other settings; the message names them and the ways out."""
 
 
-def run_config(P: TrainParams, world: int) -> dict[str, Any]:
-    """The settings a resumed run must share with the run it continues."""
+def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings a resumed run must share with the run it continues (``source``: an online or hybrid data
+    source's own settings, which change the data as much as data_dir does)."""
     cfg = {k: getattr(P, k) for k in CURVE_KEYS}
+    cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
     cfg["global_micro_batches"] = P.grad_accum * world
     return cfg

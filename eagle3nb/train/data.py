@@ -54,6 +54,17 @@ def schedule(train_idx: list[int], lengths: list[int], *, batch_tokens: int, max
     return steps, dropped
 
 
+def layout(P, meta: dict[str, Any], world: int = 1):
+    """(train indices, held-out indices, the step plan, leftover micro-batches) for 02's index (or the online
+    source's, which lists the same samples in the same order)."""
+    samples = meta["samples"]
+    lengths = [int(s["length"]) for s in samples]
+    train_idx, held_idx = split_holdout([s["id"] for s in samples], P.holdout_fraction)
+    plan, dropped = schedule(train_idx, lengths, batch_tokens=P.batch_tokens, max_length=P.max_length,
+                             seed=P.seed, per_step=P.grad_accum * world, epochs=P.epochs, max_steps=P.max_steps)
+    return train_idx, held_idx, plan, dropped
+
+
 class DeviceTargets:
     """The loss targets of ``HiddenStates.target_probs`` / ``target_argmax``, computed on the training device
     from the stored final state. On CPU per sample they would dominate a big run (Kimi's argmax alone is
@@ -83,7 +94,8 @@ def collate(data: Any, indices: list[int], max_length: int, device: torch.device
     """Right-padded batch of samples ``indices`` from a ``HiddenStates``. Padding never needs an attention
     mask (causal attention never looks right) and has loss mask 0."""
     targets = targets or DeviceTargets(data, device)
-    items = [data[i] for i in indices]
+    # a source that computes the states (hidden.online.OnlineStates) runs the target once per micro-batch
+    items = data.items(indices) if hasattr(data, "items") else [data[i] for i in indices]
     T = max(min(len(it["input_ids"]), max_length) for it in items)
     B = len(items)
     width = items[0]["aux"].shape[-1]

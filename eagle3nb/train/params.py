@@ -24,6 +24,8 @@ class TrainParams(StageParams):
     """Parameters of ``notebooks/03_train.ipynb`` (see docs/ARCHITECTURE.md "03_train output")."""
 
     data_dir: str | None = Field(None, description="02_hidden_states' output folder; default outputs/<run_name>/02_hidden_states")
+    data_source: Literal["stored", "online", "hybrid"] = Field("stored", description="stored: read 02's shards; online: the target computes each micro-batch's states from 01's samples as training goes (nothing stored; one target pass per token per epoch); hybrid: online in the first epoch, stored in 02's storage as it goes and read back later")
+    hidden_params: str | None = Field(None, description="data_source online/hybrid: 02's parameters (params/<run>/ or its 02_hidden_states.yaml: target, aux layers, draft vocab, storage, backend incl. vllm_url); null = the folder of params_file, else params/<run_name>/")
     init_from: str | None = Field(None, description="a draft checkpoint folder to fine-tune (EAGLE-3 or speculators layout, e.g. the AQ-MedAI Kimi drafter); null = start fresh from the target's embedding and lm_head rows")
     output_dir: str | None = Field(None, description="checkpoints, metrics and the exported draft; default outputs/<run_name>/03_train")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length (draft steps trained per position)")

@@ -16,24 +16,20 @@ import torch
 
 from eagle3nb.draft import draft_config_json, save_draft
 from eagle3nb.formulas import tau_from_conditional
-from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.layers import to_sglang
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
 from eagle3nb.train.build import build_draft
 from eagle3nb.train.checkpoint import checkpoints, load_checkpoint, run_config, save_checkpoint
-from eagle3nb.train.data import DeviceTargets, collate, schedule, split_holdout
+from eagle3nb.train.data import DeviceTargets, collate, layout
 from eagle3nb.train.params import TrainParams
 from eagle3nb.train.report import read_metrics, save_figures
+from eagle3nb.train.sources import CACHE_DIR, open_data, source_costs
 from eagle3nb.train.ttt import TTTObjective
 
 
 class TrainingDiverged(StageError):
     """The loss became NaN/inf; the message names the step and the samples of the batch."""
-
-
-class MissingData(StageError, FileNotFoundError):
-    """data_dir (02's output) does not exist."""
 
 
 # ---- processes and devices ------------------------------------------------------------------------
@@ -167,23 +163,13 @@ def data_seen(plan, lengths: list[int], max_length: int) -> list[dict[str, int]]
     return out
 
 
-def layout(P: TrainParams, meta: dict[str, Any], world: int = 1):
-    """(train indices, held-out indices, the step plan, leftover micro-batches) for 02's index."""
-    samples = meta["samples"]
-    lengths = [int(s["length"]) for s in samples]
-    train_idx, held_idx = split_holdout([s["id"] for s in samples], P.holdout_fraction)
-    plan, dropped = schedule(train_idx, lengths, batch_tokens=P.batch_tokens, max_length=P.max_length,
-                             seed=P.seed, per_step=P.grad_accum * world, epochs=P.epochs, max_steps=P.max_steps)
-    return train_idx, held_idx, plan, dropped
-
-
 def describe(P: TrainParams, world: int = 1) -> dict[str, Any]:
     """What a run will do, before it starts: the data, the split, the steps, the layers and where things go."""
-    meta = HiddenStates(P.data_path).meta
+    meta = open_data(P, world).meta
     train_idx, held_idx, plan, dropped = layout(P, meta, world)
     lengths = [int(s["length"]) for s in meta["samples"]]
     return {
-        "data_dir": str(P.data_path), "target": meta.get("model_path"),
+        "data source": P.data_source, "data_dir": str(P.data_path), "target": meta.get("model_path"),
         "target hidden size / vocab": f"{meta['hidden_size']} / {meta['vocab_size']}",
         "aux layers (vLLM ids | SGLang ids)": f"{meta['layer_ids']} | {to_sglang(meta['layer_ids'])}",
         "draft vocab": meta.get("draft_vocab_size"), "storage": meta.get("storage"),
@@ -217,10 +203,7 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
                   f"in {ckpt_dir} are removed", flush=True)
             for old in checkpoints(ckpt_dir):
                 old.unlink()
-    if not P.data_path.is_dir():
-        raise MissingData(f"data_dir {P.data_path} does not exist; run 02_hidden_states first or point "
-                                "data_dir at its output folder")
-    data = HiddenStates(P.data_path)
+    data = open_data(P, world)
     targets = DeviceTargets(data, device)
     draft, notes = build_draft(P, data)
     draft.to(device)
@@ -241,7 +224,8 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=P.lr, weight_decay=P.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, P.warmup_ratio))
-    config = run_config(P, world)
+    config = run_config(P, world, None if P.data_source == "stored" else
+                        {"data_source": P.data_source, "hidden": data.HP.data_config()})
     found = checkpoints(ckpt_dir) if P.resume else []
     start = load_checkpoint(found[-1], draft, optimizer, scheduler, config) if found else 0
     if world > 1:  # every rank must agree on the start
@@ -329,12 +313,29 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
         "tokens_per_s": next((r["tokens_per_s"] for r in reversed(rows) if r["kind"] == "train"), None),
         "final_loss": next((r["loss"] for r in reversed(rows) if r["kind"] == "train"), None),
         "initial_heldout": evals[0] if evals else None, "heldout": evals[-1] if evals else None,
-        **notes,
+        **notes, **source_metrics(P, data, world),
     }
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
     write_json_atomic(out / "metrics.json", result)
     save_figures(out)
     return result
+
+
+def source_metrics(P: TrainParams, data, world: int) -> dict[str, Any]:
+    """Which data source trained the draft and what it cost (``source_costs``; the throughput is the one this
+    run measured when it ran the target, else 02's)."""
+    out: dict[str, Any] = {"data_source": P.data_source}
+    measured: dict[str, Any] = {}
+    if P.data_source != "stored":
+        tps = data.target_tokens / data.target_s if data.target_s > 0 else None
+        measured = {"tokens_per_s": tps, "tokens_per_s_from": "measured in this run" if tps else None}
+        out["target_forward"] = {"tokens": data.target_tokens, "seconds": data.target_s, "tokens_per_s": tps}
+    if P.data_source == "hybrid":
+        out["hybrid_cache"] = {"dir": str(P.stage_dir / CACHE_DIR), "bytes": data.cache_bytes(),
+                               "shards": len(data.cache_shards), "redone_shards": data.redone}
+    given = measured if measured.get("tokens_per_s") else {}
+    out["source_cost"] = source_costs(P, data, world, measure=False, **given)
+    return out
 
 
 # ---- export ---------------------------------------------------------------------------------------

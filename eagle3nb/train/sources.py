@@ -1,0 +1,164 @@
+"""Where 03's hidden states come from, and what each choice costs for the run at hand.
+
+``stored`` reads 02's shards. ``online`` and ``hybrid`` compute them from 01's samples with 02's own pieces
+(:class:`eagle3nb.hidden.online.OnlineStates`), set up by 02's parameters of the same run: ``online`` stores
+nothing and runs the target over every micro-batch of every epoch (and over the held-out samples at each
+evaluation); ``hybrid`` runs it once per sample and keeps the result in 02's storage in ``output_dir/hidden_cache``.
+The three give 03 the same samples in the same order, so the split and the micro-batches are the same.
+
+:func:`source_costs` says before training what each costs: disk, target forward tokens, and the target's time
+at a measured extraction throughput (02's ``metrics.json``, else a short measurement here, else unknown).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.hidden.online import OnlineStates
+from eagle3nb.hidden.params import HiddenParams
+from eagle3nb.hidden.reader import HiddenStates
+from eagle3nb.hidden.storage import bytes_per_token
+from eagle3nb.params import ParamsError, StageError, from_dict
+from eagle3nb.paths import project_root, resolve
+from eagle3nb.stage_cli import stage_values
+from eagle3nb.train.data import layout
+from eagle3nb.train.params import TrainParams
+
+CACHE_DIR = "hidden_cache"
+# what decides which samples the target runs over together (the hybrid cache is valid under the same values)
+SCHEDULE_KEYS = ("seed", "batch_tokens", "max_length", "holdout_fraction", "epochs", "max_steps", "grad_accum")
+
+
+class MissingData(StageError, FileNotFoundError):
+    """data_dir (02's output) does not exist."""
+
+
+class SourceError(StageError):
+    """The chosen data source cannot run this way; the message says what to change."""
+
+
+def hidden_params(P: TrainParams) -> HiddenParams:
+    """02's parameters of this run (``hidden_params``, else the run folder of ``params_file``, else
+    ``params/<run_name>/``), writing where 03 reads: ``output_dir`` = 03's ``data_dir``."""
+    if P.hidden_params:
+        src = resolve(P.hidden_params)
+    elif P.params_file:
+        src = Path(P.params_file).parent
+    else:
+        src = project_root() / "params" / P.run_name
+    try:
+        values = stage_values("02_hidden_states", src, [])
+    except ParamsError as e:
+        raise ParamsError(f"data_source {P.data_source} needs 02's parameters (the target, layers, draft vocabulary, "
+                          f"storage, backend): {e}; set hidden_params to a params/<run>/ folder or its "
+                          "02_hidden_states.yaml") from None
+    values.update(output_dir=str(P.data_path), run_name=P.run_name)
+    return from_dict("02_hidden_states", values)
+
+
+def open_data(P: TrainParams, world: int = 1) -> HiddenStates:
+    """The hidden states 03 trains on, per ``P.data_source`` (all offer HiddenStates' interface)."""
+    if P.data_source == "stored":
+        if not P.data_path.is_dir():
+            raise MissingData(f"data_dir {P.data_path} does not exist; run 02_hidden_states first, point data_dir "
+                              "at its output folder, or train with data_source: online (no stored states)")
+        return HiddenStates(P.data_path)
+    HP = hidden_params(P)
+    if world > 1 and P.data_source == "hybrid":
+        raise SourceError("data_source hybrid runs in one process (its cache is written by one writer): train with "
+                          "one process, or use data_source online (with backend vllm) or stored")
+    if world > 1 and HP.backend != "vllm":
+        raise SourceError("data_source online under torchrun needs 02's backend vllm (one extraction server for "
+                          "every process); with the transformers backend every process would load the target")
+    key = {k: getattr(P, k) for k in SCHEDULE_KEYS}
+    return OnlineStates(HP, max_length=P.max_length, cache_key={**key, "processes": world},
+                        cache_dir=P.stage_dir / CACHE_DIR if P.data_source == "hybrid" else None,
+                        write_files=int(os.environ.get("RANK", "0")) == 0)
+
+
+def extraction_throughput(P: TrainParams, data: HiddenStates | None = None, measure: bool = True
+                          ) -> tuple[float | None, str]:
+    """(target tokens/s, where the number comes from): 02's metrics.json in data_dir, else a short measurement
+    with the online source's target, else (None, "unknown")."""
+    path = P.data_path / "metrics.json"
+    if path.exists():
+        tps = json.loads(path.read_text()).get("tokens_per_s")
+        if tps:
+            return float(tps), f"02's metrics.json ({path})"
+    if measure and isinstance(data, OnlineStates):
+        m = data.measure()
+        if m["tokens_per_s"]:
+            return m["tokens_per_s"], f"measured here ({m['tokens']:,} tokens in {m['seconds']:.1f} s)"
+    return None, "unknown (02 has not run; measure with source_costs(P, measure=True) or run 02)"
+
+
+def source_costs(P: TrainParams, data: HiddenStates | None = None, world: int = 1, measure: bool = True,
+                 tokens_per_s: float | None = None, tokens_per_s_from: str | None = None) -> dict[str, Any]:
+    """What ``stored``, ``online`` and ``hybrid`` cost for this run: hidden-state disk, target forward tokens
+    (online: each epoch's tokens again, plus the held-out samples at every evaluation) and the target's time at
+    the extraction throughput (given, from 02's metrics.json, measured briefly, or unknown). An estimate: the
+    time assumes training waits for the target (no overlap) and the throughput holds at this scale."""
+    data = data if data is not None else open_data(P, world)
+    meta = data.meta
+    train_idx, held_idx, plan, _ = layout(P, meta, world)
+    full = [int(s["length"]) for s in meta["samples"]]
+    cut = [min(n, P.max_length) for n in full]
+    steps = len(plan)
+    step_tokens = sum(cut[i] for _, mbs in plan for mb in mbs for i in mb)
+    epoch_tokens = sum(cut[i] for i in train_idx)
+    held_tokens = sum(cut[i] for i in held_idx)
+    evals = len({0, steps, *(s for s in range(1, steps + 1) if P.eval_every and s % P.eval_every == 0)})
+    visited = {i for _, mbs in plan for mb in mbs for i in mb} | set(held_idx)
+    HP = getattr(data, "HP", None)
+    storage = HP.storage if HP is not None else meta["storage"]
+    topk = HP.topk if HP is not None else (meta.get("topk") or 32)
+    bpt = bytes_per_token(storage, meta["hidden_size"], len(meta["layer_ids"]), topk, int(data.d2t.shape[0]))
+    stored_bytes = (sum(s["bytes"] for s in meta["shards"]) if "shards" in meta and HP is None
+                    else sum(full) * bpt)
+    if tokens_per_s is None:
+        tokens_per_s, tokens_per_s_from = extraction_throughput(P, data, measure)
+    figures = {
+        "stored": {"disk_bytes": stored_bytes, "target_tokens": sum(full)},
+        "online": {"disk_bytes": 0, "target_tokens": step_tokens + evals * held_tokens},
+        "hybrid": {"disk_bytes": sum(cut[i] for i in visited) * bpt,
+                   "target_tokens": sum(cut[i] for i in visited)},
+    }
+    for f in figures.values():
+        f["target_s"] = f["target_tokens"] / tokens_per_s if tokens_per_s else None
+    return {"data_source": P.data_source, "storage": storage, "bytes_per_token": bpt, "steps": steps,
+            "train_tokens_per_epoch": epoch_tokens, "epochs": step_tokens / max(epoch_tokens, 1),
+            "heldout_tokens": held_tokens, "evaluations": evals, "tokens_per_s": tokens_per_s,
+            "tokens_per_s_from": tokens_per_s_from, "sources": figures}
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "unknown"
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
+
+
+def cost_table(costs: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per source (``source_costs`` output, or ``metrics["source_cost"]``): disk for hidden states, target
+    forward tokens, target passes per token, the target's time, and which one this run uses."""
+    rows = []
+    distinct = costs["sources"]["hybrid"]["target_tokens"] or 1
+    for name, f in costs["sources"].items():
+        rows.append({"source": name, "used": "<-" if name == costs["data_source"] else "",
+                     "hidden-state disk (GB)": round(f["disk_bytes"] / 1e9, 3),
+                     "target forward tokens": f["target_tokens"],
+                     "target passes per trained token": round(f["target_tokens"] / distinct, 2),
+                     "target time": _duration(f["target_s"])})
+    return rows
+
+
+def cost_text(costs: dict[str, Any]) -> str:
+    """The figures behind the table, in one paragraph."""
+    tps = costs["tokens_per_s"]
+    return (f"{costs['steps']} steps over {costs['train_tokens_per_epoch']:,} training tokens per epoch "
+            f"({costs['epochs']:.2f} epochs) and {costs['heldout_tokens']:,} held-out tokens evaluated "
+            f"{costs['evaluations']} times; storage {costs['storage']} at {costs['bytes_per_token']:,} bytes/token; "
+            f"target throughput {f'{tps:,.0f} tokens/s' if tps else 'unknown'} from {costs['tokens_per_s_from']}. "
+            "An estimate: it assumes training waits for the target and that the throughput holds.")
