@@ -542,22 +542,31 @@ def check_disk(ctx: Context) -> CheckResult:
     from eagle3nb.hidden.storage import bytes_per_token
 
     P2 = ctx.p("02_hidden_states")
+    source = getattr(ctx.params.get("03_train"), "data_source", "stored")
     out = P2.stage_dir
     info = ctx.target_dims
     n_aux = len(P2.aux_layer_ids) if P2.aux_layer_ids else 3
-    bpt = bytes_per_token(P2.storage, info["hidden_size"], n_aux, P2.topk, P2.draft_vocab_size)
+    # online: 03 computes the hidden states as it trains and stores none (02's folder gets the head and vocab);
+    # hybrid: 03 keeps each sample's states once, in 02's storage, in its own output folder
+    bpt = 0 if source == "online" else bytes_per_token(P2.storage, info["hidden_size"], n_aux, P2.topk,
+                                                       P2.draft_vocab_size)
+    if source == "hybrid":
+        out = ctx.p("03_train").stage_dir / "hidden_cache"
     tokens, how = ctx.projected_tokens()
     written = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) if out.is_dir() else 0
     need = max(0, tokens * bpt + head_bytes(ctx.model_dir, info) - written)
     free, where = _free_bytes(out)
     details = {"bytes_per_token": bpt, "tokens": tokens, "written": written, "need": need, "free": free,
-               "path": str(where)}
-    measured = (f"02 needs ~{_gb(need)} more ({tokens:,} tokens x {bpt:,} B/token, storage {P2.storage}, {how}; "
+               "path": str(where), "data_source": source}
+    who = {"stored": "02", "online": "03 (data_source online: no hidden states stored, only the target's head)",
+           "hybrid": "03's hybrid cache"}[source]
+    measured = (f"{who} needs ~{_gb(need)} more ({tokens:,} tokens x {bpt:,} B/token, storage {P2.storage}, {how}; "
                 f"{_gb(written)} written); {_gb(free)} free at {where}")
     if need > free:
         return CheckResult("disk", FAIL, measured,
-                           "free space, point 02's output_dir at a bigger disk, or pick a compact storage "
-                           "(storage: fp8 or topk halves bytes/token or better)", details)
+                           "free space, point 02's output_dir at a bigger disk, pick a compact storage "
+                           "(storage: fp8 or topk halves bytes/token or better), or train with 03's data_source: "
+                           "online (no hidden states on disk; the target runs every epoch)", details)
     if need > DISK_WARN * free:
         return CheckResult("disk", WARN, measured, "the run would nearly fill the disk; free space first", details)
     return CheckResult("disk", PASS, measured, "", details)
