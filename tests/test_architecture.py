@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
 CORE = ("paths", "params", "progress", "formulas", "tokens", "layers", "draft", "spec", "vllm_config", "hf", "launch",
-        "stage_cli", "toy", "tokenview")
+        "stage_cli", "toy", "tokenview", "figures")
 TOP = ("serve", "doctor", "run", "cli", "__main__")
 # Third-party packages a module may import inside a function: heavy ones, kept off the CLI's start-up path.
 HEAVY = {"torch", "transformers", "safetensors", "fastapi", "uvicorn", "matplotlib", "pandas", "numpy", "openai",

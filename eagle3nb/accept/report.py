@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb.accept.predict import speedup_by_k
+from eagle3nb.figures import save_figures as save_all
 from eagle3nb.formulas import tau_iid
 
 # The PNGs ``save_figures`` writes (offline_vs_local only when the local check ran).
@@ -303,13 +304,4 @@ def figures(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def save_figures(stage_dir: Path, metrics: dict[str, Any]) -> list[Path]:
     """Write every figure as ``stage_dir/<name>.png`` and close it (so a notebook does not show it twice)."""
-    import matplotlib.pyplot as plt
-
-    stage_dir = Path(stage_dir)
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, fig in figures(metrics).items():
-        paths.append(stage_dir / f"{name}.png")
-        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-        plt.close(fig)
-    return paths
+    return save_all(figures(metrics), stage_dir, dpi=110)

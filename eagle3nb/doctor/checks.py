@@ -193,8 +193,8 @@ def check_token_stream(ctx: Context) -> CheckResult:
             problems.append((FAIL, f"{q!r}: server ids differ from our chat-template rendering at token {i} "
                                    f"({where}): server {tpl.decode(a[i:i + 4])!r} vs ours {tpl.decode(b[i:i + 4])!r}",
                              "use the same tokenizer and chat template as the server (same model_path folder; Kimi "
-                             "needs trust_remote_code: true); 01_synth keeps the server's ids, but serving-time prompts "
-                             "and the data then disagree"))
+                             "needs trust_remote_code: true); 01_synth keeps the server's ids, but serving-time "
+                             "prompts and the data then disagree"))
     if no_ids:
         problems.append((WARN, f"the server returned no token ids for {no_ids} probe(s)",
                          "use a server that supports `return_token_ids` (vLLM >= 0.10.2, SGLang); 01_synth then "
@@ -360,6 +360,34 @@ def _draft_tensors(d: Path) -> dict[str, Any]:
     return {"shapes": shapes, **vocab}
 
 
+def _draft_shape_problems(label: str, d: Path, cfg: dict, t: dict, H: int, V: int) -> list[tuple[str, str, str]]:
+    """One draft checkpoint against the target's sizes: fc input, lm_head rows, vocab map."""
+    problems = []
+    shapes = t["shapes"]
+    th = cfg.get("target_hidden_size") or cfg.get("hidden_size")
+    dv = cfg.get("draft_vocab_size")
+    fix = f"train the draft for this target (03_train) or pick a checkpoint made for it ({d})"
+    if th != H:
+        problems.append((FAIL, f"{label} target_hidden_size {th} != target hidden {H}", fix))
+    if cfg.get("vocab_size") != V:
+        problems.append((FAIL, f"{label} vocab_size {cfg.get('vocab_size')} != target vocab {V}", fix))
+    fc = shapes.get("fc.weight")
+    if fc is None or fc[1] != 3 * H:
+        problems.append((FAIL, f"{label} fc.weight {fc} does not take 3 x {H} = {3 * H} inputs", fix))
+    head = shapes.get("lm_head.weight")
+    if head is None or head[0] != dv:
+        problems.append((FAIL, f"{label} lm_head.weight {head} does not have draft_vocab_size {dv} rows", fix))
+    if "d2t" not in t or "t2d" not in t:
+        problems.append((FAIL, f"{label} has no d2t/t2d tensors", f"export the draft with its vocab map ({d})"))
+        return problems
+    for p in vocab_problems(t["d2t"], t["t2d"], V, label):
+        problems.append((FAIL, p, f"re-export {d} with the d2t/t2d of the data it was trained on "
+                                  f"(02's draft_vocab.safetensors)"))
+    if t["d2t"].numel() != dv:
+        problems.append((FAIL, f"{label} d2t has {t['d2t'].numel()} entries, draft_vocab_size {dv}", fix))
+    return problems
+
+
 def check_shapes_vocab(ctx: Context) -> CheckResult:
     dims = ctx.target_dims
     H, V = dims["hidden_size"], dims["vocab_size"]
@@ -380,28 +408,10 @@ def check_shapes_vocab(ctx: Context) -> CheckResult:
     for label, d in ctx.drafts:
         cfg = json.loads((d / "config.json").read_text())
         t = _draft_tensors(d)
-        shapes = t["shapes"]
-        th = cfg.get("target_hidden_size") or cfg.get("hidden_size")
-        dv = cfg.get("draft_vocab_size")
-        fix = f"train the draft for this target (03_train) or pick a checkpoint made for it ({d})"
-        if th != H:
-            problems.append((FAIL, f"{label} target_hidden_size {th} != target hidden {H}", fix))
-        if cfg.get("vocab_size") != V:
-            problems.append((FAIL, f"{label} vocab_size {cfg.get('vocab_size')} != target vocab {V}", fix))
-        fc = shapes.get("fc.weight")
-        if fc is None or fc[1] != 3 * H:
-            problems.append((FAIL, f"{label} fc.weight {fc} does not take 3 x {H} = {3 * H} inputs", fix))
-        head = shapes.get("lm_head.weight")
-        if head is None or head[0] != dv:
-            problems.append((FAIL, f"{label} lm_head.weight {head} does not have draft_vocab_size {dv} rows", fix))
+        fc, head, dv = t["shapes"].get("fc.weight"), t["shapes"].get("lm_head.weight"), cfg.get("draft_vocab_size")
+        problems += _draft_shape_problems(label, d, cfg, t, H, V)
         if "d2t" not in t or "t2d" not in t:
-            problems.append((FAIL, f"{label} has no d2t/t2d tensors", f"export the draft with its vocab map ({d})"))
             continue
-        for p in vocab_problems(t["d2t"], t["t2d"], V, label):
-            problems.append((FAIL, p, f"re-export {d} with the d2t/t2d of the data it was trained on "
-                                      f"(02's draft_vocab.safetensors)"))
-        if t["d2t"].numel() != dv:
-            problems.append((FAIL, f"{label} d2t has {t['d2t'].numel()} entries, draft_vocab_size {dv}", fix))
         if label == "draft":
             if data_t2d is not None and not _same(t["t2d"], data_t2d):
                 problems.append((WARN, "the draft's vocabulary differs from the data's", "train and evaluate the "
@@ -495,8 +505,8 @@ def check_data_health(ctx: Context) -> CheckResult:
     p = details["lengths"]
     measured = (f"{n} samples: {status['ok']} ok, {status['truncated']} truncated, {status['no_reasoning']} "
                 f"no_reasoning, {status['error']} error; length p50 {p['p50']} p99 {p['p99']} max {p['max']} "
-                f"vs max_length {max_length}; server ids != template: {kinds['text']} text, {kinds['split']} token split only, "
-                f"{kinds['unclosed']} reasoning never closed; duplicates {len(dups)}")
+                f"vs max_length {max_length}; server ids != template: {kinds['text']} text, {kinds['split']} token "
+                f"split only, {kinds['unclosed']} reasoning never closed; duplicates {len(dups)}")
     return _result("data_health", problems, measured, details)
 
 

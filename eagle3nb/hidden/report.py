@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.figures import save_figures as save_all
 from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.hidden.storage import STORAGES, bytes_per_token
 from eagle3nb.layers import to_sglang
@@ -112,12 +113,7 @@ def figures(stage_dir: str | Path) -> dict:
 
 def save_figures(stage_dir: str | Path, dpi: int = 100) -> list[Path]:
     """Write ``figures(stage_dir)`` as ``<name>.png`` in ``stage_dir``; returns the paths."""
-    paths = []
-    for name, fig in figures(stage_dir).items():
-        path = Path(stage_dir) / f"{name}.png"
-        fig.savefig(path, dpi=dpi)
-        paths.append(path)
-    return paths
+    return save_all(figures(stage_dir), stage_dir, dpi)
 
 
 # --------------------------------------------------------------------------------------------- the samples

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.figures import save_figures as save_all
 from eagle3nb.synth.store import STATUSES, latest, sample_files
 from eagle3nb.tokenview import HTML, browser, fields_table, pieces_for, render_tokens, roles_for, special_ids
 
@@ -103,12 +104,7 @@ def figures(stage_dir: str | Path) -> dict[str, Any]:
 def save_figures(stage_dir: str | Path, dpi: int = 100) -> list[Path]:
     """Write ``figures(stage_dir)`` as ``<name>.png`` in ``stage_dir`` (what ``stage.run`` leaves for a headless
     run and the HTML report); returns the paths."""
-    paths = []
-    for name, fig in figures(stage_dir).items():
-        path = Path(stage_dir) / f"{name}.png"
-        fig.savefig(path, dpi=dpi)
-        paths.append(path)
-    return paths
+    return save_all(figures(stage_dir), stage_dir, dpi)
 
 
 def probe_text(p: dict[str, Any]) -> str:
