@@ -44,8 +44,9 @@ vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/eagle3nb run params/$(RUN)/
 
-## The whole test suite (CI runs exactly this).
+## The whole test suite (CI runs exactly this): the lint, then every test, the real vLLM's included.
 test: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).

@@ -23,39 +23,69 @@ CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_
 class TrainParams(StageParams):
     """Parameters of ``notebooks/03_train.ipynb`` (see docs/ARCHITECTURE.md "03_train output")."""
 
-    data_dir: str | None = Field(None, description="02_hidden_states' output folder; default outputs/<run_name>/02_hidden_states")
-    data_source: Literal["stored", "online", "hybrid"] = Field("stored", description="stored: read 02's shards; online: the target computes each micro-batch's states from 01's samples as training goes (nothing stored; one target pass per token per epoch); hybrid: online in the first epoch, stored in 02's storage as it goes and read back later")
-    hidden_params: str | None = Field(None, description="data_source online/hybrid: 02's parameters (params/<run>/ or its 02_hidden_states.yaml: target, aux layers, draft vocab, storage, backend incl. vllm_url); null = the folder of params_file, else params/<run_name>/")
-    init_from: str | None = Field(None, description="a draft checkpoint folder to fine-tune (EAGLE-3 or speculators layout, e.g. the AQ-MedAI Kimi drafter); null = start fresh from the target's embedding and lm_head rows")
-    output_dir: str | None = Field(None, description="checkpoints, metrics and the exported draft; default outputs/<run_name>/03_train")
+    data_dir: str | None = Field(None, description="02_hidden_states' output folder; default "
+                                                   "outputs/<run_name>/02_hidden_states")
+    data_source: Literal["stored", "online", "hybrid"] = Field("stored", description="stored: read 02's shards; "
+                                                                                     "online: the target computes each "
+                                                                                     "micro-batch's states from 01's "
+                                                                                     "samples as training goes "
+                                                                                     "(nothing stored; one target pass "
+                                                                                     "per token per epoch); hybrid: "
+                                                                                     "online in the first epoch, "
+                                                                                     "stored in 02's storage as it "
+                                                                                     "goes and read back later")
+    hidden_params: str | None = Field(None, description="data_source online/hybrid: 02's parameters (params/<run>/ or "
+                                                        "its 02_hidden_states.yaml: target, aux layers, draft vocab, "
+                                                        "storage, backend incl. vllm_url); null = the folder of "
+                                                        "params_file, else params/<run_name>/")
+    init_from: str | None = Field(None, description="a draft checkpoint folder to fine-tune (EAGLE-3 or speculators "
+                                                    "layout, e.g. the AQ-MedAI Kimi drafter); null = start fresh from "
+                                                    "the target's embedding and lm_head rows")
+    output_dir: str | None = Field(None, description="checkpoints, metrics and the exported draft; default "
+                                                     "outputs/<run_name>/03_train")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length (draft steps trained per position)")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step i is step_decay**i")
-    lr: float = Field(3e-3, gt=0, description="peak AdamW learning rate (the toy draft is tiny; big drafts 1e-4, fine-tuning 5e-5)")
+    lr: float = Field(3e-3, gt=0, description="peak AdamW learning rate (the toy draft is tiny; big drafts 1e-4, "
+                                              "fine-tuning 5e-5)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="share of the steps with linear warmup before the cosine decay")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="share of the steps with linear warmup before the cosine "
+                                                              "decay")
     epochs: int = Field(12, ge=1, description="passes over the training split (ignored when max_steps is set)")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps to run (cycling over epochs); null = epochs")
     max_length: int = Field(2048, ge=4, description="tokens kept per sample (longer samples are cut, and counted)")
     batch_tokens: int = Field(2048, ge=4, description="padded tokens per micro-batch (samples x longest sample)")
-    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step per process; global batch = grad_accum x processes")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step per process; global batch = "
+                                                 "grad_accum x processes")
     grad_clip: float = Field(0.5, gt=0, description="gradient-norm clip")
-    eval_every: int = Field(50, ge=0, description="held-out evaluation every N steps (also at the start and the end); 0 = start and end only")
-    save_every: int = Field(50, ge=1, description="checkpoint every N steps (and at the end); a killed run resumes from the last one")
+    eval_every: int = Field(50, ge=0, description="held-out evaluation every N steps (also at the start and the end); "
+                                                  "0 = start and end only")
+    save_every: int = Field(50, ge=1, description="checkpoint every N steps (and at the end); a killed run resumes "
+                                                  "from the last one")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk (oldest removed)")
     seed: int = Field(0, description="seed for initialisation and data order")
-    holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of samples (chosen by id hash) held out for accuracy and simulated acceptance length")
+    holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of samples (chosen by id hash) held out for "
+                                                                 "accuracy and simulated acceptance length")
     intermediate_size: int | None = Field(None, ge=1, description="from scratch: draft MLP width; null = the target's")
-    num_attention_heads: int | None = Field(None, ge=1, description="from scratch: attention heads; null = the target's")
+    num_attention_heads: int | None = Field(None, ge=1,
+                                            description="from scratch: attention heads; null = the target's")
     num_key_value_heads: int | None = Field(None, ge=1, description="from scratch: KV heads; null = the target's")
     head_dim: int | None = Field(None, ge=1, description="from scratch: head width; null = the target's")
-    remap_vocab: bool = Field(False, description="fine-tuning with a checkpoint whose draft vocabulary differs from the data's: carry its lm_head rows over for shared tokens (others from the target's lm_head) instead of stopping")
-    autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast: auto = on where the device supports it (CUDA with bf16), off on CPU")
+    remap_vocab: bool = Field(False, description="fine-tuning with a checkpoint whose draft vocabulary differs from "
+                                                 "the data's: carry its lm_head rows over for shared tokens (others "
+                                                 "from the target's lm_head) instead of stopping")
+    autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast: auto = on where the device "
+                                                                         "supports it (CUDA with bf16), off on CPU")
     device: str = Field("auto", description="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:N")
     resume: bool = Field(True, description="continue from the last checkpoint in output_dir (settings must match)")
-    report_to: Literal["none", "tensorboard"] = Field("none", description="also log to TensorBoard (output_dir/tensorboard)")
-    export_format: Literal["eagle3", "speculators", "both"] = Field("eagle3", description="eagle3: output_dir/draft for vLLM/SGLang; speculators: output_dir/draft-speculators; both")
-    export_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the exported weights (bfloat16 for big drafts)")
-    export_embed_tokens: bool = Field(True, description="include the (frozen, target's) embedding in the export; false for big vocabularies (vLLM then shares the target's)")
+    report_to: Literal["none", "tensorboard"] = Field("none", description="also log to TensorBoard "
+                                                                          "(output_dir/tensorboard)")
+    export_format: Literal["eagle3", "speculators", "both"] = Field(
+        "eagle3", description="eagle3: output_dir/draft for vLLM/SGLang; speculators: output_dir/draft-speculators; "
+                              "both")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the exported weights (bfloat16 for big drafts)")
+    export_embed_tokens: bool = Field(True, description="include the (frozen, target's) embedding in the export; false "
+                                                        "for big vocabularies (vLLM then shares the target's)")
     num_speculative_tokens: int = Field(3, ge=1, description="k in the printed vLLM/SGLang serving flags")
 
     @model_validator(mode="after")

@@ -183,6 +183,63 @@ def describe(P: TrainParams, world: int = 1) -> dict[str, Any]:
     }
 
 
+def _prepare_checkpoints(ckpt_dir: Path, resume: bool) -> None:
+    """The checkpoint folder exists; with ``resume: false`` the previous run's checkpoints are removed (said)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if not resume and checkpoints(ckpt_dir):
+        print(f"[03_train] resume: false, so the {len(checkpoints(ckpt_dir))} checkpoints of the previous run "
+              f"in {ckpt_dir} are removed", flush=True)
+        for old in checkpoints(ckpt_dir):
+            old.unlink()
+
+
+def _accumulate(model, data, targets, mine: list[list[int]], P: TrainParams, device: torch.device, rank: int,
+                world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over this process's micro-batches of one optimizer step (gradients synced across
+    processes on the last one): the summed TTT stats, and a per-micro-batch flag of a non-finite loss over the
+    global step's micro-batches (this process's slots filled)."""
+    stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
+    bad = torch.zeros(P.grad_accum * world, device=device)
+    for j, mb in enumerate(mine):
+        batch = collate(data, mb, P.max_length, device, targets)
+        sync = j == len(mine) - 1 or world == 1
+        with (contextlib.nullcontext() if sync else model.no_sync()), autocast_for(P.autocast, device):
+            loss, st = model(batch)
+            (loss / P.grad_accum).backward()
+        bad[rank * P.grad_accum + j] = float(not torch.isfinite(loss))
+        stats += st
+    return stats, bad
+
+
+def _curve_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """metrics.json's view of the curve: the last train row's loss and speed, the first and last evaluation."""
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    return {"tokens_per_s": train[-1]["tokens_per_s"] if train else None,
+            "final_loss": train[-1]["loss"] if train else None,
+            "initial_heldout": evals[0] if evals else None, "heldout": evals[-1] if evals else None}
+
+
+def print_rank0(rank: int, line: str) -> None:
+    """A progress line, once per run (from the first process)."""
+    if rank == 0:
+        print(line, flush=True)
+
+
+def _checkpoint(ckpt_dir: Path, step: int, keep: int, draft, optimizer, scheduler, config: dict[str, Any]) -> None:
+    """Save the step's checkpoint and drop all but the last ``keep``."""
+    save_checkpoint(ckpt_dir / f"step-{step:07d}.pt", draft, optimizer, scheduler, step, config)
+    for old in checkpoints(ckpt_dir)[:-keep]:
+        old.unlink()
+
+
+def _distributed(objective: TTTObjective, device: torch.device):
+    """The objective wrapped for torchrun: gradients all-reduced across processes."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train (or fine-tune) the draft per ``P``; resume if a checkpoint exists; export; write metrics.json and
     training.png; return metrics.json (an empty dict on ranks other than 0).
@@ -197,22 +254,13 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
     out = P.stage_dir
     ckpt_dir = out / "checkpoints"
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if not P.resume and checkpoints(ckpt_dir):
-            print(f"[03_train] resume: false, so the {len(checkpoints(ckpt_dir))} checkpoints of the previous run "
-                  f"in {ckpt_dir} are removed", flush=True)
-            for old in checkpoints(ckpt_dir):
-                old.unlink()
+        _prepare_checkpoints(ckpt_dir, P.resume)
     data = open_data(P, world)
     targets = DeviceTargets(data, device)
     draft, notes = build_draft(P, data)
     draft.to(device)
     objective = TTTObjective(draft, P.ttt_steps, P.step_decay)
-    model = objective
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
+    model = _distributed(objective, device) if world > 1 else objective
 
     samples = data.meta["samples"]
     lengths = [int(s["length"]) for s in samples]
@@ -243,11 +291,10 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
 
     truncated = sum(1 for i in train_idx if lengths[i] > P.max_length)
     seen = data_seen(plan, lengths, P.max_length)
-    if rank == 0:
-        print(f"[03_train] {len(train_idx)} training / {len(held_idx)} held-out samples, {total} steps of "
-              f"{per_step} micro-batches ({world} process(es) x grad_accum {P.grad_accum}), device {device}, "
-              f"{truncated} samples cut at max_length {P.max_length}, "
-              f"{'resuming at step ' + str(start) if start else 'starting fresh'}", flush=True)
+    print_rank0(rank, f"[03_train] {len(train_idx)} training / {len(held_idx)} held-out samples, {total} steps of "
+                      f"{per_step} micro-batches ({world} process(es) x grad_accum {P.grad_accum}), device {device}, "
+                      f"{truncated} samples cut at max_length {P.max_length}, "
+                      f"{'resuming at step ' + str(start) if start else 'starting fresh'}")
 
     if start == 0:
         log({"kind": "eval", "step": 0, **seen[0],
@@ -256,17 +303,8 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
     for step in range(start, total):
         epoch, global_mbs = plan[step]
         mine = global_mbs[rank * P.grad_accum:(rank + 1) * P.grad_accum]
-        stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
-        bad = torch.zeros(per_step, device=device)
-        for j, mb in enumerate(mine):
-            batch = collate(data, mb, P.max_length, device, targets)
-            sync = j == len(mine) - 1 or world == 1
-            with (contextlib.nullcontext() if sync else model.no_sync()), autocast_for(P.autocast, device):
-                loss, st = model(batch)
-                (loss / P.grad_accum).backward()
-            bad[rank * P.grad_accum + j] = float(not torch.isfinite(loss))
-            stats += st
-            tokens += sum(min(lengths[i], P.max_length) for i in mb)
+        stats, bad = _accumulate(model, data, targets, mine, P, device, rank, world)
+        tokens += sum(min(lengths[i], P.max_length) for mb in mine for i in mb)
         if _all_reduce(bad, world).any():
             k = int(bad.nonzero()[0])
             ids = [samples[i]["id"] for i in global_mbs[k]]
@@ -288,13 +326,10 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
         if (P.eval_every and (step + 1) % P.eval_every == 0) or done:
             ev = evaluate(objective, data, held_batches, P, device, rank, world, targets)
             log({"kind": "eval", "step": step + 1, **seen[step + 1], **ev})
-            if rank == 0:
-                print(f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
-                      f"acceptance length {ev['acceptance_length']:.3f}", flush=True)
+            print_rank0(rank, f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
+                              f"acceptance length {ev['acceptance_length']:.3f}")
         if rank == 0 and ((step + 1) % P.save_every == 0 or done):
-            save_checkpoint(ckpt_dir / f"step-{step + 1:07d}.pt", draft, optimizer, scheduler, step + 1, config)
-            for old in checkpoints(ckpt_dir)[:-P.keep_checkpoints]:
-                old.unlink()
+            _checkpoint(ckpt_dir, step + 1, P.keep_checkpoints, draft, optimizer, scheduler, config)
     if world > 1:
         import torch.distributed as dist
 
@@ -303,18 +338,11 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
         return {}
     metrics.close()
     progress.close()
-    rows = read_metrics(out)
-    evals = [r for r in rows if r["kind"] == "eval"]
-    result = {
-        "steps": total, "processes": world, "global_micro_batches": per_step,
-        "train_samples": len(train_idx), "heldout_samples": len(held_idx),
-        "truncated_samples": truncated, "leftover_micro_batches": dropped,
-        "longest_train_sequence": max((min(lengths[i], P.max_length) for i in train_idx), default=0),
-        "tokens_per_s": next((r["tokens_per_s"] for r in reversed(rows) if r["kind"] == "train"), None),
-        "final_loss": next((r["loss"] for r in reversed(rows) if r["kind"] == "train"), None),
-        "initial_heldout": evals[0] if evals else None, "heldout": evals[-1] if evals else None,
-        **notes, **source_metrics(P, data, world),
-    }
+    result = {"steps": total, "processes": world, "global_micro_batches": per_step,
+              "train_samples": len(train_idx), "heldout_samples": len(held_idx), "truncated_samples": truncated,
+              "leftover_micro_batches": dropped,
+              "longest_train_sequence": max((min(lengths[i], P.max_length) for i in train_idx), default=0),
+              **_curve_summary(read_metrics(out)), **notes, **source_metrics(P, data, world)}
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
     write_json_atomic(out / "metrics.json", result)
     save_figures(out)
