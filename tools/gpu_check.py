@@ -24,6 +24,9 @@ The CUDA paths (where the code picks or follows a device), and what each check c
   within 10%.
 - ``train_step``: 03 ``stage.run`` on cuda in fp32 (TTT objective with the fused attention, AdamW, clipping,
   ``DeviceTargets``, ``collate`` to cuda) vs on CPU: initial held-out loss within 1e-4, final within 1e-2.
+- ``online_source``: 03 with ``data_source: online`` on cuda (``hidden.online.OnlineStates``: the target computes
+  each micro-batch's states on the GPU, fp32) vs stored fp32 states trained on cuda: initial held-out loss within
+  1e-4, final within 1e-3.
 - ``export``: 03's export of a draft trained on cuda; ``draft.load_draft(device="cuda")`` equals the last
   checkpoint's weights exactly, and the SGLang copy is written.
 - ``offline_acceptance``: 04 ``accept.offline.offline_acceptance`` with the draft and the target head on cuda vs CPU:
@@ -186,6 +189,26 @@ class World:
             "batch_tokens": 2048, "eval_every": 0, "save_every": 1000, "holdout_fraction": 0.2, "resume": False,
             "run_name": "gpu-check"}))
 
+    def train_online(self) -> dict[str, Any]:
+        """03 with ``data_source: online``: the target computes the states on the GPU for each micro-batch (02's
+        transformers backend, fp32), on the reference samples and with the reference's draft vocabulary."""
+        import yaml
+
+        from eagle3nb.params import from_dict
+        from eagle3nb.train.stage import run
+
+        data = self.work / "02-online"
+        data.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.data()["cpu-fp32"] / "draft_vocab.safetensors", data)  # the reference's vocabulary
+        values = {**self.extract_values("online", "float32", "fp32"), "draft_vocab_size": 256}
+        hp = self.work / "02-online.yaml"
+        hp.write_text(yaml.safe_dump(values))
+        return run(from_dict("03_train", {
+            "data_dir": str(data), "data_source": "online", "hidden_params": str(hp),
+            "output_dir": str(self.work / "03-online"), "device": GPU, "autocast": "off", "max_steps": SHORT_STEPS,
+            "ttt_steps": 3, "lr": 5e-3, "max_length": 512, "batch_tokens": 2048, "eval_every": 0,
+            "save_every": 1000, "holdout_fraction": 0.2, "resume": False, "run_name": "gpu-check"}))
+
     @once
     def short_runs(self) -> dict[str, dict[str, Any]]:
         return {"cuda-bf16": self.train("cuda-bf16", GPU, "auto", SHORT_STEPS),
@@ -338,6 +361,18 @@ def check_train_step(w: World) -> str:
     return expect(e0 <= 1e-4 and e1 <= 1e-2, measured,
                   "03 on GPU differs from CPU: check the device moves in eagle3nb/train/data.py (collate, "
                   "DeviceTargets) and stage.py")
+
+
+def check_online_source(w: World) -> str:
+    """03 online on the GPU (states computed per micro-batch) vs stored fp32 states, both trained on the GPU."""
+    a, b = w.train_online(), w.short_runs()["cuda-fp32"]
+    e0 = abs(a["initial_heldout"]["loss"] - b["initial_heldout"]["loss"]) / b["initial_heldout"]["loss"]
+    e1 = abs(a["final_loss"] - b["final_loss"]) / b["final_loss"]
+    measured = (f"online vs stored (fp32, cuda): {within('initial held-out loss', e0, 1e-4)}, "
+                f"{within('final loss', e1, 1e-3)} after {SHORT_STEPS} steps")
+    return expect(e0 <= 1e-4 and e1 <= 1e-3, measured,
+                  "03's online source on GPU differs from stored states: check the device moves in "
+                  "eagle3nb/hidden/online.py (head, source) and eagle3nb/train/sources.py")
 
 
 def check_export(w: World) -> str:
@@ -568,6 +603,8 @@ PATHS: list[CudaPath] = [
              ("eagle3nb/train/stage.py", "eagle3nb/train/ttt.py", "eagle3nb/train/data.py",
               "eagle3nb/train/checkpoint.py"),
              "see eagle3nb/train/stage.py run"),
+    CudaPath("online_source", check_online_source, ("eagle3nb/hidden/online.py", "eagle3nb/train/sources.py"),
+             "see eagle3nb/hidden/online.py OnlineStates"),
     CudaPath("export", check_export, ("eagle3nb/train/stage.py", "eagle3nb/draft.py"),
              "see eagle3nb/train/stage.py export and eagle3nb/draft.py load_draft"),
     CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept/offline.py",),
