@@ -28,6 +28,18 @@ def toy_smoke(_project_env) -> Path:
     return build(size="smoke", seed=SEED)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's training: on two cores shared with other processes it is faster than
+    two (their threads stall each other), and runs repeat bit for bit (the resume tests compare exactly)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def embedded(toy_smoke):
     """The embedded server on the smoke toy (reasoning parser on), shared by every test that only reads it."""

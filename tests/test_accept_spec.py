@@ -19,15 +19,6 @@ N_PROMPTS = 16
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """Two cores shared with other tests: one thread is faster and makes timings less noisy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
 def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
     """02's hidden states of the target's own *greedy* answers to held-out prompts (so offline chains see
     exactly what decoding sees), and a draft trained briefly on them by 03."""

@@ -34,13 +34,7 @@ BASE = dict(run_name="test", ttt_steps=3, max_length=256, batch_tokens=400, lr=3
 HIDDEN = dict(draft_vocab_size=96, storage="fp32")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One thread: deterministic (the resume tests compare bit for bit) and fast on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,7 @@ def data_dir(tmp_path_factory, toy_smoke) -> Path:
     return make_hidden_states(tmp_path_factory.mktemp("hidden"), toy_smoke, n=40, draft_vocab_size=96, seed=SEED)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Two cores shared with other tests: one thread per training process is faster and deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def params(data_dir: Path, out: Path, **over):
