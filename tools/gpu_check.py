@@ -350,11 +350,16 @@ def check_autocast_bf16(w: World) -> str:
                   "float() casts of the loss in eagle3nb/train/ttt.py")
 
 
+def loss_gaps(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """Relative gaps between two 03 runs' metrics: initial held-out loss, final training loss."""
+    e0 = abs(a["initial_heldout"]["loss"] - b["initial_heldout"]["loss"]) / b["initial_heldout"]["loss"]
+    return e0, abs(a["final_loss"] - b["final_loss"]) / b["final_loss"]
+
+
 def check_train_step(w: World) -> str:
     runs = w.short_runs()
     a, b = runs["cuda-fp32"], runs["cpu"]
-    e0 = abs(a["initial_heldout"]["loss"] - b["initial_heldout"]["loss"]) / b["initial_heldout"]["loss"]
-    e1 = abs(a["final_loss"] - b["final_loss"]) / b["final_loss"]
+    e0, e1 = loss_gaps(a, b)
     measured = (f"fp32 on cuda vs CPU: {within('initial held-out loss', e0, 1e-4)}, "
                 f"{within('final loss', e1, 1e-2)} after {SHORT_STEPS} steps ({a['tokens_per_s']:.0f} vs "
                 f"{b['tokens_per_s']:.0f} tok/s)")
@@ -365,9 +370,7 @@ def check_train_step(w: World) -> str:
 
 def check_online_source(w: World) -> str:
     """03 online on the GPU (states computed per micro-batch) vs stored fp32 states, both trained on the GPU."""
-    a, b = w.train_online(), w.short_runs()["cuda-fp32"]
-    e0 = abs(a["initial_heldout"]["loss"] - b["initial_heldout"]["loss"]) / b["initial_heldout"]["loss"]
-    e1 = abs(a["final_loss"] - b["final_loss"]) / b["final_loss"]
+    e0, e1 = loss_gaps(w.train_online(), w.short_runs()["cuda-fp32"])
     measured = (f"online vs stored (fp32, cuda): {within('initial held-out loss', e0, 1e-4)}, "
                 f"{within('final loss', e1, 1e-3)} after {SHORT_STEPS} steps")
     return expect(e0 <= 1e-4 and e1 <= 1e-3, measured,
