@@ -5,11 +5,7 @@ resume after kill -9 for both, and the cost figures the notebook shows before tr
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +21,7 @@ from eagle3nb.train.sources import CACHE_DIR, source_costs
 from eagle3nb.train.stage import run
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_data import make_hidden_states  # noqa: E402
+from train_data import kill_after, make_hidden_states  # noqa: E402
 from worlds import SEED  # noqa: E402
 
 # Tiny: 24 toy dialogues (19 train / 5 held out), ~4 epochs in 20 steps of one micro-batch, 3 TTT steps.
@@ -161,24 +157,9 @@ def test_source_costs_before_training(world, stored, online):
     assert co["sources"]["online"]["target_tokens"] == c["sources"]["online"]["target_tokens"]
 
 
-def child_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-
-
-def kill_after(folder: Path, out: Path, step: int) -> int:
-    """Start ``python -m eagle3nb.train folder`` and kill -9 it once checkpoint ``step`` exists; the last step."""
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.train", str(folder)], env=child_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        done = checkpoints(out / "checkpoints")
-        if done and int(done[-1].stem.split("-")[1]) >= step:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = int(checkpoints(out / "checkpoints")[-1].stem.split("-")[1])
+def kill_within(folder: Path, out: Path, step: int) -> int:
+    """kill -9 once checkpoint ``step`` exists, before the run's last step."""
+    killed_at = kill_after(folder, out, step)
     assert step <= killed_at < BASE["max_steps"]
     return killed_at
 
@@ -187,7 +168,7 @@ def test_online_resume_after_kill9_follows_the_uninterrupted_curve(world, online
     out = tmp_path / "out"
     values = train_values(out, tmp_path / "no-02", data_source="online", save_every=1)
     folder = run_folder(tmp_path / "params" / "test", world, values)
-    kill_after(folder, out, 4)
+    kill_within(folder, out, 4)
     run(from_dict("03_train", {**values, "params_file": str(folder / "03_train.yaml")}))
     assert curve(out) == curve(online["out"])  # exactly: same micro-batches, same target passes, same state
     want, got = final_state(online["out"]), final_state(out)
@@ -198,7 +179,7 @@ def test_hybrid_resume_after_kill9_redoes_a_partial_shard(world, hybrid, tmp_pat
     out = tmp_path / "out"
     values = train_values(out, tmp_path / "no-02", data_source="hybrid", save_every=1)
     folder = run_folder(tmp_path / "params" / "test", world, values, storage="bf16")
-    kill_after(folder, out, 3)  # inside the first epoch (~4 steps): part of the cache is written
+    kill_within(folder, out, 3)  # inside the first epoch (~4 steps): part of the cache is written
     cache_dir = out / CACHE_DIR
     listed = json.loads((cache_dir / "cache.json").read_text())["shards"]
     assert 0 < len(listed)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +23,7 @@ from eagle3nb.train.report import read_metrics
 from eagle3nb.train.stage import TrainingDiverged, run
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_data import make_hidden_states  # noqa: E402
+from train_data import child_env, kill_after, make_hidden_states  # noqa: E402
 from worlds import SEED  # noqa: E402
 
 # Small and quick: 3 TTT steps, a few dozen steps, micro-batches of ~4 samples.
@@ -158,10 +155,6 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoints(out / "checkpoints")[-1], weights_only=False)["model"]
 
 
-def child_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-
-
 def params_dir(tmp_path: Path, values: dict) -> Path:
     """params/<run>/03_train.yaml as a run folder holds it, for ``python -m eagle3nb.train`` / torchrun."""
     d = tmp_path / "params" / "test"
@@ -173,18 +166,7 @@ def params_dir(tmp_path: Path, values: dict) -> Path:
 def test_resume_after_kill9_follows_the_uninterrupted_curve(reference, data_dir, tmp_path):
     out = tmp_path / "out"
     values = {**BASE, **RUN, "data_dir": str(data_dir), "output_dir": str(out), "save_every": 1}
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.train", str(params_dir(tmp_path, values))],
-                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        done = checkpoints(out / "checkpoints")
-        if done and int(done[-1].stem.split("-")[1]) >= 4:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = int(checkpoints(out / "checkpoints")[-1].stem.split("-")[1])
+    killed_at = kill_after(params_dir(tmp_path, values), out, 4)
     assert 4 <= killed_at < 30
     run(from_dict("03_train", values))
     assert curve(out) == curve(reference)  # exactly: same batches, same optimizer state, same order

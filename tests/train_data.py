@@ -1,9 +1,15 @@
-"""Real 02 output for the 03 tests: toy dialogues as 01-style samples, through eagle3nb.hidden's extraction."""
+"""For the 03 tests: real 02 output (toy dialogues as 01-style samples, through 02's extraction), and 03 run
+in a child process that is killed -9 at a checkpoint."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 
@@ -39,3 +45,27 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
     extract(P)
     return root / "02"
 
+
+
+def child_env() -> dict[str, str]:
+    """A child 03 process: one thread (deterministic, no oversubscription), this checkout on its path."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+
+
+def kill_after(folder: Path, out: Path, step: int) -> int:
+    """Start ``python -m eagle3nb.train folder`` and kill -9 it once checkpoint ``step`` exists in ``out``;
+    returns the last checkpoint's step."""
+    from eagle3nb.train.checkpoint import checkpoints
+
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.train", str(folder)], env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        done = checkpoints(out / "checkpoints")
+        if done and int(done[-1].stem.split("-")[1]) >= step:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return int(checkpoints(out / "checkpoints")[-1].stem.split("-")[1])
