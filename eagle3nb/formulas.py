@@ -1,4 +1,4 @@
-"""The acceptance -> speed formulas, in one place (DESIGN.md "Acceptance -> speed").
+"""The acceptance -> speed formulas, in one place (docs/DESIGN-FACTS.md "Acceptance -> speed").
 
 alpha_i is the *conditional* acceptance of draft position i given positions < i were accepted. vLLM's
 speculative-decoding counters (their Prometheus names and the formulas over them) live here too: the embedded

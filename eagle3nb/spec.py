@@ -263,8 +263,8 @@ class Sampling:
 class SpecDecoder:
     """A target + draft pair that decodes sequences speculatively, ``k`` drafted tokens per target step.
 
-    ``layer_ids`` are HF ``hidden_states`` indices (DESIGN.md); default: the draft's config, else vLLM's
-    default (2, L//2, L-3), which is what vLLM would use for a draft config without ids."""
+    ``layer_ids`` are HF ``hidden_states`` indices (docs/DESIGN-FACTS.md "Layer ids"); default: the draft's
+    config, else vLLM's default (2, L//2, L-3), which is what vLLM would use for a draft config without ids."""
 
     def __init__(self, target, draft, k: int = 3, layer_ids: Sequence[int] | None = None):
         if k < 1:

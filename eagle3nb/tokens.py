@@ -1,4 +1,4 @@
-"""Kimi-K2.5 chat-format token names (DESIGN.md "Kimi-K2.5 chat format"), shared by every stage."""
+"""Kimi-K2.5 chat-format token names (docs/DESIGN-FACTS.md "Kimi-K2.5 chat format"), shared by every stage."""
 
 from __future__ import annotations
 

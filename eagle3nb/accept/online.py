@@ -1,5 +1,5 @@
 """04's online benchmark: load OpenAI-compatible endpoints at several concurrency levels and read the server's own
-speculative-decoding counters from ``/metrics`` (DESIGN.md "vLLM speculative-decoding metrics").
+speculative-decoding counters from ``/metrics`` (docs/DESIGN-FACTS.md "vLLM speculative-decoding metrics").
 
 Throughput and latency come from the client side (real ``openai`` client over HTTP); acceptance comes from
 the server side, as the delta of vLLM's counters between before and after each load level. SGLang exposes

@@ -635,7 +635,7 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     return CheckResult("draft_sanity", PASS, measured, "", details)
 
 
-# Why acceptance is low, in the order these causes are seen in practice (DESIGN.md, anchors' issues).
+# Why acceptance is low, in the order these causes are seen in practice (docs/DESIGN-FACTS.md "What users report").
 CAUSES = {
     "layer_ids": "aux layer ids: the draft reads other target layers than it was trained on (off-by-one)",
     "token_stream": "token stream: training ids differ from what the target sees at serving (template/tokenizer)",

@@ -1,4 +1,4 @@
-"""Where the reasoning is in an OpenAI-compatible response (DESIGN.md "Reasoning in OpenAI-compatible responses").
+"""Where the reasoning is in an OpenAI-compatible response (docs/DESIGN-FACTS.md "Reasoning in server responses").
 
 vLLM with a reasoning parser puts it in ``message.reasoning`` (older vLLM and SGLang: ``reasoning_content``);
 the openai client keeps such unknown fields as attributes and in ``model_extra``. Without a parser the
