@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from eagle3nb.paths import project_root, resolve
+from eagle3nb.paths import outputs_root, project_root, resolve
 from eagle3nb.toy import resolve_model_path
 
 STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
@@ -84,8 +84,8 @@ class StageParams(BaseModel):
         return key
 
     def out_dir(self, value: str | None, default_sub: str) -> Path:
-        """Resolve a stage's output folder: the given value, else ``outputs/<run_name>/<default_sub>``."""
-        return resolve(value) if value else project_root() / "outputs" / self.run_name / default_sub
+        """Resolve a stage's output folder: the given value, else ``<outputs root>/<run_name>/<default_sub>``."""
+        return resolve(value) if value else outputs_root() / self.run_name / default_sub
 
     def check_paths(self) -> None:
         """Hook for schemas: raise ParamsError for paths that must exist (called by ``validate``)."""

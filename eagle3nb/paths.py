@@ -30,6 +30,12 @@ def resolve(path: str | os.PathLike, root: Path | None = None) -> Path:
     return (root or project_root()) / p
 
 
+def outputs_root() -> Path:
+    """Where runs land by default: $EAGLE3NB_OUTPUTS (the runner's ``--output-root``), else ``<project>/outputs``."""
+    env = os.environ.get("EAGLE3NB_OUTPUTS")
+    return Path(env).expanduser().resolve() if env else project_root() / "outputs"
+
+
 def cache_dir() -> Path:
     """Build cache for the toy world ($EAGLE3NB_CACHE, default ~/.cache/eagle3nb); created on demand."""
     d = Path(os.environ.get("EAGLE3NB_CACHE", Path.home() / ".cache" / "eagle3nb"))

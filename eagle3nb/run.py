@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import psutil
 
 from eagle3nb.params import STAGES, ParamsError, from_dict, run_params
-from eagle3nb.paths import project_root
+from eagle3nb.paths import outputs_root, project_root
 from eagle3nb.progress import read_progress, write_json_atomic
 
 STATUS_FILE = "status.json"
@@ -126,7 +126,9 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
     requested = parse_stages(stages)
     chosen = requested or list(STAGES)
     nb_dir = _user_path(notebooks_dir) if notebooks_dir else project_root() / "notebooks"
-    root = Path(output_root).expanduser().resolve() if output_root else project_root() / "outputs"
+    if output_root:  # the stages' default folders follow it (in this process and the kernels it starts)
+        os.environ["EAGLE3NB_OUTPUTS"] = str(Path(output_root).expanduser().resolve())
+    root = outputs_root()
     values, stage_dirs, problems, notes = {}, {}, [], []
     for stage in chosen:
         if not (params_dir / f"{stage}.yaml").exists():
@@ -307,7 +309,7 @@ def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
         recs.setdefault(stage, {"state": "pending"})
     for rec in recs.values():  # we hold the lock, so whoever was executing these is gone
         if rec["state"] == "running":
-            rec.update(state="failed", error=f"killed: the run executing it (pid {before.get('pid')}) died")
+            rec.update(state="killed", error=f"killed: the run executing it (pid {before.get('pid')}) died")
     st = dict(run_name=p.run_name, params_dir=str(p.params_dir), notebooks_dir=str(p.notebooks_dir),
               out_dir=str(p.out_dir), pid=os.getpid(), pid_started=psutil.Process().create_time(),
               host=socket.gethostname(), command=p.command(), state="running", started=_now(), ended=None,
@@ -328,8 +330,8 @@ def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
             if rec["state"] == "done" and not p.force:
                 log.info(f"{stage}: done at {rec.get('ended')}, skipping it (--force re-runs it)")
                 continue
-            if rec["state"] == "failed":
-                log.info(f"{stage}: failed last time ({rec.get('error')}); re-running it (the stage resumes "
+            if rec["state"] in ("failed", "killed"):
+                log.info(f"{stage}: {rec['state']} last time ({rec.get('error')}); re-running it (the stage resumes "
                          f"from its own progress)")
             current = stage
             nb_out, html_out = p.out_dir / f"{stage}.ipynb", p.out_dir / f"{stage}.html"
@@ -364,8 +366,8 @@ def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
     except _Interrupted as e:
         why = f"killed by {signal.Signals(e.signum).name}"
         if current:
-            recs[current].update(state="failed", ended=_now(), error=why)
-        st.update(state="failed", ended=_now())
+            recs[current].update(state="killed", ended=_now(), error=why)
+        st.update(state="killed", ended=_now())
         save()
         log.error(f"run {p.run_name}: {why} during {current or 'bookkeeping'}; "
                   f"`eagle3nb run {_rel(p.params_dir)}` resumes it")
@@ -569,8 +571,9 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
                         "outputs/<run>/<NN_name>/ to redo one from scratch)")
     r.add_argument("--detach", action="store_true",
                    help="run in the background in a new session (survives closing the terminal) and return")
-    r.add_argument("--output-root", help="folder that holds outputs/<run>/ (default: <project>/outputs); "
-                                         "stage data goes where each stage's params say")
+    r.add_argument("--output-root", help="folder that holds <run>/ (default: $EAGLE3NB_OUTPUTS, else "
+                                         "<project>/outputs); the stages' default folders go there too, an "
+                                         "output_dir set in the params wins")
     r.add_argument("--notebooks-dir", help="folder with the NN_name.ipynb notebooks (default: <project>/notebooks)")
     r.add_argument("--lock-fd", type=int, help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_run)

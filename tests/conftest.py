@@ -1,4 +1,5 @@
-"""Shared fixtures: the toy world is built once per test run (and cached across runs by its settings)."""
+"""Shared fixtures: the shipped toy world (the same bytes on every machine), and a run that never writes under
+the repository's ``outputs/``."""
 
 from __future__ import annotations
 
@@ -7,35 +8,55 @@ from pathlib import Path
 
 import pytest
 
-from worlds import SEED
+from worlds import SEED, THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_report_header(config) -> list[str]:
+    from eagle3nb.toy.shipped import digest, manifest
+
+    return [f"toy world: shipped toy:{size} sha256 {digest(size)}" for size in sorted(manifest())] + \
+        [f"trained fixtures: seed {SEED} (EAGLE3NB_TEST_SEED), {THREADS} torch thread(s) (EAGLE3NB_TEST_THREADS)"]
+
+
+def _outputs_snapshot() -> dict[str, tuple[int, int]]:
+    out = ROOT / "outputs"
+    return {str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns) for p in out.rglob("*")
+            if p.is_file()} if out.is_dir() else {}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _project_env(tmp_path_factory):
-    """Tests resolve relative params against the repo and keep the toy build cache in one place."""
+    """Tests resolve relative params against the repo, keep the toy rebuild cache in one place, and send every
+    run's default output folders to a temporary one: a test that writes under ``outputs/`` fails here."""
     os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
     os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+    os.environ["EAGLE3NB_OUTPUTS"] = str(tmp_path_factory.mktemp("outputs"))
+    before = _outputs_snapshot()
     yield
+    after = _outputs_snapshot()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the tests wrote under outputs/ (tests use temporary folders only): {changed[:10]}"
 
 
 @pytest.fixture(scope="session")
 def toy_smoke(_project_env) -> Path:
-    """The smoke-size toy target (tokenizer + trained Llama), built once and cached."""
-    from eagle3nb.toy import build
+    """The shipped smoke-size toy target (tokenizer + trained Llama): the same bytes on every machine."""
+    from eagle3nb.toy import shipped
 
-    return build(size="smoke", seed=SEED)
+    return shipped("smoke")
 
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One torch thread for a module's training: on two cores shared with other processes it is faster than
-    two (their threads stall each other), and runs repeat bit for bit (the resume tests compare exactly)."""
+    """``THREADS`` (1 unless tools/variations.py says otherwise) torch threads for a module's training: on two
+    cores shared with other processes one is faster than two (their threads stall each other), and runs repeat
+    bit for bit (the resume tests compare exactly)."""
     import torch
 
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     yield
     torch.set_num_threads(n)
 

@@ -237,8 +237,15 @@ def test_reasoning_wrappers_lost_and_truncations_fail_data_health(healthy, toy_s
     run = variant(healthy, tmp_path / "run", **{"02_hidden_states": {"synth_dir": synth}})
     r = by_name(run_checks(run, "02"))["data_health"]
     assert r.status == FAIL, r
-    assert "8/28 thinking samples have no <think> token" in r.measured and "the story's bug" in r.measured
-    assert "4 truncated" in r.measured
+    # the counts come from the rows this test wrote (what the toy answered differs by a sample across CPUs)
+    thinking = [r for r in rows if r["status"] == "ok" and r.get("thinking")]
+    stripped = sum(1 for r in rows[:8] if r in thinking)
+    assert stripped >= 6, f"the fixture must strip the think tokens of ok thinking samples ({stripped} of 8 are)"
+    assert f"{stripped}/{len(thinking)} ok thinking samples have no <think> token" in r.measured, r.measured
+    assert "the story's bug" in r.measured
+    truncated = sum(1 for r in rows if r["status"] == "truncated")
+    ok = sum(1 for r in rows if r["status"] == "ok")
+    assert truncated >= 4 and f"{len(rows)} samples: {ok} ok, {truncated} truncated" in r.measured
 
 
 # -- 7. disk ---------------------------------------------------------------------------------------------------------

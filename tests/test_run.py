@@ -395,7 +395,7 @@ def test_sigterm_marks_the_running_stage_killed(world):
         killer.join()
     assert rc == 128 + signal.SIGTERM
     st = status(w.out)
-    assert st["state"] == "failed" and st["stages"]["04_acceptance"]["state"] == "failed"
+    assert st["state"] == "killed" and st["stages"]["04_acceptance"]["state"] == "killed"
     assert st["stages"]["04_acceptance"]["error"] == "killed by SIGTERM"
     kernel = w.executions("04_acceptance")[0]
     wait_for(lambda: not psutil.pid_exists(kernel), "the kernel to be shut down", w, timeout=30)

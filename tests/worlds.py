@@ -6,15 +6,34 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 # Seed of the toy build and of the trained fixtures. Trained-number tests must pass for any value (their margins
 # hold across CPUs and seeds): `EAGLE3NB_TEST_SEED=1 pytest ...` checks that they do.
 SEED = int(os.environ.get("EAGLE3NB_TEST_SEED", "0"))
+# Torch threads of the trained fixtures: 1 by default (on two shared cores extra threads stall each other, and
+# runs repeat bit for bit); tools/variations.py also runs the trained-number tests at 2 (another reduction order).
+THREADS = int(os.environ.get("EAGLE3NB_TEST_THREADS", "1"))
 
 # Trained well past every line a test judges it by: 40 steps left the draft at ~1.18x against the doctor's 1.2x
 # warn line on one CPU (a coin toss); 200 steps give held-out first-token acceptance ~0.8 and tau ~4 here.
 TRAIN_STEPS = 200
+
+
+def under_ci() -> bool:
+    """Any truthy ``CI`` (``true``, ``1``, ``yes``...): CI services spell it differently."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def requires_vllm() -> pytest.MarkDecorator:
+    """The mark of the real-vLLM tests: skipped with the reason where vLLM cannot run; under CI that is an error."""
+    from eagle3nb.serve.vllm import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason and under_ci():
+        raise RuntimeError(f"CI must test against the real vLLM, but: {reason}")
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
 def write_run(folder: Path, stages: dict[str, dict]) -> Path:
@@ -52,7 +71,7 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0
     # One thread: on a 2-core machine shared with other test runs, torch's thread pool spins and a step
     # takes ~15x longer.
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     try:
         train(from_dict("03_train", run_params(run, "03_train")))
     finally:

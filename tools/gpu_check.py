@@ -151,9 +151,9 @@ class World:
 
     @functools.cached_property
     def toy(self) -> Path:
-        from eagle3nb.toy import build
+        from eagle3nb.toy import shipped
 
-        return build(size="smoke")
+        return shipped("smoke")
 
     def extract_values(self, name: str, dtype: str, storage: str) -> dict[str, Any]:
         """02's parameters for one extraction of the reference samples into ``02-<name>``."""

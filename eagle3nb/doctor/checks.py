@@ -483,11 +483,11 @@ def check_data_health(ctx: Context) -> CheckResult:
                                f"the server generated", "run the token_stream check against the server; the data "
                                                         "keeps the server's ids"))
     think = ctx.template.think_ids[0]
-    no_wrap = sum(1 for s in ok if s.get("thinking") and think not in
-                  [t for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
+    thinking = [s for s in ok if s.get("thinking")]
+    no_wrap = sum(1 for s in thinking if think not in [t for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
     if no_wrap:
-        problems.append((FAIL, f"{no_wrap}/{len(ok)} thinking samples have no {THINK_START} token in their trained "
-                               f"tokens (reasoning or its wrappers lost: the story's bug)",
+        problems.append((FAIL, f"{no_wrap}/{len(thinking)} ok thinking samples have no {THINK_START} token in their "
+                               f"trained tokens (reasoning or its wrappers lost: the story's bug)",
                          "regenerate them with the current 01_synth (it keeps the server's token ids)"))
     max_length = ctx.max_length()
     lengths = [len(s["input_ids"]) for s in ok]

@@ -1,4 +1,5 @@
-"""The toy world's target: a tiny Kimi-style reasoning model built at first use (see ``build``).
+"""The toy world's target: a tiny Kimi-style reasoning model, shipped as fixed bytes (``shipped``) and
+rebuildable from its recipe (``build``).
 
 Light to import: torch and transformers load only when a model is built.
 """
@@ -8,16 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3nb import paths
-from eagle3nb.toy.build import build
+from eagle3nb.toy.build import SIZES, build
 from eagle3nb.toy.dialogues import write_prompts
+from eagle3nb.toy.shipped import ShippedToyError, shipped
 
-__all__ = ["build", "resolve_model_path", "write_prompts", "resolve_prompts"]
+__all__ = ["build", "resolve_model_path", "write_prompts", "resolve_prompts", "shipped", "ShippedToyError"]
 
 
 def resolve_model_path(value: str) -> Path:
-    """``toy:smoke`` / ``toy:demo`` -> the (cached) toy build; anything else -> that existing model folder."""
+    """``toy:smoke`` / ``toy:demo`` -> the shipped toy (the same bytes on every machine); anything else -> that
+    existing model folder."""
     if value.startswith("toy:"):
-        return build(size=value[4:])
+        size = value[4:]
+        if size not in SIZES:
+            raise ValueError(f"unknown toy size {value!r}: use one of {', '.join('toy:' + s for s in sorted(SIZES))}")
+        return shipped(size)
     p = paths.resolve(value)
     if not p.is_dir():
         raise FileNotFoundError(

@@ -1,8 +1,10 @@
 """Build the toy target: tokenizer + a small LlamaForCausalLM trained on generated reasoning dialogues.
 
-Deterministic for a seed (fixed thread count, seeded torch and data), cached by its settings in
-``paths.cache_dir()`` (see ``settings_hash``), and written to a
-temporary folder that is renamed into place, so a killed build never leaves a half model behind.
+The recipe of the shipped toys (``shipped.py``: ``toy:smoke`` / ``toy:demo`` are those fixed bytes). A rebuild
+repeats bit for bit on one machine (fixed thread count, seeded torch and data) but not across CPUs: other
+vector kernels and reduction orders end at other weights, which is why the builds ship. Cached by its settings
+in ``paths.cache_dir()`` (see ``settings_hash``), and written to a temporary folder that is renamed into place,
+so a killed build never leaves a half model behind.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from pathlib import Path
 from eagle3nb import paths
 from eagle3nb.tokens import IM_END, THINK_END
 from eagle3nb.toy import dialogues
+from eagle3nb.toy.shipped import file_sha256, manifest
 from eagle3nb.toy.tokenizer import build_tokenizer
 
-# Model and training settings per size. ``threads`` is fixed so the weights are identical on any machine.
+# Model and training settings per size. ``threads`` is fixed so a rebuild repeats on the same machine (another
+# CPU still ends at other weights: the shipped builds are what every machine uses).
 # Head size 32 in both (hidden / heads): the real vLLM's CPU attention serves head sizes of 32 and up only.
 SIZES: dict[str, dict] = {
     "smoke": dict(hidden=64, layers=8, heads=2, kv_heads=1, intermediate=192, steps=560, batch=4, lr=1e-2,
@@ -167,6 +171,19 @@ def train(out: Path, size: str, seed: int) -> dict:
     return report
 
 
+def rebuild_note(out: Path, size: str, seed: int) -> str:
+    """How a rebuild's weights compare with the shipped toy of its size (``toy:<size>`` keeps the shipped one)."""
+    entry = manifest().get(size)
+    if entry is None:
+        return f"no shipped toy of size {size!r} to compare with"
+    mine, theirs = file_sha256(out / "model.safetensors"), entry["files"]["model.safetensors"]
+    if mine == theirs:
+        return f"its weights are the shipped toy:{size}'s (sha256 {mine[:12]})"
+    return (f"its weights (sha256 {mine[:12]}, seed {seed}) differ from the shipped toy:{size}'s ({theirs[:12]}, "
+            f"seed {entry['seed']}): a rebuild on another CPU ends at other weights; toy:{size} keeps using the "
+            f"shipped build, pass this folder as model_path to use the rebuild")
+
+
 def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
     """Build (or reuse) the toy target of ``size`` and return its folder.
 
@@ -205,6 +222,7 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
             out.rmdir()
         tmp.rename(out)
     print(f"toy {size} built in {report['train_seconds']}s -> {out}")
+    print(rebuild_note(out, size, seed))
     print(f"held-out loss {report['heldout_loss']:.3f}")
     for smp in report["samples"]:
         right = smp["output"].split(THINK_END)[-1] == smp["expected"] + IM_END

@@ -21,10 +21,12 @@ def _prompts(args: argparse.Namespace) -> int:
 def register_cli(subparsers) -> None:
     toy = subparsers.add_parser("toy", help="the embedded toy target: build it, write prompt sets")
     sub = toy.add_subparsers(dest="toy_command", required=True)
-    b = sub.add_parser("build", help="build (or reuse from the cache) the toy target model + tokenizer")
+    b = sub.add_parser("build", help="rebuild the toy target model + tokenizer from its recipe (or reuse the cached "
+                                     "rebuild); toy:smoke / toy:demo keep using the shipped builds")
     b.add_argument("--out", type=Path, default=None, help="output folder (default: the build cache)")
     b.add_argument("--size", choices=["smoke", "demo"], default="smoke", help="smoke: ~30 s build; demo: ~3 min")
-    b.add_argument("--seed", type=int, default=0, help="training seed (same seed -> identical weights)")
+    b.add_argument("--seed", type=int, default=0, help="training seed (same seed on the same machine -> "
+                                                                  "identical weights)")
     b.set_defaults(func=_build)
     p = sub.add_parser("prompts", help="write a toy prompt set as JSONL (01_synth's prompt format)")
     p.add_argument("--out", type=Path, required=True, help="JSONL file to write")
