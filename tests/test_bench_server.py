@@ -123,18 +123,20 @@ def test_spec_server_trims_a_round_at_max_tokens(spec, embedded):
     assert cut >= 1, "every max_tokens fell on a round boundary: the test did not exercise the trim"
 
 
-def test_spec_server_samples_with_seeds_reproducibly(spec):
-    """Sampled requests go through rejection sampling in the server; a seed makes a request repeatable."""
+def test_spec_server_samples_with_seeds_reproducibly(spec, toy_smoke):
+    """Sampled requests go through rejection sampling in the server: a seed makes a request repeatable, another
+    seed differs where the target's own probabilities say it must, and temperature 0 is the target's greedy."""
     from openai import OpenAI
+
+    from sampling import check_seeded_sampling
 
     client = OpenAI(base_url=spec.base_url, api_key="EMPTY")
     model = client.models.list().data[0].id
     msgs = _prompts(1)[0]["messages"]
 
-    def ask(seed: int) -> list[int]:
-        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=30, temperature=1.0, top_p=0.9,
-                                           seed=seed, extra_body={"return_token_ids": True})
-        return r.choices[0].model_extra["token_ids"]
+    def ask(seed: int, temperature: float) -> tuple[list[int], list[int]]:
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=30, temperature=temperature,
+                                           top_p=1.0, seed=seed, extra_body={"return_token_ids": True})
+        return r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
 
-    first = ask(7)
-    assert first and ask(7) == first
+    check_seeded_sampling(ask, toy_smoke, temperature=1.5, max_tokens=30)

@@ -26,6 +26,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from worlds import under_ci
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
@@ -366,7 +368,7 @@ def exemption(words: list[str]) -> str | None:
     """Why this command is not checked, or None when it is."""
     key = vllm_key(words)
     if key is not None and not vllm_available():
-        if os.environ.get("CI") == "true":
+        if under_ci():
             pytest.fail("CI must check vLLM commands against vLLM's parser, but .venv-vllm/ is not installed "
                         "(make vllm)")
         return VLLM_EXEMPTIONS.get(key, VLLM_EXEMPTIONS["vllm"])

@@ -65,16 +65,18 @@ def test_miss_view_widget_table_and_excerpts(judged):
     shown = next(r for r in records if r["id"] in html)
     counts = {n for n in shown["accepted"] if n >= 0}
     assert all(f"tv-mark-acc{n}" in html for n in counts)
-    if shown["misses"]:
-        p = shown["misses"][0][0]
-        assert "MISS: draft guessed" in html and f"#{p}:" in html  # hover and the printed list
+    assert shown["misses"], "the sample shown first (worst first) has misses"
+    p = shown["misses"][0][0]
+    assert "MISS: draft guessed" in html and f"#{p}:" in html  # hover and the printed list
     assert "all positions" in box.table.value and "the draft fails most at" in box.table.value
     # sorted worst first: the first sample listed has the lowest mean accepted count
     means = [misses.sample_stats(r)["mean accepted"] for r in records]
     assert f"mean accepted {min(m for m in means if m is not None):.2f}" in box.children[3].options[0][0]
     # filters: the answer segment only, and the local source
+    assert "<td>reasoning</td>" in box.table.value and "<td>answer</td>" in box.table.value
     box.children[1].children[0].value = "answer"
-    assert "tv-mark-acc" in box.view.value or "nothing drafted" in box.table.value
+    assert "tv-mark-acc" in box.view.value  # the answers are drafted too
+    assert "<td>reasoning</td>" not in box.table.value and "<td>answer</td>" in box.table.value
     box.children[0].children[0].value = "local"
     assert "round" in box.view.value
 

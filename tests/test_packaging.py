@@ -7,6 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +64,21 @@ def test_top_level_layout():
     for run in ["demo", "smoke", "kimi-k2.5-10k"]:
         for stage in ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]:
             assert (ROOT / "params" / run / f"{stage}.yaml").exists(), f"params/{run}/{stage}.yaml"
+
+
+def test_real_vllm_is_required_under_any_truthy_ci(monkeypatch):
+    import eagle3nb.serve.vllm as vllm
+
+    from worlds import requires_vllm, under_ci
+
+    for value in ("true", "1", "yes", "True"):
+        monkeypatch.setenv("CI", value)
+        assert under_ci(), value
+    for value in ("", "0", "false", "no"):
+        monkeypatch.setenv("CI", value)
+        assert not under_ci(), value
+    monkeypatch.setattr(vllm, "unavailable_reason", lambda: "no vLLM here")
+    assert requires_vllm().kwargs["reason"] == "no vLLM here"  # outside CI: skipped, with the reason
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(RuntimeError, match="CI must test against the real vLLM, but: no vLLM here"):
+        requires_vllm()

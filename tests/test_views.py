@@ -78,6 +78,7 @@ def test_synth_sample_browser_and_static_samples(stages):
     assert len(rows) == 8 and {r["id"] for r in rows} == set(recs)
     flagged = {r["id"] for r in rows if r["flags"]}
     assert flagged == {i for i, r in recs.items() if r["status"] != "ok" or r["ids_match"] is False}
+    assert flagged and flagged != set(recs), "the fixture's 24-token budget cuts some answers and not others"
 
     widget = synth_report.sample_browser(d, tok)
     pick, view = widget.children[2].children[0], widget.children[-1]
@@ -97,15 +98,14 @@ def test_synth_sample_browser_and_static_samples(stages):
     assert {v for _, v in pick.options} == {i for i, r in recs.items() if r["status"] == "truncated"}
     status.value = "(any)"
     widget.children[2].children[1].click()  # random flagged
-    assert pick.value in flagged or not flagged
+    assert pick.value in flagged
     widget.children[2].children[2].value = True  # show ids
-    first = recs[pick.value]["input_ids"][:1]
-    assert not first or f">{first[0]}</sub></span>" in view.value
+    first = recs[pick.value]["input_ids"][0]
+    assert f">{first}</sub></span>" in view.value
     assert "interactive in JupyterLab" in widget._repr_mimebundle_()["text/html"]  # what a headless report shows
 
     chosen = synth_report.chosen_samples(d)
-    if flagged:
-        assert chosen["worst"] in flagged
+    assert chosen["worst"] in flagged
     assert recs[chosen["typical"]]["status"] == "ok" and chosen["typical"] != chosen["worst"]
     static = str(synth_report.static_samples(d, tok))
     assert re.findall(r'data-sample-id="([^"]+)"', static) == [chosen["worst"], chosen["typical"]]

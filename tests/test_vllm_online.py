@@ -1,12 +1,11 @@
 """03's online data source against the real vLLM (CPU build) in extract_hidden_states mode: the same client 02's vllm
 backend uses, nothing stored, and the same per-step losses as training on 02's fp32 shards of the same samples.
 
-Skipped with the reason where vLLM cannot run (as tests/test_vllm.py); under CI=true it must run.
+Skipped with the reason where vLLM cannot run (as tests/test_vllm.py); under any truthy CI it must run.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,18 +14,15 @@ import torch
 import yaml
 
 from eagle3nb.params import from_dict
-from eagle3nb.serve.vllm import start_vllm, unavailable_reason
+from eagle3nb.serve.vllm import start_vllm
 from eagle3nb.train.report import read_metrics
 from eagle3nb.train.stage import run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_data import make_hidden_states  # noqa: E402
-from worlds import SEED  # noqa: E402
+from worlds import SEED, requires_vllm  # noqa: E402
 
-_reason = unavailable_reason()
-if _reason and os.environ.get("CI") == "true":
-    raise RuntimeError(f"CI must test against the real vLLM, but: {_reason}")
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+pytestmark = requires_vllm()
 
 LAYERS = [2, 4, 5, 8]  # the smoke toy's EAGLE-3 aux ids (2, L//2, L-3) plus L = 8 for the final state
 TRAIN = dict(run_name="test", ttt_steps=3, max_length=256, batch_tokens=400, lr=3e-3, warmup_ratio=0.05,
