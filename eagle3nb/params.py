@@ -312,3 +312,20 @@ def run_params(run_dir: Path, stage: str) -> dict[str, Any]:
     values.setdefault("run_name", run_dir.name)
     values.setdefault("params_file", str(stage_file))
     return values
+
+
+def stage_values(stage: str, source: Path, overrides: list[str]) -> dict:
+    """The stage's raw values from a run folder (``common.yaml`` under the stage file) or one YAML file,
+    with ``KEY=VALUE`` overrides (values parsed as YAML)."""
+    if not source.exists():
+        raise ParamsError(f"{source} does not exist; pass params/<run>/ or params/<run>/{stage}.yaml")
+    if source.is_dir():
+        values = run_params(source, stage)
+    else:
+        values = {"run_name": source.parent.name, **load_yaml(source), "params_file": str(source)}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ParamsError(f"--set {item!r}: use KEY=VALUE")
+        values[key] = yaml.safe_load(value)
+    return values

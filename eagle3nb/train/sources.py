@@ -21,9 +21,8 @@ from eagle3nb.hidden.online import OnlineStates
 from eagle3nb.hidden.params import HiddenParams
 from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.hidden.storage import bytes_per_token
-from eagle3nb.params import ParamsError, StageError, from_dict
+from eagle3nb.params import ParamsError, StageError, from_dict, stage_values
 from eagle3nb.paths import project_root, resolve
-from eagle3nb.stage_cli import stage_values
 from eagle3nb.train.data import layout
 from eagle3nb.train.params import TrainParams
 
