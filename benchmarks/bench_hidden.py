@@ -49,7 +49,8 @@ def make_samples(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
 
 
 def bare_forward_tok_s(model, seqs: list[list[int]], tokens_per_batch: int) -> float:
-    from eagle3nb.hidden.capture import pack_batches, run_decoder
+    from eagle3nb.data.batching import pack_batches
+    from eagle3nb.hidden.capture import run_decoder
 
     t0, n = time.perf_counter(), 0
     for rows in pack_batches([len(s) for s in seqs], tokens_per_batch):
@@ -68,10 +69,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
+    from eagle3nb.data.shards import STORAGES, bytes_per_token
     from eagle3nb.hidden.capture import load_target
     from eagle3nb.hidden.stage import prepare_samples
     from eagle3nb.hidden.stage import run as extract
-    from eagle3nb.hidden.storage import STORAGES, bytes_per_token
     from eagle3nb.params import from_dict
 
     work = Path(tempfile.mkdtemp(prefix="bench-hidden-"))

@@ -8,7 +8,7 @@ layers; the draft (AQ-MedAI's shape) has one layer: 64 heads x 128 (64 KV heads)
 lm_head H -> Vd: 1.19 B trainable parameters + a 1.17 B frozen embedding. A whole fp32 draft with gradients and
 AdamW state (~24 GB) does not fit beside other work in this machine's 24 GiB, so each part is measured alone on
 short sequences, with eagle3nb's own code (``Eagle3Draft`` built on the meta device, each sub-module then
-materialised, run forward + backward and dropped; 02's ``storage.encode``/``decode``/``write_shard`` and the
+materialised, run forward + backward and dropped; 02's ``shards.encode``/``decode``/``write_shard`` and the
 reader's ``safe_open`` path; 03's ``DeviceTargets`` and ``TTTObjective``; ``TTTCache`` attention). Everything
 longer than the measured sequences, and every GPU figure, is a projection from FLOP counts (formulas below),
 labelled as such.
@@ -105,7 +105,7 @@ def measure_storage(T: int, head, work: Path) -> dict:
     import torch
     from safetensors import safe_open
 
-    from eagle3nb.hidden.storage import decode, encode, write_shard
+    from eagle3nb.data.shards import decode, encode, write_shard
 
     aux, final = torch.randn(T, 3, H), torch.randn(T, H)
     out = {}
@@ -251,7 +251,7 @@ def main() -> None:
     # 02 + 03's loss targets: the 163840-row head is needed by both (topk storage, DeviceTargets); 4.7 GB fp32.
     head_w = torch.empty(V, H).normal_(0, 0.02)
     rows_ids = torch.arange(VD) * 5
-    from eagle3nb.hidden.head import TargetHead
+    from eagle3nb.data.head import TargetHead
 
     head = TargetHead(head_w, rows_ids, device="cpu")
     storage = measure_storage(T, head, work)
@@ -289,7 +289,7 @@ def main() -> None:
           f"(k+1 = {K + 1} steps) {accept_cpu:.2f} s/token")
 
     # ---- projection of the seed's 10K run --------------------------------------------------------------
-    from eagle3nb.hidden.storage import bytes_per_token
+    from eagle3nb.data.shards import bytes_per_token
 
     N = SEED_DISK / bytes_per_token("bf16", H)  # tokens of the seed's run (828 GB of bf16 states)
     avg_T = N / 10000

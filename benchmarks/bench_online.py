@@ -37,7 +37,7 @@ def main() -> None:
     import torch
     import yaml
 
-    from eagle3nb.hidden.head import target_info
+    from eagle3nb.data.head import target_info
     from eagle3nb.hidden.stage import run as extract
     from eagle3nb.params import from_dict
     from eagle3nb.toy import resolve_model_path

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _peer_speculators
+sys.path.insert(0, str(ROOT))  # testkit
 PEER_VENV = ROOT / ".venv-speculators"
 PEER_PY = PEER_VENV / "bin" / "python"
 PEER_SPEC = "speculators==0.9.0"
@@ -81,14 +82,14 @@ def data_dir(args, model_dir: Path) -> Path:
     demo = ROOT / "outputs" / "demo" / "02_hidden_states"
     if (demo / "index.json").exists() and args.model == "toy:demo":
         return demo
-    from eagle3nb.accept.heldout import greedy_hidden_states
+    from testkit.heldout import greedy_hidden_states
 
     cache = ROOT / ".cache" / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}"
     if not (cache / "02" / "index.json").exists():
         print(f"[bench_peer] building data: the target's greedy answers to {args.samples} toy prompts -> 02 "
               f"({cache})", flush=True)
         greedy_hidden_states(model_dir, "toy:train", args.samples, args.max_new_tokens, cache,
-                                    draft_vocab_size=args.draft_vocab)
+                             draft_vocab_size=args.draft_vocab)
     return cache / "02"
 
 
@@ -129,12 +130,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from eagle3nb.accept.offline import chain_logits, offline_acceptance
+    from eagle3nb.data.head import read_head_tensors
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.data.split import split_holdout
     from eagle3nb.draft import load_draft, save_draft
-    from eagle3nb.hidden.head import read_head_tensors
-    from eagle3nb.hidden.reader import HiddenStates
     from eagle3nb.params import from_dict
     from eagle3nb.toy import resolve_model_path
-    from eagle3nb.train.data import split_holdout
     from eagle3nb.train.stage import run as train_run
 
     why_not = setup_peer()

@@ -11,16 +11,20 @@ verify pass of k+1 tokens costs about one decode step (like a memory-bound GPU a
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # testkit
+
 
 def quick_draft(model_dir: Path, work: Path) -> Path:
-    from eagle3nb.accept.heldout import greedy_hidden_states
     from eagle3nb.params import from_dict
     from eagle3nb.train.stage import run
+    from testkit.heldout import greedy_hidden_states
 
     data = greedy_hidden_states(model_dir, "toy:train", 48, 64, work, draft_vocab_size=128)
     run(from_dict("03_train", dict(run_name="bench", data_dir=str(data), output_dir=str(work / "03"), ttt_steps=4,
@@ -40,10 +44,10 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from eagle3nb.data.prompts import load_prompts
+    from eagle3nb.data.stream import Template
     from eagle3nb.draft import load_draft
     from eagle3nb.spec import compare_with_plain, measure_costs
-    from eagle3nb.synth.prompts import load_prompts
-    from eagle3nb.synth.stream import Template
     from eagle3nb.toy import resolve_model_path
 
     model_dir = resolve_model_path(args.model)

@@ -24,11 +24,11 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
     exactly what decoding sees), and a draft trained briefly on them by 03."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3nb.accept.heldout import greedy_hidden_states
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.data.stream import Template
     from eagle3nb.draft import load_draft
-    from eagle3nb.hidden.reader import HiddenStates
-    from eagle3nb.synth.stream import Template
     from eagle3nb.train.stage import run
+    from testkit.heldout import greedy_hidden_states
 
     root = tmp_path_factory.mktemp("accept")
     data_dir = greedy_hidden_states(toy_smoke, "toy:heldout", N_PROMPTS, MAX_NEW, root, draft_vocab_size=96)

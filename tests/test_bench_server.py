@@ -23,7 +23,7 @@ def spec(toy_smoke, trained):
 
 
 def _prompts(n: int) -> list[dict]:
-    from eagle3nb.synth.prompts import load_prompts
+    from eagle3nb.data.prompts import load_prompts
 
     return load_prompts("toy:heldout", n)
 

@@ -220,8 +220,8 @@ def test_d2t_t2d_that_disagree_fail(healthy, tmp_path):
 # -- 6. data health -------------------------------------------------------------------------------------------------
 
 def test_reasoning_wrappers_lost_and_truncations_fail_data_health(healthy, toy_smoke, tmp_path):
-    from eagle3nb.synth.store import read_records
-    from eagle3nb.synth.stream import Template
+    from eagle3nb.data.samples import read_records
+    from eagle3nb.data.stream import Template
 
     think = set(Template(toy_smoke, True).think_ids)
     rows = list(read_records(healthy["out"] / "01_synth"))

@@ -55,7 +55,7 @@ def params(stage: str) -> dict:
 
 @pytest.mark.slow
 def test_smoke_pipeline_produces_every_stage(smoke_run, out):
-    from eagle3nb.synth.store import read_records
+    from eagle3nb.data.samples import read_records
 
     status = json.loads((out / "status.json").read_text())
     for stage in STAGES:

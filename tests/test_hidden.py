@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.data.shards import STORAGES, ShardError, bytes_per_token, file_sha256
+from eagle3nb.data.vocab import build_draft_vocab
 from eagle3nb.hidden.cost import compare_targets
-from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.hidden.stage import HiddenStatesError, preview, run
-from eagle3nb.hidden.storage import STORAGES, ShardError, bytes_per_token, file_sha256
-from eagle3nb.hidden.vocab import build_draft_vocab
 from eagle3nb.layers import LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.params import from_dict
 
@@ -95,7 +95,8 @@ def test_layer_id_conventions():
 
 def test_captured_states_equal_output_hidden_states_exactly(fp32_run, model):
     """Per batch exactly as extraction ran it: hooks == hidden_states[i] at the ids, final == normed last."""
-    from eagle3nb.hidden.capture import pack_batches, pad_batch
+    from eagle3nb.data.batching import pack_batches
+    from eagle3nb.hidden.capture import pad_batch
 
     hs = HiddenStates(fp32_run)
     ids = hs.meta["layer_ids"]

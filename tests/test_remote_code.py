@@ -63,7 +63,7 @@ def test_tokenizer_code_runs_only_when_trusted(folder, tmp_path):
 
 
 def test_model_code_runs_only_when_trusted(folder):
-    from eagle3nb.hidden.head import target_info
+    from eagle3nb.data.head import target_info
     from eagle3nb.hidden.stage import TransformersSource
     from eagle3nb.hidden.vllm_backend import vllm_command
 

@@ -17,8 +17,8 @@ def pair(toy_smoke, trained):
     """(target, draft, eos id) in this process: the smoke toy and the trained draft of ``tests/worlds.py``."""
     from transformers import AutoModelForCausalLM
 
+    from eagle3nb.data.stream import Template
     from eagle3nb.draft import load_draft
-    from eagle3nb.synth.stream import Template
 
     target = AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
     draft = load_draft(trained["out"] / "03_train" / "draft",
@@ -27,8 +27,8 @@ def pair(toy_smoke, trained):
 
 
 def _prompts(toy_smoke, n: int) -> list[list[int]]:
-    from eagle3nb.synth.prompts import load_prompts
-    from eagle3nb.synth.stream import Template
+    from eagle3nb.data.prompts import load_prompts
+    from eagle3nb.data.stream import Template
 
     tpl = Template(toy_smoke, thinking=True)
     return [tpl.prompt_ids(r["messages"]) for r in load_prompts("toy:heldout", n)]
@@ -111,10 +111,10 @@ def test_spec_server_batches_concurrent_requests_and_answers_like_the_plain_serv
     token ids for each, and /metrics shows rounds that verified several requests in one target pass."""
     import httpx
 
+    from eagle3nb.data.prompts import load_prompts
     from eagle3nb.formulas import parse_prometheus
     from eagle3nb.launch import start_server
     from eagle3nb.serve.spec_engine import BATCH_ROUNDS
-    from eagle3nb.synth.prompts import load_prompts
 
     questions = [r["messages"][0]["content"] for r in load_prompts("toy:heldout", 6)]
     limits = [120, 12, 80, 30, 120, 50]

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from eagle3nb.data.prompts import PromptsError, load_prompts
+from eagle3nb.data.reasoning import extract
+from eagle3nb.data.samples import SampleWriter, check_run_config, latest, load_samples, sample_files
+from eagle3nb.data.stream import Template, build, naive_text
 from eagle3nb.params import ParamsError, from_dict
 from eagle3nb.synth.faults import FaultServer
 from eagle3nb.synth.params import SynthParams
-from eagle3nb.synth.prompts import PromptsError, load_prompts
-from eagle3nb.synth.reasoning import extract
 from eagle3nb.synth.stage import SynthError, probe, run
-from eagle3nb.synth.store import SampleWriter, check_run_config, latest, load_samples, sample_files
-from eagle3nb.synth.stream import Template, build, naive_text
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 
 ROWS = [
@@ -199,7 +199,7 @@ def test_store_latest_record_wins_and_torn_last_line_is_skipped(tmp_path):
 
 
 def test_one_writer_per_output_dir(tmp_path):
-    from eagle3nb.synth.store import exclusive
+    from eagle3nb.data.samples import exclusive
 
     with exclusive(tmp_path):
         with pytest.raises(ParamsError, match=rf"another 01_synth run \(pid {os.getpid()}\) is writing"):

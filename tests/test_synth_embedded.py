@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagle3nb.data.samples import load_samples, sample_files
+from eagle3nb.data.stream import Template, build
 from eagle3nb.synth.params import SynthParams
 from eagle3nb.synth.stage import probe, run
-from eagle3nb.synth.store import load_samples, sample_files
-from eagle3nb.synth.stream import Template, build
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 
 ROOT = Path(__file__).resolve().parents[1]

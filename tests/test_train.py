@@ -14,11 +14,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.data.split import split_holdout
 from eagle3nb.draft import DraftMismatchError, load_draft, save_draft
-from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.params import from_dict
 from eagle3nb.train.checkpoint import ResumeMismatch, checkpoints
-from eagle3nb.train.data import DeviceTargets, split_holdout
+from eagle3nb.train.data import DeviceTargets
 from eagle3nb.train.report import read_metrics
 from eagle3nb.train.stage import TrainingDiverged, run
 

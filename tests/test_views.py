@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.data.samples import load_samples
 from eagle3nb.hidden import report as hidden_report
-from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.hidden.stage import run as extract
 from eagle3nb.params import ParamsError, changed_table, from_dict
 from eagle3nb.run import plan
 from eagle3nb.synth import report as synth_report
 from eagle3nb.synth.stage import run as synth
-from eagle3nb.synth.store import load_samples
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 from eagle3nb.tokenview import load_tokenizer, render_tokens, roles_for, special_ids
 

@@ -95,9 +95,9 @@ def synth_params(tmp: Path, url: str, model: Path, **kw):
 # -- 01: records from the real server ------------------------------------------------------------------------------
 
 def test_records_from_real_vllm_equal_our_template_rendering(vllm, toy_smoke, tmp_path):
+    from eagle3nb.data.samples import load_samples
+    from eagle3nb.data.stream import Template
     from eagle3nb.synth.stage import run
-    from eagle3nb.synth.store import load_samples
-    from eagle3nb.synth.stream import Template
 
     run(synth_params(tmp_path, vllm["plain"].url, toy_smoke))
     rows = load_samples(tmp_path / "01", statuses=("ok", "truncated", "no_reasoning", "error"))
@@ -184,7 +184,7 @@ def test_embedded_server_answers_like_vllm(vllm, embedded):
 # -- 02: extract_hidden_states through the real connector --------------------------------------------------------
 
 def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
-    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.data.reader import HiddenStates
     from eagle3nb.hidden.stage import run
 
     from test_hidden import params, write_synth
@@ -207,17 +207,17 @@ def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
 # -- 03's exports served by vLLM, 04 reading vLLM's own counters -------------------------------------------------
 
 def held_out(n: int) -> list[dict]:
-    from eagle3nb.synth.prompts import load_prompts
+    from eagle3nb.data.prompts import load_prompts
 
     return load_prompts("toy:heldout", n)
 
 
 def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_tokens: int) -> dict:
     """04's local speculative decoding (our decoder, greedy) on the same prompts vLLM gets."""
+    from eagle3nb.data.stream import Template
     from eagle3nb.draft import load_draft
     from eagle3nb.hidden.capture import load_target
     from eagle3nb.spec import compare_with_plain
-    from eagle3nb.synth.stream import Template
 
     tpl = Template(toy_smoke, True)
     ids = [tpl.prompt_ids(p["messages"]) for p in prompts]

@@ -164,9 +164,9 @@ class World:
     def data(self) -> dict[str, Path]:
         """The CPU reference, made in a process that sees no GPU: 01 = the target's greedy answers, 02 in fp32
         (stored exactly, and with top-k storage). Paths: ``synth``, ``cpu-fp32``, ``cpu-topk``."""
-        code = ("import json, sys\nfrom eagle3nb.accept.heldout import greedy_hidden_states\nfrom "
-                "eagle3nb.hidden.stage "
-                "import run\nfrom eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
+        code = (f"import json, sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                "from testkit.heldout import greedy_hidden_states\nfrom eagle3nb.hidden.stage import run\n"
+                "from eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
                 "greedy_hidden_states(a['toy'], 'toy:train', a['n'], a['max_new'], a['out'])\n"
                 "run(from_dict('02_hidden_states', a['topk']))")
         args = {"toy": str(self.toy), "n": N_SAMPLES, "max_new": MAX_NEW, "out": str(self.work / "data"),
@@ -227,8 +227,8 @@ class World:
     @functools.cached_property
     def prompts(self) -> tuple[list[dict], list[list[int]], list[int]]:
         """The held-out prompt rows, their chat-template ids and the end-of-turn ids."""
-        from eagle3nb.synth.prompts import load_prompts
-        from eagle3nb.synth.stream import Template
+        from eagle3nb.data.prompts import load_prompts
+        from eagle3nb.data.stream import Template
 
         tpl = Template(self.toy, True)
         rows = load_prompts("toy:heldout", N_PROMPTS)
@@ -296,7 +296,7 @@ def check_ttt_attention(w: World) -> str:
 def check_hidden_transformers(w: World) -> str:
     import torch
 
-    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.data.reader import HiddenStates
     from eagle3nb.hidden.stage import run as extract
     from eagle3nb.params import from_dict
 
@@ -328,7 +328,7 @@ def check_hidden_transformers(w: World) -> str:
     parts.append(f"cuda-topk argmax {same:.1%} (>= 99%), {within('max prob gap', gap, 2e-2)}")
     return expect(ok, "; ".join(parts) + f" vs CPU fp32 over {len(ref)} samples",
                   "02 on GPU differs from CPU: check eagle3nb/hidden/capture.py (device_map, input device, dtype) "
-                  "and hidden/head.py (TargetHead on cuda)")
+                  "and data/head.py (TargetHead on cuda)")
 
 
 def check_autocast_bf16(w: World) -> str:
@@ -398,8 +398,8 @@ def check_export(w: World) -> str:
 
 def check_offline_acceptance(w: World) -> str:
     from eagle3nb.accept.offline import offline_acceptance
+    from eagle3nb.data.reader import HiddenStates
     from eagle3nb.draft import load_draft
-    from eagle3nb.hidden.reader import HiddenStates
 
     data = HiddenStates(w.data()["cpu-fp32"])
     gpu, cpu = (offline_acceptance(load_draft(w.draft_dir, device=dev), data, K, K + 1, temperature=1.0)
@@ -418,11 +418,11 @@ def check_draft_sanity(w: World) -> str:
     import yaml
 
     from eagle3nb.accept.offline import offline_acceptance
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.data.split import split_holdout
     from eagle3nb.doctor import run_checks
     from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
     from eagle3nb.draft import load_draft
-    from eagle3nb.hidden.reader import HiddenStates
-    from eagle3nb.train.data import split_holdout
 
     data_dir = w.data()["cpu-fp32"]
     run = w.work / "doctor-run"
@@ -471,10 +471,10 @@ def check_spec_decoding(w: World) -> str:
 
 
 def check_embedded_server(w: World) -> str:
+    from eagle3nb.data.samples import load_samples
     from eagle3nb.launch import start_server
     from eagle3nb.params import from_dict
     from eagle3nb.synth.stage import run
-    from eagle3nb.synth.store import load_samples
 
     reference = {r["id"]: r["input_ids"] for r in load_samples(w.data()["synth"], statuses=None)}
     out = w.work / "01-served"
@@ -546,7 +546,7 @@ def start_gpu_vllm(w: World, mode: str, **kw):
 
 
 def check_vllm_hidden_states(w: World) -> str:
-    from eagle3nb.hidden.reader import HiddenStates
+    from eagle3nb.data.reader import HiddenStates
     from eagle3nb.hidden.stage import run as extract
     from eagle3nb.layers import default_aux_layer_ids
     from eagle3nb.params import from_dict
@@ -567,7 +567,7 @@ def check_vllm_hidden_states(w: World) -> str:
                   f"{len(a)} samples through ExampleHiddenStatesConnector, {within('worst state error', err, 1e-3)} "
                   "vs CPU fp32 transformers",
                   "vLLM's states differ from transformers': check the layer ids (aux ids + L) and the file layout "
-                  "eagle3nb/hidden/reader.py expects")
+                  "eagle3nb/data/reader.py expects")
 
 
 def check_vllm_eagle3(w: World) -> str:
@@ -598,7 +598,7 @@ PATHS: list[CudaPath] = [
     CudaPath("cuda_device", check_cuda_device, (), "install a CUDA build of torch in .venv"),
     CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/draft.py",), "see eagle3nb/draft.py TTTCache"),
     CudaPath("hidden_transformers", check_hidden_transformers,
-             ("eagle3nb/hidden/stage.py", "eagle3nb/hidden/capture.py", "eagle3nb/hidden/head.py",
+             ("eagle3nb/hidden/stage.py", "eagle3nb/hidden/capture.py", "eagle3nb/data/head.py",
               "eagle3nb/hidden/params.py"), "see eagle3nb/hidden/stage.py run"),
     CudaPath("autocast_bf16", check_autocast_bf16, ("eagle3nb/train/stage.py", "eagle3nb/train/params.py"),
              "see eagle3nb/train/stage.py autocast_for"),

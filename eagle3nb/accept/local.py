@@ -9,10 +9,10 @@ from typing import Any
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.misses import ROUNDS, local_records, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
+from eagle3nb.data.prompts import load_prompts
+from eagle3nb.data.stream import Template
 from eagle3nb.progress import Progress
 from eagle3nb.spec import compare_with_plain, measure_costs
-from eagle3nb.synth.prompts import load_prompts
-from eagle3nb.synth.stream import Template
 
 
 def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:

@@ -17,14 +17,14 @@ from typing import Any
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.misses import POSITIONS, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.data.split import split_holdout
 from eagle3nb.draft import TTTCache
 from eagle3nb.formulas import tau_from_conditional
-from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.params import run_params, schema_for
 from eagle3nb.paths import resolve
 from eagle3nb.progress import Progress
 from eagle3nb.tokens import THINK_END, THINK_START, segment_ids
-from eagle3nb.train.data import split_holdout
 
 SEGMENTS = {1: "reasoning", 2: "answer"}
 

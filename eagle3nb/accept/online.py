@@ -17,9 +17,9 @@ from typing import Any
 
 from eagle3nb.accept.cache import cached_rows, fingerprint
 from eagle3nb.accept.params import AcceptParams
+from eagle3nb.data.prompts import load_prompts
 from eagle3nb.formulas import spec_counters, spec_delta
 from eagle3nb.launch import start_server
-from eagle3nb.synth.prompts import load_prompts
 
 
 def metrics_url(base_url: str) -> str:

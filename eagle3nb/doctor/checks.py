@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.data.stream import StreamError, build
 from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, SKIP, WARN, CheckResult
 from eagle3nb.formulas import speedup
@@ -18,7 +19,6 @@ from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
 from eagle3nb.params import ParamsError
 from eagle3nb.synth.client import FatalServerError, GaveUp
-from eagle3nb.synth.stream import StreamError, build
 from eagle3nb.tokens import THINK_END, THINK_START
 from eagle3nb.vllm_config import TESTED_VERSION, version_notes
 
@@ -548,8 +548,8 @@ def _free_bytes(path: Path) -> tuple[int, Path]:
 
 
 def check_disk(ctx: Context) -> CheckResult:
+    from eagle3nb.data.shards import bytes_per_token
     from eagle3nb.hidden.stage import head_bytes
-    from eagle3nb.hidden.storage import bytes_per_token
 
     P2 = ctx.p("02_hidden_states")
     source = getattr(ctx.params.get("03_train"), "data_source", "stored")

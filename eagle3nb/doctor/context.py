@@ -9,13 +9,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from eagle3nb.data.reasoning import REASONING_FIELDS, extract, field
+from eagle3nb.data.split import split_holdout
+from eagle3nb.data.stream import Template
 from eagle3nb.doctor.result import FAIL, CheckResult
 from eagle3nb.launch import start_server
 from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict, run_params
 from eagle3nb.paths import project_root, resolve
 from eagle3nb.synth.client import Endpoint, FatalServerError, GaveUp, base_url, chat, retried, run_sync
-from eagle3nb.synth.reasoning import REASONING_FIELDS, extract, field
-from eagle3nb.synth.stream import Template
 
 PROBE_QUESTION = "What is 2+2?"
 # Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
@@ -121,7 +122,7 @@ class Context:
     @cached_property
     def target_dims(self) -> dict:
         """num_layers, hidden_size, vocab_size of the target (02's reading of its config.json)."""
-        from eagle3nb.hidden.head import target_info
+        from eagle3nb.data.head import target_info
 
         return target_info(self.model_dir)
 
@@ -136,7 +137,7 @@ class Context:
     @cached_property
     def records(self) -> list[dict]:
         """Every sample record 01_synth wrote (all statuses, every attempt)."""
-        from eagle3nb.synth.store import read_records, sample_files
+        from eagle3nb.data.samples import read_records, sample_files
 
         if not sample_files(self.synth_dir):
             raise Unavailable(f"no 01_synth samples in {self.synth_dir} (run 01_synth first)")
@@ -198,7 +199,7 @@ class Context:
 
     def hidden(self, data_dir: Path | None = None):
         """The hidden-state reader for ``data_dir`` (default: the training data)."""
-        from eagle3nb.hidden.reader import HiddenStates
+        from eagle3nb.data.reader import HiddenStates
 
         d = data_dir or self.hidden_dir
         if not (d / "index.json").exists():
@@ -208,8 +209,6 @@ class Context:
     def heldout(self):
         """Held-out samples of the evaluation data: all of it when it is not the training data, else 03's
         held-out split of it (the samples the draft never trained on)."""
-        from eagle3nb.train.data import split_holdout
-
         hs = self.hidden(self.eval_dir)
         if self.eval_dir.resolve() != self.hidden_dir.resolve() or "03_train" not in self.params:
             return hs

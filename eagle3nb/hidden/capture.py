@@ -1,4 +1,4 @@
-"""Capturing chosen hidden states in one forward pass, and packing samples into forward batches.
+"""Capturing chosen hidden states in one forward pass.
 
 Forward hooks keep only what EAGLE-3 needs: for id ``i`` (HF ``hidden_states[i]`` = vLLM id ``i``) the
 output of decoder layer ``i-1`` (the embeddings for ``i = 0``), and the final norm's output. Every other
@@ -76,24 +76,6 @@ class Capture:
         final = self.states.get("final")
         self.states = {}
         return aux, final
-
-
-def pack_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
-    """Indices grouped into forward batches, in the given order, such that ``len(batch) * longest <=
-    tokens_per_batch`` (a sample longer than the budget runs alone). Callers sort by length first so padding
-    stays small."""
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if cur and (len(cur) + 1) * max(longest, n) > tokens_per_batch:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple["torch.Tensor", "torch.Tensor"]:

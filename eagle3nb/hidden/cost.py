@@ -4,8 +4,8 @@ loss-masked positions. Runs the stage, so it lives beside it, not in ``report``.
 
 from __future__ import annotations
 
+from eagle3nb.data.reader import HiddenStates
 from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.reader import HiddenStates
 from eagle3nb.hidden.stage import run
 
 

@@ -1,6 +1,6 @@
 """02's work done on demand: the hidden states of 01's samples computed by the target when 03 asks for them.
 
-``OnlineStates(HP)`` offers what 03 reads from :class:`~eagle3nb.hidden.reader.HiddenStates` (``len``, ``[i]``,
+``OnlineStates(HP)`` offers what 03 reads from :class:`~eagle3nb.data.reader.HiddenStates` (``len``, ``[i]``,
 ``.meta``, ``.d2t``, ``.t2d``, ``.embed_tokens()``, ``.lm_head()``, ``.target_probs``, ``.target_argmax``), built
 with 02's own pieces: its sample preparation (so the samples, their order and their ids are 02's index), its
 layer ids, draft vocabulary and target head, and its two backends (the target loaded here, or a vLLM server in
@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3nb.hidden.head import TargetHead, read_head_tensors, target_info
+from eagle3nb.data.head import TargetHead, read_head_tensors, target_info
+from eagle3nb.data.reader import FIELDS, HEAD_FILE, HiddenStates
+from eagle3nb.data.shards import ShardError, check_shard, decode, encode, shard_name, write_shard
+from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, load_draft_vocab, save_draft_vocab
 from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.reader import FIELDS, HEAD_FILE, HiddenStates
 from eagle3nb.hidden.stage import (
     HiddenStatesError,
     TransformersSource,
@@ -35,8 +37,6 @@ from eagle3nb.hidden.stage import (
     prepare_samples,
     write_head,
 )
-from eagle3nb.hidden.storage import ShardError, check_shard, decode, encode, shard_name, write_shard
-from eagle3nb.hidden.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, load_draft_vocab, save_draft_vocab
 from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
 from eagle3nb.progress import write_json_atomic
 from eagle3nb.toy import resolve_model_path

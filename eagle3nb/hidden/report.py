@@ -10,9 +10,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.data.shards import STORAGES, bytes_per_token
 from eagle3nb.figures import save_figures as save_all
-from eagle3nb.hidden.reader import HiddenStates
-from eagle3nb.hidden.storage import STORAGES, bytes_per_token
 from eagle3nb.layers import to_sglang
 from eagle3nb.tokenview import HTML, browser, fields_table, pieces_for, render_tokens, roles_for, special_ids
 

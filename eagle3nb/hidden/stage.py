@@ -19,21 +19,21 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from eagle3nb.data.batching import pack_batches
+from eagle3nb.data.head import TargetHead, read_head_tensors, target_info, text_config
+from eagle3nb.data.reader import HEAD_FILE, INDEX_FILE
+from eagle3nb.data.samples import load_samples
+from eagle3nb.data.shards import FORMAT, ShardError, bytes_per_token, check_shard, encode, shard_name, write_shard
+from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, save_draft_vocab
 from eagle3nb.hidden import report
-from eagle3nb.hidden.capture import capture_batch, load_target, pack_batches
-from eagle3nb.hidden.head import TargetHead, read_head_tensors, target_info, text_config
+from eagle3nb.hidden.capture import capture_batch, load_target
 from eagle3nb.hidden.params import STAGE, HiddenParams
-from eagle3nb.hidden.storage import FORMAT, ShardError, bytes_per_token, check_shard, encode, shard_name, write_shard
 from eagle3nb.hidden.vllm_backend import VllmClient, vllm_command
-from eagle3nb.hidden.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, save_draft_vocab
 from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
-from eagle3nb.synth.store import load_samples
 
 PLAN_FILE = "plan.json"
-INDEX_FILE = "index.json"
-HEAD_FILE = "target_head.safetensors"
 THROUGHPUT_FILE = "throughput.jsonl"
 GB = 1e9
 

@@ -12,8 +12,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.data.samples import STATUSES, latest, sample_files
 from eagle3nb.figures import save_figures as save_all
-from eagle3nb.synth.store import STATUSES, latest, sample_files
 from eagle3nb.tokenview import HTML, browser, fields_table, pieces_for, render_tokens, roles_for, special_ids
 
 # What makes a sample worth a look, worst first (``static_samples`` shows the first one present).

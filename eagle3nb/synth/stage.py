@@ -19,6 +19,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from eagle3nb.data.prompts import load_prompts
+from eagle3nb.data.reasoning import NO_REASONING_FIX, extract, field
+from eagle3nb.data.samples import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
+from eagle3nb.data.stream import StreamError, Template, build, naive_text
 from eagle3nb.launch import start_server
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
@@ -36,10 +40,6 @@ from eagle3nb.synth.client import (
     with_retries,
 )
 from eagle3nb.synth.params import STAGE, SynthParams
-from eagle3nb.synth.prompts import load_prompts
-from eagle3nb.synth.reasoning import NO_REASONING_FIX, extract, field
-from eagle3nb.synth.store import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
-from eagle3nb.synth.stream import StreamError, Template, build, naive_text
 from eagle3nb.tokens import segment_ids
 
 EARLY_CHECK = 8  # first answers looked at to decide that reasoning is missing or every request fails

@@ -1,4 +1,4 @@
-"""What 03 reads from 02: the held-out split, the micro-batch schedule, and padded batches.
+"""What 03 reads from 02: the micro-batch schedule over 03's held-out split, and padded batches.
 
 The schedule is a pure function of (sample lengths, seed, epoch), so optimizer step s always sees the same
 micro-batches: that is what makes a resumed run follow the uninterrupted run's loss curve, and what makes N
@@ -6,23 +6,12 @@ processes x grad_accum equal one process with N x grad_accum (the global batch i
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 
-from eagle3nb.hidden.capture import pack_batches
-
-
-def split_holdout(ids: list[str], fraction: float) -> tuple[list[int], list[int]]:
-    """(train, held-out) sample indices. Chosen by a hash of the id, so the split does not depend on sample
-    order and stays the same when more data is added. At least one sample is held out when fraction > 0."""
-    order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(str(ids[i]).encode()).hexdigest())
-    k = 0 if fraction <= 0 else max(1, round(fraction * len(ids)))
-    if k >= len(ids):
-        raise ValueError(f"holdout_fraction {fraction} leaves no training samples out of {len(ids)}; lower it "
-                         "or extract hidden states for more samples")
-    return sorted(order[k:]), sorted(order[:k])
+from eagle3nb.data.batching import pack_batches
+from eagle3nb.data.split import split_holdout
 
 
 def pack(indices: list[int], lengths: list[int], batch_tokens: int, max_length: int) -> list[list[int]]:

@@ -17,11 +17,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.data.shards import bytes_per_token
 from eagle3nb.hidden.online import OnlineStates
-from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.reader import HiddenStates
-from eagle3nb.hidden.storage import bytes_per_token
-from eagle3nb.params import ParamsError, StageError, from_dict, stage_values
+from eagle3nb.params import ParamsError, StageError, StageParams, from_dict, stage_values
 from eagle3nb.paths import project_root, resolve
 from eagle3nb.train.data import layout
 from eagle3nb.train.params import TrainParams
@@ -39,9 +38,9 @@ class SourceError(StageError):
     """The chosen data source cannot run this way; the message says what to change."""
 
 
-def hidden_params(P: TrainParams) -> HiddenParams:
-    """02's parameters of this run (``hidden_params``, else the run folder of ``params_file``, else
-    ``params/<run_name>/``), writing where 03 reads: ``output_dir`` = 03's ``data_dir``."""
+def hidden_params(P: TrainParams) -> StageParams:
+    """02's parameters (``HiddenParams``) of this run (``hidden_params``, else the run folder of ``params_file``,
+    else ``params/<run_name>/``), writing where 03 reads: ``output_dir`` = 03's ``data_dir``."""
     if P.hidden_params:
         src = resolve(P.hidden_params)
     elif P.params_file:
