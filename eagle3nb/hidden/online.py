@@ -34,10 +34,11 @@ from eagle3nb.hidden.stage import (
     TransformersSource,
     VllmSource,
     _config,
+    aux_layer_ids,
     prepare_samples,
     write_head,
 )
-from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
+from eagle3nb.layers import to_sglang
 from eagle3nb.progress import write_json_atomic
 from eagle3nb.toy import resolve_model_path
 
@@ -66,8 +67,7 @@ class OnlineStates(HiddenStates):
         info = target_info(self.model_dir)
         self.info = info
         L = info["num_layers"]
-        self.layer_ids = check_layer_ids(HP.aux_layer_ids if HP.aux_layer_ids is not None
-                                         else default_aux_layer_ids(L), L)
+        self.layer_ids = aux_layer_ids(HP, L)
         samples, sample_report = prepare_samples(HP)
         self.max_length = max_length
         self._prepared = samples

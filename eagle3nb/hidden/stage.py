@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3nb.data.batching import pack_batches
@@ -169,7 +170,7 @@ def preview(P: HiddenParams) -> dict:
     model_dir = P.model_dir
     info = target_info(model_dir)
     L = info["num_layers"]
-    layer_ids = check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(L), L)
+    layer_ids = aux_layer_ids(P, L)
     samples, sample_report = prepare_samples(P)
     tokens = sum(len(s["input_ids"]) for s in samples)
     return {**info, "model_dir": str(model_dir), "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
@@ -237,53 +238,113 @@ class VllmSource:
                 f"samples (last: {sample_id}): the server serves another model than model_path, or other layer ids")
 
 
-def run(P: HiddenParams) -> dict:
-    """Run stage 02 with validated parameters: the shards, ``index.json``, ``metrics.json`` and the report's
-    figures (``throughput.png``, ``lengths.png``) in ``P.stage_dir``; returns the metrics."""
-    import torch
+@dataclass
+class Plan:
+    """What a run does, fixed before any work: the samples in extraction order, the draft vocabulary, the shards
+    (those already on disk marked done), the settings they are made with, and the disk the rest will take."""
 
-    t_start = time.time()
-    stage_dir = P.stage_dir
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = P.model_dir
-    info = target_info(model_dir)
-    L, H = info["num_layers"], info["hidden_size"]
-    layer_ids = check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(L), L)
-    print(f"target {model_dir}: {L} layers, hidden {H}, vocab {info['vocab_size']}; aux layers {layer_ids} "
-          f"(HF/vLLM ids; SGLang/SpecForge: {to_sglang(layer_ids)}) + the final normed state", flush=True)
+    samples: list[dict]
+    sample_report: dict
+    vocab: dict
+    shards: list[dict]
+    config: dict
+    resume: dict
+    bytes_per_token: int
+    disk: dict
+    remaining_tokens: int  # tokens of the shards still to compute when the run started
 
+    @property
+    def by_id(self) -> dict[str, dict]:
+        return {s["id"]: s for s in self.samples}
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s["num_tokens"] for s in self.shards)
+
+    def save(self, stage_dir: Path) -> None:
+        """``plan.json``: the config and every shard's state (rewritten after each finished shard)."""
+        write_json_atomic(stage_dir / PLAN_FILE, {"config": self.config, "shards": self.shards})
+
+
+def aux_layer_ids(P: HiddenParams, num_layers: int) -> list[int]:
+    """The aux layer ids to capture (HF/vLLM ids): ``aux_layer_ids``, else EAGLE-3's default for this depth."""
+    return check_layer_ids(P.aux_layer_ids if P.aux_layer_ids is not None else default_aux_layer_ids(num_layers),
+                           num_layers)
+
+
+def make_plan(P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]) -> Plan:
+    """Samples, draft vocabulary and shards; the finished shards of an earlier run taken over; the projected disk
+    use printed and checked against the free space."""
     samples, sample_report = prepare_samples(P)
     vocab = build_draft_vocab(samples, info["vocab_size"], P.draft_vocab_size)
     if vocab["note"]:
         print("draft vocab:", vocab["note"], flush=True)
-    by_id = {s["id"]: s for s in samples}
     shards = plan_shards(samples, P.shard_tokens)
     config = _config(P, info, layer_ids, samples)
     resume = _resume(P, config, shards)
     total_tokens = sum(s["num_tokens"] for s in shards)
     remaining = sum(s["num_tokens"] for s in shards if not s.get("done"))
-    bpt = bytes_per_token(P.storage, H, len(layer_ids), P.topk, P.draft_vocab_size)
+    bpt = bytes_per_token(P.storage, info["hidden_size"], len(layer_ids), P.topk, P.draft_vocab_size)
     disk = disk_check(P, remaining, bpt, head_bytes(model_dir, info), total_tokens)
+    return Plan(samples, sample_report, vocab, shards, config, resume, bpt, disk, remaining)
 
-    def save_plan() -> None:
-        write_json_atomic(stage_dir / PLAN_FILE, {"config": config, "shards": shards})
 
-    save_plan()
-    save_draft_vocab(stage_dir / VOCAB_FILE, vocab)
+def write_vocab_and_head(P: HiddenParams, plan: Plan, model_dir: Path, info: dict) -> TargetHead:
+    """``draft_vocab.safetensors`` and ``target_head.safetensors`` beside the data; returns the target's head on
+    the compute device (the loss target of the topk storage, the vLLM backend's final norm and model check)."""
+    import torch
+
+    stage_dir = P.stage_dir
+    save_draft_vocab(stage_dir / VOCAB_FILE, plan.vocab)
     head_tensors = read_head_tensors(model_dir)
-    if not resume["resumed_shards"] or not (stage_dir / HEAD_FILE).exists():  # same config: same model, same head
+    if not plan.resume["resumed_shards"] or not (stage_dir / HEAD_FILE).exists():  # same config: same model, same head
         write_head(stage_dir / HEAD_FILE, head_tensors)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    head = TargetHead(head_tensors["lm_head.weight"], draft_target_ids(vocab["d2t"]), head_tensors["norm.weight"],
+    return TargetHead(head_tensors["lm_head.weight"], draft_target_ids(plan.vocab["d2t"]), head_tensors["norm.weight"],
                       info["rms_norm_eps"], device=device)
 
-    todo = [s for s in shards if not s.get("done")]
-    progress = Progress(stage_dir, total=total_tokens, desc=STAGE, unit="tok", done=total_tokens - remaining)
-    session_tokens, session_s = 0, 0.0
+
+def shard_tensors(P: HiddenParams, source, shard_samples: list[dict], head: TargetHead, log, progress: Progress,
+                  session: dict[str, float]) -> dict:
+    """One shard's tensors, batch by batch from the source: each sample's ids, loss mask and encoded states under
+    ``{row}.{name}``; every batch's tokens and seconds go to ``throughput.jsonl``, ``session`` and the progress."""
+    import torch
+
+    tensors: dict = {}
+    t0 = time.time()
+    for rows, aux, final in source.batches(shard_samples):
+        enc = {k: v.cpu() for k, v in encode(aux, final, P.storage, head, P.topk).items()}
+        n_tok = 0
+        for b, r in enumerate(rows):
+            s = shard_samples[r]
+            n = len(s["input_ids"])
+            n_tok += n
+            tensors[f"{r}.input_ids"] = torch.tensor(s["input_ids"], dtype=torch.int32)
+            tensors[f"{r}.loss_mask"] = torch.tensor(s["loss_mask"], dtype=torch.uint8)
+            for k, v in enc.items():
+                tensors[f"{r}.{k}"] = v[b, :n].clone()
+        t1 = time.time()
+        log.write(json.dumps({"time": t1, "tokens": n_tok, "seconds": t1 - t0}) + "\n")
+        log.flush()
+        session["tokens"] += n_tok
+        session["seconds"] += t1 - t0
+        progress.update(n_tok, tok_per_s=round(session["tokens"] / max(session["seconds"], 1e-9), 1))
+        t0 = time.time()
+    return tensors
+
+
+def extract(P: HiddenParams, plan: Plan, source_for, head: TargetHead) -> dict[str, float]:
+    """Compute every shard not on disk, in order, and write it atomically while the next one computes (one writer
+    thread); ``plan.json`` marks each shard done once its file is whole. ``source_for()`` makes the backend (only
+    when there is work). Returns this session's compute: ``{"tokens", "seconds"}``."""
+    stage_dir = P.stage_dir
+    todo = [s for s in plan.shards if not s.get("done")]
+    total = plan.total_tokens
+    progress = Progress(stage_dir, total=total, desc=STAGE, unit="tok", done=total - plan.remaining_tokens)
+    session = {"tokens": 0, "seconds": 0.0}
     if todo:
-        source = (VllmSource(P, info, layer_ids, head) if P.backend == "vllm"
-                  else TransformersSource(P, model_dir, info, layer_ids))
-        print(f"{len(todo)} of {len(shards)} shards to compute ({resume['resumed_shards']} already on disk)",
+        source = source_for()
+        print(f"{len(todo)} of {len(plan.shards)} shards to compute ({plan.resume['resumed_shards']} already on disk)",
               flush=True)
         writer = ThreadPoolExecutor(1)
         pending: tuple[dict, Future] | None = None
@@ -291,31 +352,13 @@ def run(P: HiddenParams) -> dict:
         def finish(item: tuple[dict, Future]) -> None:
             shard, fut = item
             shard.update(fut.result(), done=True)
-            save_plan()
+            plan.save(stage_dir)
 
+        by_id = plan.by_id
         with open(stage_dir / THROUGHPUT_FILE, "a") as log:
             for shard in todo:
-                rows_samples = [by_id[i] for i in shard["samples"]]
-                tensors: dict = {}
-                t_shard = t0 = time.time()
-                for rows, aux, final in source.batches(rows_samples):
-                    enc = {k: v.cpu() for k, v in encode(aux, final, P.storage, head, P.topk).items()}
-                    n_tok = 0
-                    for b, r in enumerate(rows):
-                        s = rows_samples[r]
-                        n = len(s["input_ids"])
-                        n_tok += n
-                        tensors[f"{r}.input_ids"] = torch.tensor(s["input_ids"], dtype=torch.int32)
-                        tensors[f"{r}.loss_mask"] = torch.tensor(s["loss_mask"], dtype=torch.uint8)
-                        for k, v in enc.items():
-                            tensors[f"{r}.{k}"] = v[b, :n].clone()
-                    t1 = time.time()
-                    log.write(json.dumps({"time": t1, "tokens": n_tok, "seconds": t1 - t0}) + "\n")
-                    log.flush()
-                    session_tokens += n_tok
-                    session_s += t1 - t0
-                    progress.update(n_tok, tok_per_s=round(session_tokens / max(session_s, 1e-9), 1))
-                    t0 = time.time()
+                t_shard = time.time()
+                tensors = shard_tensors(P, source, [by_id[i] for i in shard["samples"]], head, log, progress, session)
                 shard["seconds"] = time.time() - t_shard
                 if pending:
                     finish(pending)
@@ -324,36 +367,84 @@ def run(P: HiddenParams) -> dict:
                 finish(pending)
         writer.shutdown()
     progress.close()
+    return session
 
+
+def write_index(P: HiddenParams, plan: Plan, model_dir: Path, info: dict, layer_ids: list[int]) -> None:
+    """``index.json``, what the reader opens (docs/ARCHITECTURE.md "02_hidden_states output")."""
+    by_id = plan.by_id
     index = {
         "format": FORMAT, "storage": P.storage, "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
-        "num_layers": L, "hidden_size": H, "vocab_size": info["vocab_size"], "rms_norm_eps": info["rms_norm_eps"],
+        "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"],
+        "rms_norm_eps": info["rms_norm_eps"],
         "draft_vocab_size": P.draft_vocab_size, "topk": P.topk if P.storage == "topk" else None,
         "model_path": str(model_dir), "model_fingerprint": info["fingerprint"], "backend": P.backend,
         "samples": [{"id": i, "shard": sh["file"], "index": j, "length": len(by_id[i]["input_ids"]),
-                     "category": by_id[i]["category"]} for sh in shards for j, i in enumerate(sh["samples"])],
+                     "category": by_id[i]["category"]} for sh in plan.shards for j, i in enumerate(sh["samples"])],
         "shards": [{"file": s["file"], "num_samples": len(s["samples"]), "num_tokens": s["num_tokens"],
-                    "bytes": s["bytes"], "sha256": s["sha256"]} for s in shards],
+                    "bytes": s["bytes"], "sha256": s["sha256"]} for s in plan.shards],
     }
-    write_json_atomic(stage_dir / INDEX_FILE, index)
+    write_json_atomic(P.stage_dir / INDEX_FILE, index)
+
+
+def stage_metrics(P: HiddenParams, plan: Plan, info: dict, layer_ids: list[int], session: dict[str, float],
+                  elapsed_s: float) -> dict:
+    """``metrics.json``: sizes, throughput, draft-vocabulary coverage, what was resumed and what was left out."""
+    stage_dir, shards, vocab = P.stage_dir, plan.shards, plan.vocab
+    total_tokens = plan.total_tokens
     shard_bytes = sum(s["bytes"] for s in shards)
     aux_bytes = sum(p.stat().st_size for p in (stage_dir / HEAD_FILE, stage_dir / VOCAB_FILE))
     compute_s = sum(s.get("seconds", 0.0) for s in shards)
-    metrics = {
-        "samples": len(samples), "tokens": total_tokens,
+    session_tokens, session_s = session["tokens"], session["seconds"]
+    return {
+        "samples": len(plan.samples), "tokens": total_tokens,
         "loss_tokens": vocab["loss_tokens"], "tokens_per_s": total_tokens / compute_s if compute_s else None,
         "session_tokens_per_s": session_tokens / session_s if session_s else None,
-        "bytes_per_token": shard_bytes / total_tokens, "layout_bytes_per_token": bpt,
-        "bf16_bytes_per_token": bytes_per_token("bf16", H, len(layer_ids)),
-        "total_bytes": shard_bytes + aux_bytes, "shard_bytes": shard_bytes, **disk,
+        "bytes_per_token": shard_bytes / total_tokens, "layout_bytes_per_token": plan.bytes_per_token,
+        "bf16_bytes_per_token": bytes_per_token("bf16", info["hidden_size"], len(layer_ids)),
+        "total_bytes": shard_bytes + aux_bytes, "shard_bytes": shard_bytes, **plan.disk,
         "coverage": vocab["coverage"], "draft_vocab_size": P.draft_vocab_size, "draft_vocab_note": vocab["note"],
         "distinct_loss_tokens": vocab["distinct_loss_tokens"],
         "storage": P.storage, "backend": P.backend, "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
-        "shards": len(shards), **resume, **sample_report, "elapsed_s": time.time() - t_start,
+        "shards": len(shards), **plan.resume, **plan.sample_report, "elapsed_s": elapsed_s,
     }
+
+
+def run(P: HiddenParams) -> dict:
+    """Run stage 02 with validated parameters: the shards, ``index.json``, ``metrics.json`` and the report's
+    figures (``throughput.png``, ``lengths.png``) in ``P.stage_dir``; returns the metrics."""
+    t_start = time.time()
+    stage_dir = P.stage_dir
+    stage_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. The target: its shape from config.json, the layers whose states EAGLE-3 fuses.
+    model_dir = P.model_dir
+    info = target_info(model_dir)
+    L, H = info["num_layers"], info["hidden_size"]
+    layer_ids = aux_layer_ids(P, L)
+    print(f"target {model_dir}: {L} layers, hidden {H}, vocab {info['vocab_size']}; aux layers {layer_ids} "
+          f"(HF/vLLM ids; SGLang/SpecForge: {to_sglang(layer_ids)}) + the final normed state", flush=True)
+
+    # 2. The plan, before any work: samples, draft vocabulary, shards (earlier ones resumed), disk.
+    plan = make_plan(P, model_dir, info, layer_ids)
+    plan.save(stage_dir)
+
+    # 3. The draft vocabulary and the target's head beside the data.
+    head = write_vocab_and_head(P, plan, model_dir, info)
+
+    # 4. Every shard not on disk: the target's states per token-budget batch, written atomically.
+    def source_for():
+        return (VllmSource(P, info, layer_ids, head) if P.backend == "vllm"
+                else TransformersSource(P, model_dir, info, layer_ids))
+
+    session = extract(P, plan, source_for, head)
+
+    # 5. The index the reader opens, the metrics and the figures.
+    write_index(P, plan, model_dir, info, layer_ids)
+    metrics = stage_metrics(P, plan, info, layer_ids, session, time.time() - t_start)
     write_json_atomic(stage_dir / "metrics.json", metrics)
     report.save_figures(stage_dir)
-    print(f"done: {total_tokens:,} tokens in {len(shards)} shards, {shard_bytes / GB:.3f} GB "
-          f"({metrics['bytes_per_token']:.0f} bytes/token), draft-vocab coverage {vocab['coverage']:.1%}", flush=True)
+    print(f"done: {plan.total_tokens:,} tokens in {len(plan.shards)} shards, {metrics['shard_bytes'] / GB:.3f} GB "
+          f"({metrics['bytes_per_token']:.0f} bytes/token), draft-vocab coverage {plan.vocab['coverage']:.1%}",
+          flush=True)
     return metrics
-
