@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -240,6 +241,155 @@ def _distributed(objective: TTTObjective, device: torch.device):
     return DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
 
 
+@dataclass
+class Layout:
+    """03's split of the data and the whole run's optimizer steps (``data.layout``: a pure function of the sample
+    lengths, the seed and the epoch), with the sample lengths they were made from."""
+
+    samples: list[dict[str, Any]]
+    lengths: list[int]
+    train_idx: list[int]
+    held_idx: list[int]
+    plan: list[tuple[int, list[list[int]]]]  # per optimizer step: (epoch, the global batch's micro-batches)
+    dropped: int  # micro-batches left over at epoch ends
+    per_step: int  # micro-batches per optimizer step: grad_accum x processes
+
+    @classmethod
+    def of(cls, P: TrainParams, meta: dict[str, Any], world: int) -> "Layout":
+        samples = meta["samples"]
+        train_idx, held_idx, plan, dropped = layout(P, meta, world)
+        return cls(samples, [int(s["length"]) for s in samples], train_idx, held_idx, plan, dropped,
+                   P.grad_accum * world)
+
+    @property
+    def total(self) -> int:
+        return len(self.plan)
+
+    @property
+    def held_batches(self) -> list[list[int]]:
+        """One held-out sample per batch: evaluation does not depend on the process count."""
+        return [[i] for i in self.held_idx]
+
+
+@dataclass
+class Trainer:
+    """The draft under training on this process: the TTT objective (DDP-wrapped under torchrun), the data and its
+    loss targets on the training device, the optimizer and its learning-rate schedule."""
+
+    P: TrainParams
+    rank: int
+    world: int
+    device: torch.device
+    data: Any
+    draft: Any
+    objective: TTTObjective
+    model: Any  # the objective, or its DDP wrapper
+    targets: DeviceTargets
+    params: list[torch.nn.Parameter] | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+
+    @classmethod
+    def on(cls, P: TrainParams, rank: int, world: int, device: torch.device, data, draft) -> "Trainer":
+        draft.to(device)
+        objective = TTTObjective(draft, P.ttt_steps, P.step_decay)
+        model = _distributed(objective, device) if world > 1 else objective
+        return cls(P, rank, world, device, data, draft, objective, model, DeviceTargets(data, device))
+
+    def optimize(self, total: int, ckpt_dir: Path, config: dict[str, Any]) -> tuple[int, bool]:
+        """AdamW over the trainable parameters with warmup + cosine over ``total`` steps, loaded from the last
+        checkpoint when resuming. Returns (the step to start at, whether a checkpoint was found)."""
+        P = self.P
+        self.params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=P.lr, weight_decay=P.weight_decay, betas=(0.9, 0.95))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(total, P.warmup_ratio))
+        found = checkpoints(ckpt_dir) if P.resume else []
+        start = load_checkpoint(found[-1], self.draft, self.optimizer, self.scheduler, config) if found else 0
+        if self.world > 1:  # every rank must agree on the start
+            start = int(_all_reduce(torch.tensor([start if self.rank == 0 else 0], device=self.device),
+                                    self.world).item())
+        return start, bool(found)
+
+    def evaluate(self, batches: list[list[int]]) -> dict[str, Any]:
+        return evaluate(self.objective, self.data, batches, self.P, self.device, self.rank, self.world, self.targets)
+
+    def step(self, step: int, epoch: int, global_mbs: list[list[int]], lay: Layout, ckpt_dir: Path
+             ) -> tuple[dict[str, Any], float, int]:
+        """One optimizer step over this process's share of the global batch: (the TTT summary over every process,
+        the gradient norm before clipping, the tokens this process trained on). A non-finite loss on any process
+        stops the run, naming the step and the micro-batch's samples."""
+        P, rank, world = self.P, self.rank, self.world
+        mine = global_mbs[rank * P.grad_accum:(rank + 1) * P.grad_accum]
+        stats, bad = _accumulate(self.model, self.data, self.targets, mine, P, self.device, rank, world)
+        tokens = sum(min(lay.lengths[i], P.max_length) for mb in mine for i in mb)
+        if _all_reduce(bad, world).any():
+            k = int(bad.nonzero()[0])
+            ids = [lay.samples[i]["id"] for i in global_mbs[k]]
+            raise TrainingDiverged(f"loss is NaN/inf at step {step + 1} (epoch {epoch}), micro-batch {k} with "
+                                   f"samples {ids}; lower lr, check these samples' hidden states, or resume from "
+                                   f"the last checkpoint in {ckpt_dir}")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, P.grad_clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return summarize(_all_reduce(stats, world).cpu(), P.step_decay), grad_norm, tokens
+
+
+class Curve:
+    """Where the run's rows go, from the first process only: ``metrics.jsonl`` (kept up to the resumed step; plus
+    TensorBoard on request), ``progress.json`` and the caller's ``callback``."""
+
+    def __init__(self, P: TrainParams, rank: int, start: int, resumed: bool, total: int,
+                 callback: Callable[[dict[str, Any]], None] | None):
+        self.first = rank == 0
+        self.callback = callback
+        self.metrics = Metrics(P.stage_dir, keep_until=start if resumed else None,
+                               tensorboard=P.report_to == "tensorboard") if self.first else None
+        self.progress = Progress(P.stage_dir, total=total, desc="03_train", unit="step", done=start) \
+            if self.first else None
+
+    def log(self, row: dict[str, Any]) -> None:
+        if self.first:
+            self.metrics.log(row)
+            if self.callback is not None:
+                self.callback(row)
+
+    def advance(self, row: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.update(1, loss=round(row["loss"], 4), acc0=round(row["acc"][0], 3), lr=row["lr"])
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.progress.close()
+
+
+def train(tr: Trainer, lay: Layout, start: int, curve: Curve, ckpt_dir: Path, config: dict[str, Any]) -> None:
+    """Optimizer steps ``start`` .. the last: a train row per step, a held-out evaluation before the first step,
+    every ``eval_every`` steps and at the end, a checkpoint every ``save_every`` steps and at the end."""
+    P, rank, world, total = tr.P, tr.rank, tr.world, lay.total
+    seen = data_seen(lay.plan, lay.lengths, P.max_length)
+    if start == 0:
+        curve.log({"kind": "eval", "step": 0, **seen[0], **tr.evaluate(lay.held_batches)})
+    tokens, t0 = 0, time.time()
+    for step in range(start, total):
+        epoch, global_mbs = lay.plan[step]
+        s, grad_norm, n = tr.step(step, epoch, global_mbs, lay, ckpt_dir)
+        tokens += n
+        row = {"kind": "train", "step": step + 1, "epoch": epoch, "loss": s["loss"], "acc": s["acc"],
+               "acceptance_length": s["acceptance_length"], "lr": tr.scheduler.get_last_lr()[0],
+               "grad_norm": grad_norm, "tokens_per_s": tokens * world / max(time.time() - t0, 1e-9)}
+        curve.log(row)
+        curve.advance(row)
+        done = step + 1 == total
+        if (P.eval_every and (step + 1) % P.eval_every == 0) or done:
+            ev = tr.evaluate(lay.held_batches)
+            curve.log({"kind": "eval", "step": step + 1, **seen[step + 1], **ev})
+            print_rank0(rank, f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
+                              f"acceptance length {ev['acceptance_length']:.3f}")
+        if rank == 0 and ((step + 1) % P.save_every == 0 or done):
+            _checkpoint(ckpt_dir, step + 1, P.keep_checkpoints, tr.draft, tr.optimizer, tr.scheduler, config)
+
+
 def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train (or fine-tune) the draft per ``P``; resume if a checkpoint exists; export; write metrics.json and
     training.png; return metrics.json (an empty dict on ranks other than 0).
@@ -247,105 +397,53 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
     Run it as is for one process, or under ``torchrun --nproc_per_node N`` for N (the same code path: each
     process takes its share of the same global batch). ``callback(row)`` sees every metrics row (live plots,
     ``report.LivePlot``)."""
+    # 1. Processes and device: torchrun's ranks (a plain run is one process), the checkpoint folder.
     rank, world, local_rank = _dist_setup(P.device)
     device = pick_device(P.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    out = P.stage_dir
-    ckpt_dir = out / "checkpoints"
+    ckpt_dir = P.stage_dir / "checkpoints"
     if rank == 0:
         _prepare_checkpoints(ckpt_dir, P.resume)
+
+    # 2. The data (02's hidden states, stored or computed on demand) and the draft, wrapped in the TTT objective.
     data = open_data(P, world)
-    targets = DeviceTargets(data, device)
     draft, notes = build_draft(P, data)
-    draft.to(device)
-    objective = TTTObjective(draft, P.ttt_steps, P.step_decay)
-    model = _distributed(objective, device) if world > 1 else objective
+    tr = Trainer.on(P, rank, world, device, data, draft)
 
-    samples = data.meta["samples"]
-    lengths = [int(s["length"]) for s in samples]
-    train_idx, held_idx, plan, dropped = layout(P, data.meta, world)
-    per_step = P.grad_accum * world
-    held_batches = [[i] for i in held_idx]  # one sample each: evaluation does not depend on the process count
-    total = len(plan)
+    # 3. The split and every optimizer step's micro-batches, fixed before the first step.
+    lay = Layout.of(P, data.meta, world)
 
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=P.lr, weight_decay=P.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, P.warmup_ratio))
+    # 4. The optimizer and its schedule, resumed from the last checkpoint made with the same settings.
     config = run_config(P, world, None if P.data_source == "stored" else
                         {"data_source": P.data_source, "hidden": data.HP.data_config()})
-    found = checkpoints(ckpt_dir) if P.resume else []
-    start = load_checkpoint(found[-1], draft, optimizer, scheduler, config) if found else 0
-    if world > 1:  # every rank must agree on the start
-        start = int(_all_reduce(torch.tensor([start if rank == 0 else 0], device=device), world).item())
+    start, resumed = tr.optimize(lay.total, ckpt_dir, config)
 
-    metrics = Metrics(out, keep_until=start if found else None, tensorboard=P.report_to == "tensorboard") \
-        if rank == 0 else None
-    progress = Progress(out, total=total, desc="03_train", unit="step", done=start) if rank == 0 else None
-
-    def log(row: dict[str, Any]) -> None:
-        if rank == 0:
-            metrics.log(row)
-            if callback is not None:
-                callback(row)
-
-    truncated = sum(1 for i in train_idx if lengths[i] > P.max_length)
-    seen = data_seen(plan, lengths, P.max_length)
-    print_rank0(rank, f"[03_train] {len(train_idx)} training / {len(held_idx)} held-out samples, {total} steps of "
-                      f"{per_step} micro-batches ({world} process(es) x grad_accum {P.grad_accum}), device {device}, "
-                      f"{truncated} samples cut at max_length {P.max_length}, "
+    # 5. Train, logging every step and evaluation.
+    curve = Curve(P, rank, start, resumed, lay.total, callback)
+    truncated = sum(1 for i in lay.train_idx if lay.lengths[i] > P.max_length)
+    print_rank0(rank, f"[03_train] {len(lay.train_idx)} training / {len(lay.held_idx)} held-out samples, {lay.total} "
+                      f"steps of {lay.per_step} micro-batches ({world} process(es) x grad_accum {P.grad_accum}), "
+                      f"device {device}, {truncated} samples cut at max_length {P.max_length}, "
                       f"{'resuming at step ' + str(start) if start else 'starting fresh'}")
-
-    if start == 0:
-        log({"kind": "eval", "step": 0, **seen[0],
-             **evaluate(objective, data, held_batches, P, device, rank, world, targets)})
-    tokens, t0 = 0, time.time()
-    for step in range(start, total):
-        epoch, global_mbs = plan[step]
-        mine = global_mbs[rank * P.grad_accum:(rank + 1) * P.grad_accum]
-        stats, bad = _accumulate(model, data, targets, mine, P, device, rank, world)
-        tokens += sum(min(lengths[i], P.max_length) for mb in mine for i in mb)
-        if _all_reduce(bad, world).any():
-            k = int(bad.nonzero()[0])
-            ids = [samples[i]["id"] for i in global_mbs[k]]
-            raise TrainingDiverged(f"loss is NaN/inf at step {step + 1} (epoch {epoch}), micro-batch {k} with "
-                                   f"samples {ids}; lower lr, check these samples' hidden states, or resume from "
-                                   f"the last checkpoint in {ckpt_dir}")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, P.grad_clip))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        s = summarize(_all_reduce(stats, world).cpu(), P.step_decay)
-        row = {"kind": "train", "step": step + 1, "epoch": epoch, "loss": s["loss"], "acc": s["acc"],
-               "acceptance_length": s["acceptance_length"], "lr": scheduler.get_last_lr()[0],
-               "grad_norm": grad_norm, "tokens_per_s": tokens * world / max(time.time() - t0, 1e-9)}
-        log(row)
-        if progress is not None:
-            progress.update(1, loss=round(s["loss"], 4), acc0=round(s["acc"][0], 3), lr=row["lr"])
-        done = step + 1 == total
-        if (P.eval_every and (step + 1) % P.eval_every == 0) or done:
-            ev = evaluate(objective, data, held_batches, P, device, rank, world, targets)
-            log({"kind": "eval", "step": step + 1, **seen[step + 1], **ev})
-            print_rank0(rank, f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
-                              f"acceptance length {ev['acceptance_length']:.3f}")
-        if rank == 0 and ((step + 1) % P.save_every == 0 or done):
-            _checkpoint(ckpt_dir, step + 1, P.keep_checkpoints, draft, optimizer, scheduler, config)
+    train(tr, lay, start, curve, ckpt_dir, config)
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()
     if rank != 0:
         return {}
-    metrics.close()
-    progress.close()
-    result = {"steps": total, "processes": world, "global_micro_batches": per_step,
-              "train_samples": len(train_idx), "heldout_samples": len(held_idx), "truncated_samples": truncated,
-              "leftover_micro_batches": dropped,
-              "longest_train_sequence": max((min(lengths[i], P.max_length) for i in train_idx), default=0),
-              **_curve_summary(read_metrics(out)), **notes, **source_metrics(P, data, world)}
+
+    # 6. The export vLLM and SGLang load, metrics.json and the figures.
+    curve.close()
+    result = {"steps": lay.total, "processes": world, "global_micro_batches": lay.per_step,
+              "train_samples": len(lay.train_idx), "heldout_samples": len(lay.held_idx),
+              "truncated_samples": truncated, "leftover_micro_batches": lay.dropped,
+              "longest_train_sequence": max((min(lay.lengths[i], P.max_length) for i in lay.train_idx), default=0),
+              **_curve_summary(read_metrics(P.stage_dir)), **notes, **source_metrics(P, data, world)}
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
-    write_json_atomic(out / "metrics.json", result)
-    save_figures(out)
+    write_json_atomic(P.stage_dir / "metrics.json", result)
+    save_figures(P.stage_dir)
     return result
 
 
