@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from eagle3nb.errors import guarded
+
 # command -> module with register_cli(subparsers)
 CLI_MODULES = [
     "eagle3nb.run",        # run, status
@@ -18,6 +20,7 @@ CLI_MODULES = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3nb", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in CLI_MODULES:
         try:
@@ -31,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every command through one error path (``eagle3nb.errors.guarded``): a user error is one line and exit 2."""
     args = build_parser().parse_args(argv)
-    rc = args.func(args)
-    return int(rc or 0)
+    return guarded(f"eagle3nb {args.command}", args.func, args, argv=["--debug"] if args.debug else None)
 
 
 if __name__ == "__main__":

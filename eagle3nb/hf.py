@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.errors import UserError
 
-class RemoteCodeRequired(ValueError):
+
+class RemoteCodeRequired(UserError, ValueError):
     """The folder loads only by running its own code, and trust_remote_code is off; the message says how."""
 
 

@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from eagle3nb.errors import InputError
 from eagle3nb.toy import resolve_model_path
 
 __all__ = ["start_server", "ServerHandle", "launch", "free_port"]
@@ -76,7 +77,7 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
     port = port or free_port(host)
     model = str(model_dir)
     cmd = [sys.executable, "-m", "eagle3nb", "serve", "--host", host, "--port", str(port),
-           "--reasoning-field", reasoning_field]
+           "--reasoning-field", reasoning_field, "--exit-with-parent", str(os.getpid())]
     if model.startswith("toy:"):
         cmd += ["--model", str(resolve_model_path(model))]
         if "--served-model-name" not in extra_args:
@@ -105,7 +106,7 @@ def launch(cmd: list[str], host: str, port: int, name: str, timeout: float,
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready; "
+            raise InputError(f"{name} exited with code {proc.returncode} before it was ready; "
                                f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
         try:
             with urllib.request.urlopen(handle.url + "/health", timeout=2) as r:
@@ -115,7 +116,7 @@ def launch(cmd: list[str], host: str, port: int, name: str, timeout: float,
             pass
         if time.monotonic() > deadline:
             handle.stop()
-            raise RuntimeError(f"{name} did not answer {handle.url}/health within {timeout:.0f} s; "
+            raise InputError(f"{name} did not answer {handle.url}/health within {timeout:.0f} s; "
                                f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
         time.sleep(0.2)
 

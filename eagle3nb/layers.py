@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import warnings
 
+from eagle3nb.errors import UserError
 
-class LayerIdError(ValueError):
+
+class LayerIdError(UserError, ValueError):
     """Aux layer ids that cannot be right for this target."""
 
 

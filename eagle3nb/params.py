@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from eagle3nb.errors import UserError, has_credential, install_notebook_handler
 from eagle3nb.paths import outputs_root, project_root, resolve
 from eagle3nb.toy import resolve_model_path
 
@@ -38,11 +39,11 @@ _REGISTRY: dict[str, type["StageParams"]] = {}
 _NOT_PARAMS = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError, ValueError):
     """A parameter problem, phrased for the person who wrote the YAML."""
 
 
-class StageError(RuntimeError):
+class StageError(UserError, RuntimeError):
     """A stage cannot do faithful work with what it was given; the message says what to fix. Each stage's own
     errors derive from it, so every command line reports them the same way (``eagle3nb.stage_cli``)."""
 
@@ -128,12 +129,20 @@ def schema_for(stage: str) -> type[StageParams]:
     return _REGISTRY[stage]
 
 
+COMMON = "_common"  # bookkeeping key: {"file": common.yaml's path, "keys": [keys taken from it]} (run_params)
+
+
 def _source(values: dict[str, Any], stage: str) -> str:
     if values.get("params_file"):
         return str(values["params_file"])
-    if values.get("run_name"):
-        return f"params/{values['run_name']}/{stage}.yaml"
-    return "the notebook's parameters cell"
+    return "the notebook's parameters (its parameters cell, or papermill's -p / -y / -f values)"
+
+
+def _sources(values: dict[str, Any], stage: str, source: str | None) -> tuple[str, dict[str, str]]:
+    """The stage's source and, per key, the file its value came from (common.yaml under a run's stage file)."""
+    src = source or _source(values, stage)
+    common = values.get(COMMON) or {}
+    return src, {k: common["file"] for k in common.get("keys", ())}
 
 
 def _fmt_loc(loc: tuple) -> str:
@@ -144,28 +153,37 @@ def from_dict(stage: str, values: dict[str, Any], source: str | None = None, che
     """Validate ``values`` against the stage schema; raise ParamsError naming key, file and fix.
     ``check_paths=False`` checks types only (for a production run prepared on another machine)."""
     cls = schema_for(stage)
-    src = source or _source(values, stage)
+    src, per_key = _sources(values, stage, source)
+    values = {k: v for k, v in values.items() if k != COMMON}
     known = set(cls.model_fields)
     problems: list[str] = []
-    for key in values:
+    for key, value in values.items():
+        where = per_key.get(key, src)
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
-            problems.append(f"unknown parameter {key!r} in {src}: remove it or rename it ({hint})")
+            problems.append(f"unknown parameter {key!r} in {where}: remove it or rename it ({hint})")
+        elif any(isinstance(v, str) and has_credential(v) for v in (value if isinstance(value, list) else [value])):
+            problems.append(f"parameter {key!r} in {where} carries a credential inside its URL: write it as "
+                            f"http://host:port and put the key in an environment variable named by api_key_env")
     if problems:
         raise ParamsError("\n".join(problems))
     try:
         params = cls(**values)
     except ValidationError as e:
         for err in e.errors():
+            if not err["loc"]:  # a check across parameters: its message names them
+                problems.append(f"{src}: {err['msg'].removeprefix('Value error, ')}")
+                continue
             key = _fmt_loc(err["loc"])
+            where = per_key.get(str(err["loc"][0]), src)
             # a value put where a key's variable NAME belongs may be the key itself: never echo it
             got = "<hidden>" if "key" in key else repr(err.get("input"))
-            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            field = cls.model_fields.get(str(err["loc"][0]))
             want = f" ({field.description})" if field is not None and field.description else ""
             problems.append(
-                f"parameter {key!r} in {src}: {err['msg']} (got {got}); "
-                f"fix the value in {src}{want}"
+                f"parameter {key!r} in {where}: {err['msg']} (got {got}); "
+                f"fix the value in {where}{want}"
             )
         raise ParamsError("\n".join(problems)) from None
     if check_paths:
@@ -238,7 +256,9 @@ def from_notebook(stage: str, namespace: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate(stage: str, namespace: dict[str, Any]) -> StageParams:
-    """Validate the parameters a notebook holds (its ``globals()``), as the notebook's first step."""
+    """Validate the parameters a notebook holds (its ``globals()``), as the notebook's first step; from here on
+    a user error in the notebook's cells shows as its one line (``eagle3nb.errors``)."""
+    install_notebook_handler()
     return from_dict(stage, from_notebook(stage, namespace))
 
 
@@ -283,10 +303,28 @@ def write_parameters_cells(root: Path | None = None) -> list[Path]:
     return changed
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice ({lines}): keep one",
+                                                        key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: Path) -> dict[str, Any]:
-    """Read one parameter file; malformed YAML is an error naming the file and the line."""
+    """Read one parameter file; malformed YAML or a key given twice is an error naming the file and the line."""
     try:
-        data = yaml.safe_load(path.read_text()) if path.exists() else None
+        text = path.read_text(encoding="utf-8") if path.exists() else None
+        data = yaml.load(text, Loader=_UniqueKeyLoader) if text is not None else None
+    except UnicodeDecodeError:
+        raise ParamsError(f"{path}: not UTF-8 text; a parameter file is YAML text") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -308,10 +346,19 @@ def run_params(run_dir: Path, stage: str) -> dict[str, Any]:
     common = load_yaml(run_dir / "common.yaml")
     values = {k: v for k, v in common.items() if k in cls.model_fields}
     stage_file = run_dir / f"{stage}.yaml"
-    values.update(load_yaml(stage_file))
+    own = load_yaml(stage_file)
+    values.update(own)
     values.setdefault("run_name", run_dir.name)
     values.setdefault("params_file", str(stage_file))
+    from_common = sorted(k for k in values if k in common and k not in own)
+    if from_common:
+        values[COMMON] = {"file": str(run_dir / "common.yaml"), "keys": from_common}
     return values
+
+
+def injectable(values: dict[str, Any]) -> dict[str, Any]:
+    """A stage's values as papermill injects them into its notebook (without run_params' bookkeeping)."""
+    return {k: v for k, v in values.items() if k != COMMON}
 
 
 def stage_values(stage: str, source: Path, overrides: list[str]) -> dict:

@@ -6,15 +6,47 @@ Under papermill a tqdm widget is only a snapshot, so ``Progress.update`` also pr
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tqdm.auto import tqdm
 
+from eagle3nb.errors import UserError
+
 PROGRESS_FILE = "progress.json"
+LOCK_FILE = ".lock"
+
+
+class FolderLocked(UserError):
+    """Another live run writes to this output folder."""
+
+
+@contextlib.contextmanager
+def one_writer(folder: Path, stage: str) -> Iterator[None]:
+    """One writer per output folder (``flock`` on ``<folder>/.lock``, which holds the writer's pid): a second
+    run of the stage on the same folder (a notebook opened twice, a command run again) is refused naming the
+    first one's pid. The lock dies with its process, kill -9 included, so a resume never waits for a dead run."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_FILE, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise FolderLocked(f"another {stage} run (pid {f.read().strip() or '?'}) is writing to {folder}; let it "
+                               f"finish or stop it, or use another output_dir") from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

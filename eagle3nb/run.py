@@ -30,7 +30,8 @@ from typing import Any, Iterator
 
 import psutil
 
-from eagle3nb.params import STAGES, ParamsError, from_dict, run_params
+from eagle3nb.errors import UserError
+from eagle3nb.params import STAGES, ParamsError, from_dict, injectable, run_params
 from eagle3nb.paths import outputs_root, project_root
 from eagle3nb.progress import read_progress, write_json_atomic
 
@@ -41,7 +42,7 @@ PID_FILE = "run.pid"
 KERNEL = "python3"
 
 
-class RunLocked(RuntimeError):
+class RunLocked(UserError, RuntimeError):
     """Another live run holds this output folder."""
 
 
@@ -386,7 +387,7 @@ def _execute(p: Plan, stage: str, nb_out: Path, log: logging.Logger) -> dict[str
 
     try:
         papermill.execute_notebook(
-            str(p.notebooks_dir / f"{stage}.ipynb"), str(nb_out), parameters=p.values[stage],
+            str(p.notebooks_dir / f"{stage}.ipynb"), str(nb_out), parameters=injectable(p.values[stage]),
             kernel_name=KERNEL, cwd=str(project_root()), log_output=True, progress_bar=False)
     except PapermillExecutionError as e:
         nb = nbformat.read(nb_out, as_version=4)
@@ -539,22 +540,14 @@ def format_status(st: dict[str, Any]) -> str:
 # --- CLI ------------------------------------------------------------------------------------------------
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    try:
-        if args.detach:
-            return detach(args.params_dir, args.stages, args.force, args.output_root, args.notebooks_dir)
-        return run(args.params_dir, args.stages, args.force, args.output_root, args.notebooks_dir,
-                   lock_fd=args.lock_fd, console=args.lock_fd is None)
-    except (ParamsError, RunLocked) as e:
-        print(f"eagle3nb run: error: {e}", file=sys.stderr)
-        return 2
+    if args.detach:
+        return detach(args.params_dir, args.stages, args.force, args.output_root, args.notebooks_dir)
+    return run(args.params_dir, args.stages, args.force, args.output_root, args.notebooks_dir,
+               lock_fd=args.lock_fd, console=args.lock_fd is None)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    try:
-        st = status(args.run_out_dir)
-    except (FileNotFoundError, ParamsError) as e:
-        print(f"eagle3nb status: {e}", file=sys.stderr)
-        return 2
+    st = status(args.run_out_dir)
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 0
 

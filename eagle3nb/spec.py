@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from eagle3nb.errors import InputError
 from eagle3nb.formulas import summarize_counts
 from eagle3nb.layers import default_aux_layer_ids
 
@@ -268,17 +269,17 @@ class SpecDecoder:
 
     def __init__(self, target, draft, k: int = 3, layer_ids: Sequence[int] | None = None):
         if k < 1:
-            raise ValueError(f"k (num_speculative_tokens) must be >= 1, got {k}")
+            raise InputError(f"k (num_speculative_tokens) must be >= 1, got {k}")
         self.target, self.draft, self.k = target.eval(), draft.eval(), k
         n_layers = target.config.num_hidden_layers
         ids = layer_ids if layer_ids is not None else draft.config.aux_layer_ids
         self.layer_ids = list(ids) if ids is not None else default_aux_layer_ids(n_layers)
         bad = [i for i in self.layer_ids if not 0 <= i <= n_layers]
         if bad:
-            raise ValueError(f"aux layer ids {bad} are outside the target's hidden_states 0..{n_layers}; check the "
+            raise InputError(f"aux layer ids {bad} are outside the target's hidden_states 0..{n_layers}; check the "
                              "draft's eagle_aux_hidden_state_layer_ids (eagle3nb doctor: layer_ids)")
         if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"the draft maps onto a vocabulary of {draft.config.vocab_size} tokens but the target "
+            raise InputError(f"the draft maps onto a vocabulary of {draft.config.vocab_size} tokens but the target "
                              f"has {target.config.vocab_size}: wrong target for this draft "
                              "(eagle3nb doctor: shapes_vocab)")
         self.device = target.device

@@ -15,6 +15,7 @@ from eagle3nb.data.reasoning import extract
 from eagle3nb.data.samples import SampleWriter, check_run_config, latest, load_samples, sample_files
 from eagle3nb.data.stream import Template, build, naive_text
 from eagle3nb.params import ParamsError, from_dict
+from eagle3nb.progress import FolderLocked
 from eagle3nb.synth.faults import FaultServer
 from eagle3nb.synth.params import SynthParams
 from eagle3nb.synth.stage import SynthError, probe, run
@@ -202,7 +203,7 @@ def test_one_writer_per_output_dir(tmp_path):
     from eagle3nb.data.samples import exclusive
 
     with exclusive(tmp_path):
-        with pytest.raises(ParamsError, match=rf"another 01_synth run \(pid {os.getpid()}\) is writing"):
+        with pytest.raises(FolderLocked, match=rf"another 01_synth run \(pid {os.getpid()}\) is writing"):
             with exclusive(tmp_path):
                 pass
     with exclusive(tmp_path):  # released
@@ -288,7 +289,7 @@ def test_reasoning_content_and_missing_reasoning_stop_early(tmp_path, toy_smoke)
     assert saved and all(r["status"] == "no_reasoning" for r in saved)
     assert json.loads((out2 / "progress.json").read_text())["state"] == "failed"
     with FaultServer(fault_rate=1.0, faults=("400",), max_faults=1) as srv:  # every request rejected
-        with pytest.raises(SynthError, match=r"the first 8 requests all failed, e.g. BadRequestError 400"):
+        with pytest.raises(SynthError, match=r"the first 8 requests to \S+ all failed, e.g. BadRequestError 400"):
             run(synth_params(tmp_path, vllm_url=srv.url, output_dir=str(tmp_path / "rejected"), concurrency=2))
         assert len(srv.served) <= 8 + 2
 

@@ -20,6 +20,7 @@ from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.split import split_holdout
 from eagle3nb.draft import TTTCache
+from eagle3nb.errors import InputError
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.params import run_params, schema_for
 from eagle3nb.paths import resolve
@@ -189,7 +190,7 @@ def target_probs_for(draft, data, item: dict, temperature: float, head=None, chu
             out.append(torch.exp(logits[:, ids] - torch.logsumexp(logits, dim=-1, keepdim=True)))
         return torch.cat(out)
     if data.d2t.shape != draft.d2t.shape or not torch.equal(data.d2t, draft.d2t.cpu()):
-        raise ValueError("the held-out data stores only top-k probabilities over its own draft vocabulary, which is "
+        raise InputError("the held-out data stores only top-k probabilities over its own draft vocabulary, which is "
                          "not the draft's; extract it with storage bf16 (or fp8), or use the draft's vocabulary "
                          "(eagle3nb doctor: shapes_vocab)")
     return data.target_probs(item, temperature)
@@ -225,7 +226,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
 
     indices = list(range(len(data))) if indices is None else list(indices)
     if not indices:
-        raise ValueError("no held-out samples to measure on: extract hidden states of held-out prompts (02) and "
+        raise InputError("no held-out samples to measure on: extract hidden states of held-out prompts (02) and "
                          "set data_dir, or raise 03_train's holdout_fraction")
     head = data.lm_head().float().to(draft.fc.weight.device) if temperature > 0 else None
     prog = Progress(stage_dir, len(indices), "offline acceptance", "samples") if stage_dir else None
@@ -259,12 +260,12 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
     if prog:
         prog.close()
     if not parts["valid"]:
-        raise ValueError("every held-out sample is shorter than 3 tokens; nothing to draft")
+        raise InputError("every held-out sample is shorter than 3 tokens; nothing to draft")
     greedy, valid = torch.cat(parts["greedy"], 1), torch.cat(parts["valid"], 1)
     sampled = torch.cat(parts["sampled"], 1) if parts["sampled"] else None
     segment, position = torch.cat(parts["segment"]), torch.cat(parts["position"])
     if int(valid[0].sum()) == 0:
-        raise ValueError("no generated (loss-masked) tokens to draft in the held-out data: check 02's loss masks "
+        raise InputError("no generated (loss-masked) tokens to draft in the held-out data: check 02's loss masks "
                          "(eagle3nb doctor: data_health)")
 
     def block(sel) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 from eagle3nb.accept.cache import cached_rows, fingerprint
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.prompts import load_prompts
+from eagle3nb.errors import InputError, scrub
 from eagle3nb.formulas import spec_counters, spec_delta
 from eagle3nb.launch import start_server
 
@@ -95,12 +96,23 @@ def _run(coro):
 
 
 def first_model(base_url: str, api_key: str) -> str:
-    """The served model name (``/v1/models``), so endpoints need only a URL."""
-    from openai import OpenAI
+    """The served model name (``/v1/models``), so endpoints need only a URL; an endpoint that cannot be reached
+    or does not answer as an OpenAI API is an InputError naming its URL."""
+    import openai
 
-    models = OpenAI(base_url=base_url, api_key=api_key, max_retries=2).models.list().data
+    try:
+        models = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=2).models.list().data
+    except openai.APIConnectionError:
+        raise InputError(f"endpoint {scrub(base_url)} cannot be reached: start the server or fix its url in "
+                         f"endpoints") from None
+    except (openai.APIStatusError, AttributeError, TypeError) as e:
+        raise InputError(f"endpoint {scrub(base_url)} does not answer GET /models as an OpenAI API "
+                         f"({type(e).__name__}: {str(e)[:120]}); fix its url in endpoints") from None
+    if not isinstance(models, list):
+        raise InputError(f"endpoint {scrub(base_url)} answered GET /models without a model list; fix its url in "
+                         f"endpoints")
     if not models:
-        raise RuntimeError(f"{base_url}/models lists no model; is the server up (eagle3nb doctor: server)?")
+        raise InputError(f"{base_url}/models lists no model; is the server up (eagle3nb doctor: server)?")
     return models[0].id
 
 
@@ -153,6 +165,14 @@ def add_speedup(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any
 def baseline_label(P: AcceptParams) -> str:
     """The endpoint every speedup is relative to: ``baseline`` (embedded) or the first endpoint listed."""
     return "baseline" if P.endpoints == "embedded" else P.endpoints[0].label
+
+
+def probe_endpoints(P: AcceptParams) -> None:
+    """Every listed endpoint answers ``/models`` before any work starts (the offline and local steps take
+    minutes; a dead endpoint should not wait for them). The embedded ones are started later, by this stage."""
+    if P.endpoints != "embedded":
+        for e in P.endpoints:
+            first_model(e.url, P.api_key())
 
 
 def run_online(P: AcceptParams) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 from eagle3nb.accept.local import prompt_token_ids, run_local
 from eagle3nb.accept.misses import summary as miss_summary
 from eagle3nb.accept.offline import run_offline
-from eagle3nb.accept.online import baseline_label, run_online
+from eagle3nb.accept.online import baseline_label, probe_endpoints, run_online
 from eagle3nb.accept.params import STAGE, AcceptParams
 from eagle3nb.accept.predict import prediction
 from eagle3nb.accept.report import save_figures
@@ -28,6 +28,7 @@ def run(P: AcceptParams) -> dict[str, Any]:
     """The whole stage: offline acceptance, the local check (when ``local_prompts``), the prediction and the
     online benchmark; writes ``metrics.json`` and the figures (``report.FIGURES``) and returns the metrics as
     written (NaN as None)."""
+    probe_endpoints(P)
     target, draft, tokenizer = load_models(P, need_target=P.local_prompts > 0)
     print(f"draft {P.draft_path}: aux layers {draft.config.aux_layer_ids}, draft vocab {draft.config.draft_vocab_size}")
     print(f"held-out data {P.data_path}; output {P.stage_dir}", flush=True)

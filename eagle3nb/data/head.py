@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3nb.errors import InputError
+
 if TYPE_CHECKING:
     import torch
 
@@ -85,7 +87,7 @@ def read_head_tensors(model_dir: Path) -> dict[str, "torch.Tensor"]:
         picked["lm_head.weight"] = picked["embed_tokens.weight"]
     missing = [k for k, v in picked.items() if v is None]
     if missing:
-        raise KeyError(f"{model_dir}: could not find {missing} among the weight names (e.g. {names[:3]}); "
+        raise InputError(f"{model_dir}: could not find {missing} among the weight names (e.g. {names[:3]}); "
                        "is this a causal LM folder?")
     out = {}
     for key, name in picked.items():

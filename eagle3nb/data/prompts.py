@@ -76,18 +76,44 @@ def to_messages(row: dict, where: str) -> list[dict]:
     return msgs
 
 
-def _rows_jsonl(path: Path) -> Iterator[tuple[dict, str]]:
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Numbered lines of a text file; a file that is not UTF-8 text is a PromptsError naming its line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise PromptsError(f"{path} line {n}: not valid JSON ({e}); fix or remove the line") from None
-            if not isinstance(row, dict):
-                raise PromptsError(f"{path} line {n}: expected a JSON object; {FORMATS_HINT}")
-            yield row, f"{path} line {n}"
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise PromptsError(f"{path} line {n}: not UTF-8 text (a binary file?); prompts are JSONL, a JSON "
+                                   f"array, parquet or a datasets folder") from None
+
+
+def _rows_jsonl(path: Path) -> Iterator[tuple[dict, str]]:
+    for n, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise PromptsError(f"{path} line {n}: not valid JSON ({e}); fix or remove the line") from None
+        if not isinstance(row, dict):
+            raise PromptsError(f"{path} line {n}: expected a JSON object; {FORMATS_HINT}")
+        yield row, f"{path} line {n}"
+
+
+def _rows_json(path: Path) -> Iterator[tuple[dict, str]]:
+    """A ``.json`` file: one JSON array of rows (ShareGPT's files as shipped), else JSON lines."""
+    first = next((line.lstrip() for _, line in _lines(path) if line.strip()), "")
+    if not first.startswith("["):
+        yield from _rows_jsonl(path)
+        return
+    try:
+        rows = json.loads("".join(line for _, line in _lines(path)))
+    except ValueError as e:
+        raise PromptsError(f"{path}: not a valid JSON array ({e}); fix the file") from None
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise PromptsError(f"{path} item {n}: expected a JSON object; {FORMATS_HINT}")
+        yield row, f"{path} item {n}"
 
 
 def _rows_table(table: Any, name: str) -> Iterator[tuple[dict, str]]:
@@ -116,12 +142,19 @@ def _rows(path: Path) -> Iterator[tuple[dict, str]]:
     if path.is_dir():
         for f in _files(path):
             yield from _rows(f)
-    elif path.suffix in (".jsonl", ".json"):
+    elif path.suffix == ".jsonl":
         yield from _rows_jsonl(path)
+    elif path.suffix == ".json":
+        yield from _rows_json(path)
     elif path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        yield from _rows_table(pq.read_table(path), str(path))
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise PromptsError(f"{path}: not a readable parquet file ({e}); re-export it") from None
+        yield from _rows_table(table, str(path))
     elif path.suffix == ".arrow":
         import pyarrow as pa
 
@@ -143,6 +176,8 @@ def prompt_id(messages: list[dict]) -> str:
 def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
     """The first ``max_samples`` prompts of ``value`` (a path or ``toy:train`` / ``toy:heldout``) as
     ``{"id", "messages", "category"}``; raises PromptsError for bad rows or duplicate ids."""
+    if not str(value).strip():
+        raise PromptsError("prompts is empty; set it to a JSONL / JSON / parquet file, a datasets folder or toy:train")
     if value.startswith("toy:"):
         path = resolve_prompts(value, max_samples or 1000)
     else:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from eagle3nb.data.head import read_head_tensors, rms_norm, target_info
 from eagle3nb.data.shards import ShardError, check_shard, decode, file_sha256
 from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, load_draft_vocab
+from eagle3nb.errors import InputError
 from eagle3nb.toy import resolve_model_path
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class HiddenStates:
         path = self.dir / INDEX_FILE
         self.meta: dict = json.loads(path.read_text())
         if not self.meta.get("format", "").startswith("eagle3nb-hidden"):
-            raise ValueError(f"{path} is not an eagle3nb hidden-states index")
+            raise InputError(f"{path} is not an eagle3nb hidden-states index")
         self.storage = self.meta["storage"]
         self.samples = self.meta["samples"]
         self._shards = {s["file"]: s for s in self.meta["shards"]}
@@ -143,7 +144,7 @@ class VllmSampleStates(HiddenStates):
             raise FileNotFoundError(f"{self.dir}: neither {INDEX_FILE} (02_hidden_states output) nor per-sample "
                                     "*.safetensors files (vLLM/speculators output)")
         if model_path is None:
-            raise ValueError(f"{self.dir} holds vLLM/speculators per-sample files: pass model_path=<the target's "
+            raise InputError(f"{self.dir} holds vLLM/speculators per-sample files: pass model_path=<the target's "
                              "folder> to read its final norm and head")
         model_dir = resolve_model_path(str(model_path))
         info = target_info(model_dir)
@@ -153,7 +154,7 @@ class VllmSampleStates(HiddenStates):
             keys = set(f.keys())
             n_states = f.get_slice("hidden_states").get_shape()[1]
         if not {"token_ids", "hidden_states"} <= keys:
-            raise ValueError(f"{self.files[0]}: expected token_ids and hidden_states tensors, found {sorted(keys)}")
+            raise InputError(f"{self.files[0]}: expected token_ids and hidden_states tensors, found {sorted(keys)}")
         self.storage = "vllm"
         self._has_mask = "loss_mask" in keys
         if (self.dir / VOCAB_FILE).exists():
@@ -161,7 +162,7 @@ class VllmSampleStates(HiddenStates):
         elif draft_vocab_size:
             self.d2t, self.t2d = self._vocab(info["vocab_size"], draft_vocab_size)
         else:
-            raise ValueError(f"{self.dir} has no {VOCAB_FILE}: pass draft_vocab_size to build one from these files")
+            raise InputError(f"{self.dir} has no {VOCAB_FILE}: pass draft_vocab_size to build one from these files")
         self.samples = [{"id": p.stem, "file": p.name} for p in self.files]
         self.meta = {"format": "vllm-per-sample", "storage": "vllm", "num_layers": info["num_layers"],
                      "hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"],

@@ -8,15 +8,15 @@ keep the latest record per id, so a retried error is superseded, never duplicate
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from eagle3nb.errors import InputError
 from eagle3nb.params import ParamsError
-from eagle3nb.progress import write_json_atomic
+from eagle3nb.progress import one_writer, write_json_atomic
 
 SAMPLES_GLOB = "samples-*.jsonl"
 RUN_CONFIG = "run_config.json"
@@ -46,7 +46,7 @@ def read_records(synth_dir: Path, torn: list[str] | None = None) -> Iterator[dic
                     if torn is not None:
                         torn.append(f"{path.name} line {n + 1}")
                     continue
-                raise ValueError(f"{path} line {n + 1} is not valid JSON (corrupted file); move the file away "
+                raise InputError(f"{path} line {n + 1} is not valid JSON (corrupted file); move the file away "
                                  f"and re-run to regenerate its samples") from None
 
 
@@ -95,24 +95,9 @@ class SampleWriter:
             self.path.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def exclusive(synth_dir: Path) -> Iterator[None]:
+def exclusive(synth_dir: Path) -> contextlib.AbstractContextManager:
     """One writer per output folder: a second run (a notebook opened twice) would ask for the same ids."""
-    synth_dir.mkdir(parents=True, exist_ok=True)
-    with open(synth_dir / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise ParamsError(f"another 01_synth run (pid {f.read().strip() or '?'}) is writing to {synth_dir}; "
-                              f"let it finish or stop it, or use another output_dir") from None
-        f.truncate(0)
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return one_writer(synth_dir, "01_synth")
 
 
 def check_run_config(synth_dir: Path, config: dict[str, Any], force: bool, write: bool = True) -> None:

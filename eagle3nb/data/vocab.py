@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from eagle3nb.errors import InputError
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -27,7 +29,7 @@ def token_counts(samples: Iterable[dict], vocab_size: int) -> tuple["np.ndarray"
     for s in samples:
         ids = np.asarray(s["input_ids"], dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"sample {s.get('id')!r} has token id {int(ids.max())} outside the target's vocabulary "
+            raise InputError(f"sample {s.get('id')!r} has token id {int(ids.max())} outside the target's vocabulary "
                              f"(size {vocab_size}): the samples were made with another tokenizer than model_path's")
         every += np.bincount(ids, minlength=vocab_size)
         masked += np.bincount(ids, weights=np.asarray(s["loss_mask"], dtype=np.int64) != 0,
@@ -45,12 +47,12 @@ def build_draft_vocab(samples: Iterable[dict], vocab_size: int, draft_vocab_size
     import torch
 
     if draft_vocab_size > vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary ({vocab_size} ids); "
+        raise InputError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary ({vocab_size} ids); "
                          f"set draft_vocab_size <= {vocab_size}")
     masked, every = token_counts(samples, vocab_size)
     total = int(masked.sum())
     if total == 0:
-        raise ValueError("no loss-masked tokens in the samples: nothing to train on (check 01_synth's statuses)")
+        raise InputError("no loss-masked tokens in the samples: nothing to train on (check 01_synth's statuses)")
     ids = np.arange(vocab_size)
     # rank: loss-masked count, then count over all tokens, then id (np.lexsort sorts by the last key first)
     order = np.lexsort((ids, -every, -masked))

@@ -36,6 +36,7 @@ from eagle3nb.doctor.result import (
     render,
     summary,
 )
+from eagle3nb.errors import InputError
 from eagle3nb.params import STAGES
 
 __all__ = ["CHECKS", "STAGE_CHECKS", "PASS", "WARN", "FAIL", "SKIP", "CheckResult", "Report", "DoctorError",
@@ -45,7 +46,7 @@ def _normalize_stage(stage: str) -> str:
     for s in STAGES:
         if stage in (s, s[:2], s.split("_", 1)[1]):
             return s
-    raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)} (or its number)")
+    raise InputError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)} (or its number)")
 
 
 def run_checks(params_dir: str | Path, stage: str | None = None, *, serving_engine: str = "vllm",
@@ -95,14 +96,10 @@ def likely_causes(results: list[CheckResult]) -> list[str]:
 
 def _cmd(args: argparse.Namespace) -> int:
     thinking = None if args.serving_thinking is None else args.serving_thinking == "on"
-    try:
-        # what the libraries print on the way (a toy build, progress) goes to stderr: stdout is the report
-        with contextlib.redirect_stdout(sys.stderr):
-            report = run_checks(args.params_dir, args.stage, serving_engine=args.serving_engine,
-                                serving_thinking=thinking, server_url=args.server_url, timeout_s=args.timeout)
-    except ValueError as e:
-        print(f"eagle3nb doctor: {e}", file=sys.stderr)
-        return 2
+    # what the libraries print on the way (a toy build, progress) goes to stderr: stdout is the report
+    with contextlib.redirect_stdout(sys.stderr):
+        report = run_checks(args.params_dir, args.stage, serving_engine=args.serving_engine,
+                            serving_thinking=thinking, server_url=args.server_url, timeout_s=args.timeout)
     if args.json:
         print(json.dumps([asdict(r) for r in report], indent=2, default=str))
     else:

@@ -13,6 +13,7 @@ from eagle3nb.data.reasoning import REASONING_FIELDS, extract, field
 from eagle3nb.data.split import split_holdout
 from eagle3nb.data.stream import Template
 from eagle3nb.doctor.result import FAIL, CheckResult
+from eagle3nb.errors import InputError
 from eagle3nb.launch import start_server
 from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict, run_params
 from eagle3nb.paths import project_root, resolve
@@ -35,7 +36,7 @@ class Context:
     def __init__(self, params: dict[str, StageParams], problems: dict[str, str], *, serving_engine: str = "vllm",
                  serving_thinking: bool | None = None, server_url: str | None = None, timeout_s: float = 60.0):
         if serving_engine not in ("vllm", "sglang"):
-            raise ValueError(f"serving_engine must be vllm or sglang, got {serving_engine!r}")
+            raise InputError(f"serving_engine must be vllm or sglang, got {serving_engine!r}")
         self.params, self.problems = params, problems
         self.serving_engine, self.serving_thinking = serving_engine, serving_thinking
         self.server_url, self.timeout_s = server_url, timeout_s
@@ -50,7 +51,7 @@ class Context:
     def from_run_dir(cls, run_dir: Path, **kw) -> "Context":
         """Params of every stage of ``params/<run>/`` (types only: missing artifacts are the checks' business)."""
         if not Path(run_dir).is_dir():
-            raise ValueError(f"{run_dir}: no such parameter folder; pass params/<run>/")
+            raise InputError(f"{run_dir}: no such parameter folder; pass params/<run>/")
         params, problems = {}, {}
         for stage in STAGES:
             try:

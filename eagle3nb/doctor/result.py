@@ -8,6 +8,8 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3nb.errors import UserError
+
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
 # Stable names: the acceptance notebook's verdict and the docs point at them.
@@ -22,7 +24,7 @@ STAGE_CHECKS = {
 }
 
 
-class DoctorError(RuntimeError):
+class DoctorError(UserError, RuntimeError):
     """Raised by ``check_stage(..., strict=True)`` when a check fails."""
 
 

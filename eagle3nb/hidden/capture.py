@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from eagle3nb.errors import InputError
 from eagle3nb.hf import from_pretrained
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ def decoder_parts(model):
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     for name in ("layers", "norm", "embed_tokens"):
         if not hasattr(decoder, name):
-            raise TypeError(f"{type(model).__name__}: its decoder has no .{name}; only decoder-only causal LMs "
+            raise InputError(f"{type(model).__name__}: its decoder has no .{name}; only decoder-only causal LMs "
                             "with layers / norm / embed_tokens are supported")
     return decoder.embed_tokens, decoder.layers, decoder.norm
 
@@ -57,7 +58,7 @@ class Capture:
                 self._handles.append(self.norm.register_forward_pre_hook(
                     lambda module, args, _k=n: self._keep(_k)(module, args, args[0])))
             else:
-                raise ValueError(f"layer id {i} out of range for {n} decoder layers")
+                raise InputError(f"layer id {i} out of range for {n} decoder layers")
         if self.final:
             self._handles.append(self.norm.register_forward_hook(self._keep("final")))
         return self

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import sys
+import signal
+import socket
+import threading
+import time
 from pathlib import Path
 
+from eagle3nb.errors import UserError
 from eagle3nb.serve.spec_engine import SpecEngine
 from eagle3nb.toy import resolve_model_path
 
@@ -34,31 +38,73 @@ def register_cli(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="k tokens drafted per step (with --draft)")
     p.add_argument("--hidden-states-dir", default=None, metavar="DIR",
                    help="answer /v1/completions by writing hidden states here (vLLM extract_hidden_states)")
+    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                   help="stop when process PID is gone (a stage's embedded server dies with its stage, kill -9 "
+                        "included)")
     p.set_defaults(func=serve)
+
+
+class ServeError(UserError):
+    """An option of ``eagle3nb serve`` that cannot work; checked before the model loads."""
 
 
 def _require_module(name: str, flag: str) -> None:
     if importlib.util.find_spec(name) is None:
-        sys.exit(f"eagle3nb serve: {flag} is not available yet in this version ({name} is missing); "
-                 f"run without {flag}.")
+        raise ServeError(f"{flag} is not available yet in this version ({name} is missing); run without {flag}")
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Check every option before loading anything, then load the model and run uvicorn until stopped."""
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}): another server holds it, or the "
+                             f"address is not this machine's; pick another --port or --host") from None
+
+
+def _exit_with(parent: int) -> None:
+    """A daemon thread that ends this process once ``parent`` is gone (its pid no longer our parent's)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def check_options(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """Every option checked before anything loads: (the model folder, the API key or None)."""
     if args.max_batch_size < 1:
-        sys.exit("eagle3nb serve: --max-batch-size must be at least 1")
+        raise ServeError("--max-batch-size must be at least 1")
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
-            sys.exit(f"eagle3nb serve: --api-key-env {args.api_key_env}: that environment variable is unset or "
-                     f"empty; export {args.api_key_env}=<key> before starting the server")
+            raise ServeError(f"--api-key-env {args.api_key_env}: that environment variable is unset or empty; "
+                             f"export {args.api_key_env}=<key> before starting the server")
     if args.hidden_states_dir:
         _require_module("eagle3nb.serve.extract", "--hidden-states-dir")
+    model_dir = resolve_model_path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise ServeError(f"--model {args.model}: {model_dir} has no config.json; pass a Hugging Face model folder "
+                         f"(or toy:smoke / toy:demo)")
     if args.draft:
         _require_module("eagle3nb.serve.spec_engine", "--draft")
         if args.num_speculative_tokens < 1:
-            sys.exit("eagle3nb serve: --num-speculative-tokens must be at least 1")
+            raise ServeError("--num-speculative-tokens must be at least 1")
+        if not (Path(args.draft) / "config.json").is_file():
+            raise ServeError(f"--draft {args.draft}: no config.json there; pass 03_train's draft folder "
+                             f"(outputs/<run>/03_train/draft)")
+    _check_port(args.host, args.port)
+    return model_dir, api_key
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Check every option before loading anything, then load the model and run uvicorn until stopped."""
+    model_dir, api_key = check_options(args)
+    if args.exit_with_parent:
+        _exit_with(args.exit_with_parent)
 
     import torch
     import uvicorn
@@ -67,7 +113,6 @@ def serve(args: argparse.Namespace) -> int:
     from eagle3nb.serve.engine import Engine, Metrics, load_model
 
     torch.set_num_threads(max(1, args.threads))
-    model_dir = resolve_model_path(args.model)
     name = args.served_model_name or args.model
     model, tokenizer = load_model(str(model_dir))
     metrics = Metrics(name)

@@ -24,6 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlparse
 
+from eagle3nb.errors import InputError
 from eagle3nb.layers import default_aux_layer_ids
 from eagle3nb.params import from_dict, run_params
 from eagle3nb.serve.vllm import start_vllm
@@ -33,7 +34,7 @@ from eagle3nb.toy import resolve_model_path
 def _port(url: str) -> int:
     port = urlparse(url).port
     if port is None:
-        raise ValueError(f"{url!r}: the rehearsal starts its servers on the ports the params name; give one")
+        raise InputError(f"{url!r}: the rehearsal starts its servers on the ports the params name; give one")
     return port
 
 

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 from eagle3nb import paths
+from eagle3nb.errors import InputError
 from eagle3nb.launch import ServerHandle, free_port, launch
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
@@ -78,7 +79,7 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     command line. Raises RuntimeError naming the fix when vLLM's environment is missing."""
     reason = unavailable_reason()
     if reason:
-        raise RuntimeError(f"the real vLLM cannot start: {reason}")
+        raise InputError(f"the real vLLM cannot start: {reason}")
     model = str(model_dir)
     if model.startswith("toy:"):
         kw.setdefault("served_model_name", model)

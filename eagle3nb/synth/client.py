@@ -15,6 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
+from eagle3nb.data.reasoning import extract, field
+from eagle3nb.errors import UserError
+
 T = TypeVar("T")
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -26,16 +29,49 @@ FATAL_STATUS = {401: "the server refused the API key: set api_key_env to the NAM
 BACKOFF_CAP_S = 60.0
 
 
-class FatalServerError(RuntimeError):
+class FatalServerError(UserError, RuntimeError):
     """A problem every request would hit; the run stops at once with the fix."""
 
 
-class GaveUp(RuntimeError):
+class GaveUp(UserError, RuntimeError):
     """A request that failed for good: a transient failure outlasted the retries, or the server rejected it."""
 
 
 class MalformedResponse(ValueError):
     """A 200 answer without a usable choice (a proxy's error page, a cut-off body): retried."""
+
+
+class BadAnswer(ValueError):
+    """A 200 answer whose fields break what the API promises (token ids that are not ids of this tokenizer,
+    fields of the wrong type): never stored; this request's error, counted with its reason."""
+
+
+def check_ids(where: str, ids: Any, vocab_size: int) -> None:
+    if ids is None:
+        return
+    if not isinstance(ids, list):
+        raise BadAnswer(f"{where} is a {type(ids).__name__}, not a list of token ids")
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            raise BadAnswer(f"{where}[{i}] is {t!r} ({type(t).__name__}), not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise BadAnswer(f"{where}[{i}] = {t} is outside the tokenizer's {vocab_size} ids: the server runs "
+                            f"another model or tokenizer than model_path")
+
+
+def check_answer(resp: Any, vocab_size: int) -> Any:
+    """``resp`` when every field 01 stores has the type the API promises and every token id is one of the
+    tokenizer's; raises BadAnswer naming the first field that does not."""
+    choice = resp.choices[0]
+    reasoning, content, source = extract(choice.message)
+    for name, value in (("content", content), (source, reasoning)):
+        if value is not None and not isinstance(value, str):
+            raise BadAnswer(f"choices[0].message.{name} is a {type(value).__name__}, not text")
+    if choice.finish_reason is not None and not isinstance(choice.finish_reason, str):
+        raise BadAnswer(f"choices[0].finish_reason is {choice.finish_reason!r}, not a string")
+    check_ids("prompt_token_ids", field(resp, "prompt_token_ids"), vocab_size)
+    check_ids("choices[0].token_ids", field(choice, "token_ids"), vocab_size)
+    return resp
 
 
 def base_url(url: str) -> str:
@@ -56,6 +92,19 @@ class Endpoint:
     model: str
 
 
+async def list_models(ep: Endpoint) -> list[str]:
+    """The ids ``/models`` lists; BadAnswer when the answer is not an OpenAI model list (an HTML page, another
+    API's JSON)."""
+    try:
+        listed = await ep.client.models.list()
+        data = listed.data
+    except (AttributeError, TypeError) as e:  # the openai client meets a body that is not its JSON
+        raise BadAnswer(f"GET /models: not the OpenAI JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, list) or not all(isinstance(getattr(m, "id", None), str) for m in data):
+        raise BadAnswer(f"GET /models: no list of models under 'data' (got {str(listed)[:120]})")
+    return [m.id for m in data]
+
+
 async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_name: str | None,
                   concurrency: int, *, max_retries: int, backoff_s: float) -> list[Endpoint]:
     """A client per URL, each checked by asking ``/models`` (which also names the model when not given), with
@@ -70,13 +119,15 @@ async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_
         client = openai.AsyncOpenAI(base_url=base_url(url), api_key=api_key, max_retries=0, timeout=timeout_s,
                                     http_client=http)
         try:
-            listed = await retried(lambda ep: ep.client.models.list(), Endpoint(url, client, ""),
-                                   max_retries=max_retries, backoff_s=backoff_s)
+            models = await retried(list_models, Endpoint(url, client, ""), max_retries=max_retries,
+                                   backoff_s=backoff_s)
         except GaveUp as e:
+            if "BadAnswer" in str(e):
+                raise FatalServerError(f"{base_url(url)} answered, but not as an OpenAI-compatible API ({e}); point "
+                                       f"vllm_url at the API's address (vLLM, SGLang: http://HOST:PORT)") from None
             raise FatalServerError(f"cannot reach an OpenAI-compatible server at {base_url(url)} ({e}); start it "
                                    f"(e.g. `vllm serve MODEL --reasoning-parser kimi_k2`), fix vllm_url, or use "
                                    f"vllm_url: embedded") from None
-        models = [m.id for m in listed.data]
         if served_model_name is None and not models:
             raise FatalServerError(f"{url}/models lists no model; set served_model_name")
         if served_model_name is not None and models and served_model_name not in models:
@@ -145,8 +196,10 @@ def describe(exc: BaseException) -> str:
 
 
 async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int, temperature: float, top_p: float,
-               seed: int, template_kwargs: dict[str, Any], return_token_ids: bool = True) -> Any:
-    """One chat completion, asking for the token ids too (vLLM/SGLang ``return_token_ids``)."""
+               seed: int, template_kwargs: dict[str, Any], return_token_ids: bool = True,
+               vocab_size: int | None = None) -> Any:
+    """One chat completion, asking for the token ids too (vLLM/SGLang ``return_token_ids``); with ``vocab_size``
+    (the target tokenizer's) every field 01 stores is checked (``check_answer``)."""
     extra: dict[str, Any] = {"chat_template_kwargs": template_kwargs}
     if return_token_ids:
         extra["return_token_ids"] = True
@@ -155,7 +208,7 @@ async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int
         top_p=top_p, seed=seed, extra_body=extra)
     if not getattr(resp, "choices", None) or getattr(resp.choices[0], "message", None) is None:
         raise MalformedResponse(f"no choices[0].message in the answer: {str(resp)[:200]}")
-    return resp
+    return check_answer(resp, vocab_size) if vocab_size is not None else resp
 
 
 async def with_retries(call: Callable[[Endpoint], Awaitable[T]], *, max_retries: int, backoff_s: float,

@@ -82,6 +82,9 @@ class SynthParams(TargetParams):
             raise ParamsError(f"parameter 'model_path' in {src}: folder {resolve(self.model_path)} does not exist; "
                               f"point it at the target's Hugging Face folder (tokenizer + chat template) or use "
                               f"toy:demo")
+        if not self.prompts.strip():
+            raise ParamsError(f"parameter 'prompts' in {src} is empty; set it to a JSONL / JSON / parquet file, a "
+                              f"datasets folder, or toy:train")
         if not self.prompts.startswith("toy:") and not resolve(self.prompts).exists():
             raise ParamsError(f"parameter 'prompts' in {src}: {resolve(self.prompts)} does not exist; point it at a "
                               f"JSONL / parquet file or a datasets folder, or use toy:train")

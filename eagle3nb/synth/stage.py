@@ -23,6 +23,7 @@ from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.reasoning import NO_REASONING_FIX, extract, field
 from eagle3nb.data.samples import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
 from eagle3nb.data.stream import StreamError, Template, build, naive_text
+from eagle3nb.errors import scrub
 from eagle3nb.launch import start_server
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
@@ -151,7 +152,7 @@ class Session:
             def call(ep: Endpoint, item=item, seed=seed):
                 return chat(ep, item["messages"], max_completion_tokens=P.max_completion_tokens,
                             temperature=P.temperature, top_p=P.top_p, seed=seed, template_kwargs=kwargs,
-                            return_token_ids=P.return_token_ids)
+                            return_token_ids=P.return_token_ids, vocab_size=len(self.tpl.tokenizer))
 
             try:
                 resp, attempts, err = await with_retries(
@@ -205,8 +206,9 @@ class Session:
         if len(self.first_errors) < n:
             self.first_errors.append(err)
             if len(self.first_errors) == n and all(self.first_errors):
-                self.stop(SynthError(f"the first {n} requests all failed, e.g. {self.first_errors[0]}; fix the "
-                                     f"setting or server it names, then run again"))
+                servers = ", ".join(scrub(e.url) for e in self.endpoints)
+                self.stop(SynthError(f"the first {n} requests to {servers} all failed, e.g. {self.first_errors[0]}; "
+                                     f"fix the setting or server it names, then run again"))
         if not self.P.thinking or resp is None or len(self.checked) >= n:
             return
         self.checked.append(extract(resp.choices[0].message)[0] is not None)
@@ -414,7 +416,8 @@ def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
             resp = await retried(lambda ep: chat(ep, messages, max_completion_tokens=P.max_completion_tokens,
                                                  temperature=P.temperature, top_p=P.top_p, seed=P.seed,
                                                  template_kwargs={P.thinking_kwarg: P.thinking},
-                                                 return_token_ids=P.return_token_ids), eps[0], **retry)
+                                                 return_token_ids=P.return_token_ids,
+                                                 vocab_size=len(tpl.tokenizer)), eps[0], **retry)
         except (GaveUp, FatalServerError) as e:
             raise SynthError(f"the probe request failed: {e}") from None
         finally:

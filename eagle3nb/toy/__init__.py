@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3nb import paths
+from eagle3nb.errors import InputError
 from eagle3nb.toy.build import SIZES, build
 from eagle3nb.toy.dialogues import write_prompts
 from eagle3nb.toy.shipped import ShippedToyError, shipped
@@ -22,7 +23,7 @@ def resolve_model_path(value: str) -> Path:
     if value.startswith("toy:"):
         size = value[4:]
         if size not in SIZES:
-            raise ValueError(f"unknown toy size {value!r}: use one of {', '.join('toy:' + s for s in sorted(SIZES))}")
+            raise InputError(f"unknown toy size {value!r}: use one of {', '.join('toy:' + s for s in sorted(SIZES))}")
         return shipped(size)
     p = paths.resolve(value)
     if not p.is_dir():
@@ -37,7 +38,7 @@ def resolve_prompts(value: str, n: int) -> Path:
     if value.startswith("toy:"):
         split = value[4:]
         if split not in ("train", "heldout"):
-            raise ValueError(f"unknown toy prompt set {value!r}: use toy:train or toy:heldout")
+            raise InputError(f"unknown toy prompt set {value!r}: use toy:train or toy:heldout")
         path = paths.cache_dir() / "prompts" / f"toy-{split}-{n}.jsonl"
         return path if path.exists() else write_prompts(path, n, split)
     return paths.resolve(value)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from eagle3nb import paths
+from eagle3nb.errors import InputError
 from eagle3nb.tokens import IM_END, THINK_END
 from eagle3nb.toy import dialogues
 from eagle3nb.toy.shipped import file_sha256, manifest
@@ -192,7 +193,7 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
     import torch
 
     if size not in SIZES:
-        raise ValueError(f"unknown toy size {size!r}: use one of {sorted(SIZES)}")
+        raise InputError(f"unknown toy size {size!r}: use one of {sorted(SIZES)}")
     out = Path(out) if out is not None else paths.cache_dir() / f"toy-{size}-{settings_hash(size, seed)}"
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)

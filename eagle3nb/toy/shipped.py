@@ -16,11 +16,13 @@ import shutil
 from functools import lru_cache
 from pathlib import Path
 
+from eagle3nb.errors import UserError
+
 SHIPPED = Path(__file__).resolve().parent / "shipped"
 MANIFEST = SHIPPED / "MANIFEST.json"
 
 
-class ShippedToyError(RuntimeError):
+class ShippedToyError(UserError, RuntimeError):
     """The shipped toy is missing or its bytes differ from the manifest."""
 
 

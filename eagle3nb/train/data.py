@@ -12,6 +12,7 @@ import torch
 
 from eagle3nb.data.batching import pack_batches
 from eagle3nb.data.split import split_holdout
+from eagle3nb.errors import InputError
 
 
 def pack(indices: list[int], lengths: list[int], batch_tokens: int, max_length: int) -> list[list[int]]:
@@ -33,7 +34,7 @@ def schedule(train_idx: list[int], lengths: list[int], *, batch_tokens: int, max
         mbs = pack(order, lengths, batch_tokens, max_length)
         full = len(mbs) // per_step
         if full == 0:
-            raise ValueError(f"one optimizer step needs {per_step} micro-batches (grad_accum x processes) but the "
+            raise InputError(f"one optimizer step needs {per_step} micro-batches (grad_accum x processes) but the "
                              f"training split packs into {len(mbs)}; lower grad_accum or batch_tokens, or add data")
         steps += [(epoch, mbs[s * per_step:(s + 1) * per_step]) for s in range(full)]
         dropped += len(mbs) - full * per_step

@@ -104,10 +104,19 @@ class TrainParams(StageParams):
         return resolve(self.init_from) if self.init_from else None
 
     def check_paths(self) -> None:
-        """Only init_from: data_dir is made by 02, which may not have run yet when a run is validated."""
+        """init_from and the device (data_dir is made by 02, which may not have run yet when a run is validated)."""
+        src = self.params_file or "the notebook's parameters cell"
+        if self.device.startswith("cuda"):
+            import torch
+
+            index = int(self.device.partition(":")[2] or 0) if self.device.partition(":")[2].isdigit() else 0
+            if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+                build = " (this torch is a CPU build)" if torch.version.cuda is None else ""
+                raise ParamsError(f"parameter 'device' in {src} is {self.device!r}, but torch sees "
+                                  f"{torch.cuda.device_count()} GPU(s) here{build}: use device: auto (the GPU "
+                                  f"where there is one, else cpu) or cpu")
         init = self.init_path
         if init is not None and not (init / "config.json").exists():
-            src = self.params_file or "the notebook's parameters cell"
             raise ParamsError(f"parameter 'init_from' in {src}: {init} has no config.json; point it at a draft "
                               "checkpoint folder (config.json + model.safetensors) or set it to null to train "
                               "from scratch")

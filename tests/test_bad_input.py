@@ -1,0 +1,431 @@
+"""Bad input, the way users bring it: every case runs a real command's ``main()`` in-process (the stage commands,
+``eagle3nb ...``) and must end with the right exit code, a message of at most two lines that names the thing
+and the fix, no traceback, no secret, and nothing already written lost or changed.
+
+Cases are grouped: parameters, files, servers that lie, concurrency and faults, secrets. A case is
+``(setup, expect)``: ``setup(tmp) -> (command, argv)`` prepares its inputs in the test's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "sk-bad-input-5e3f9a-never-printed"
+KEY_ENV = "EAGLE3NB_BAD_INPUT_KEY"
+STAGE = {"01": "01_synth", "02": "02_hidden_states", "03": "03_train", "04": "04_acceptance"}
+
+
+@dataclass
+class Case:
+    name: str
+    setup: Callable[[Path], tuple[str, list[str]]]
+    must: tuple[str, ...]  # substrings of the message
+    rc: int = 2
+
+
+# --- helpers ------------------------------------------------------------------------------------------------------
+
+def run_dir(tmp: Path, **stages: dict) -> Path:
+    """A copy of params/smoke with some stages' values changed (None deletes a key) and output in ``tmp``."""
+    folder = tmp / "params" / "smoke"
+    if not folder.exists():
+        shutil.copytree(ROOT / "params" / "smoke", folder)
+    for stage, changes in stages.items():
+        path = folder / f"{STAGE[stage]}.yaml"
+        values = yaml.safe_load(path.read_text()) or {}
+        for k, v in changes.items():
+            if v is None:
+                values.pop(k, None)
+            else:
+                values[k] = str(v) if isinstance(v, Path) else v
+        path.write_text(yaml.safe_dump(values))
+    return folder
+
+
+def stage(code: str, tmp: Path, *extra: str, **changes: Any) -> tuple[str, list[str]]:
+    return STAGE[code], [str(run_dir(tmp, **{code: changes})), *extra]
+
+
+def cli(*argv: str) -> tuple[str, list[str]]:
+    return "eagle3nb", list(argv)
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lying:
+    """An HTTP server that answers every request from ``answer(path, body) -> (status, content type, bytes)``."""
+
+    def __init__(self, answer: Callable[[str, dict], tuple[int, str, bytes]]):
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self) -> None:
+                n = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}") if n else {}
+                status, ctype, data = answer(self.path, body)
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _reply
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client that hung up (the stage stopped early): nothing to report
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        outer.requests = 0
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def models_json(name: str = "toy:smoke") -> bytes:
+    return json.dumps({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "vllm"}]}).encode()
+
+
+def chat_answer(token_ids: Any = (0, 1, 2), prompt_ids: Any = (3, 4), content: Any = "The answer is 4.") -> bytes:
+    return json.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "toy:smoke",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "reasoning": "2 plus 2"},
+                     "finish_reason": "stop", "token_ids": list(token_ids)}],
+        "prompt_token_ids": prompt_ids if isinstance(prompt_ids, str) else list(prompt_ids),
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}).encode()
+
+
+def lying(kind: str) -> Callable[[str, dict], tuple[int, str, bytes]]:
+    """Answers of a server that lies in one way (the model list is honest unless the lie is about it)."""
+    def answer(path: str, body: dict) -> tuple[int, str, bytes]:
+        if kind == "html":
+            return 200, "text/html", b"<html><body>Welcome to nginx!</body></html>"
+        if kind == "hello":
+            return 200, "application/json", b'{"hello": "world"}'
+        if path.endswith("/models"):
+            return 200, "application/json", models_json()
+        if kind == "string-ids":
+            return 200, "application/json", chat_answer(token_ids=["163584", "17"])
+        if kind == "huge-ids":
+            return 200, "application/json", chat_answer(token_ids=[10**9, 5])
+        if kind == "number-content":
+            return 200, "application/json", chat_answer(content=42)
+        if kind == "ids-not-list":
+            return 200, "application/json", chat_answer(prompt_ids="3 4")
+        if kind == "401":
+            return 401, "application/json", b'{"error": {"message": "bad key", "type": "auth"}}'
+        raise AssertionError(kind)
+
+    return answer
+
+
+SERVERS: dict[str, Lying] = {}
+
+
+def server(kind: str) -> str:
+    if kind not in SERVERS:
+        SERVERS[kind] = Lying(lying(kind))
+    return SERVERS[kind].url
+
+
+def synth_against(kind_or_url: str, tmp: Path, **changes: Any) -> tuple[str, list[str]]:
+    url = kind_or_url if kind_or_url.startswith("http") else server(kind_or_url)
+    return stage("01", tmp, vllm_url=url, max_samples=4, concurrency=2, max_retries=1, retry_backoff_s=0.01,
+                 output_dir=tmp / "out01", **changes)
+
+
+def toy_records(tmp: Path) -> Path:
+    """A real 01 output folder (a few records answered by the embedded toy server): the input of 02's cases."""
+    out = tmp / "synth"
+    shutil.copytree(SYNTH_CACHE["dir"], out)
+    return out
+
+
+SYNTH_CACHE: dict[str, Path] = {}
+BUSY: list[Any] = []  # a listening socket and its port
+
+
+# --- the cases ----------------------------------------------------------------------------------------------------
+
+PARAMETERS = [
+    Case("malformed YAML", lambda t: (STAGE["01"], [str(write(t / "p" / "01_synth.yaml", "max_samples: [1, 2\n"))]),
+         ("01_synth.yaml", "not valid YAML")),
+    Case("a key given twice", lambda t: (STAGE["01"], [str(write(t / "p" / "01_synth.yaml",
+                                                                 "max_samples: 3\nseed: 1\nmax_samples: 4\n"))]),
+         ("'max_samples' is given twice", "lines 1 and 3", "keep one")),
+    Case("an unknown key", lambda t: stage("01", t, max_sample=3), ("'max_sample'", "did you mean 'max_samples'")),
+    Case("a wrong type", lambda t: stage("01", t, max_samples="many"), ("'max_samples'", "'many'")),
+    Case("a bad value in common.yaml", lambda t: (STAGE["01"], [str(write(run_dir(t) / "common.yaml",
+                                                                          "max_retries: many\n").parent)]),
+         ("'max_retries'", "common.yaml")),
+    Case("a missing params folder", lambda t: (STAGE["01"], [str(t / "nope")]), ("nope", "does not exist")),
+    Case("--set without =", lambda t: stage("01", t, "--set", "seed"), ("--set 'seed'", "KEY=VALUE")),
+    Case("--set with a bad value", lambda t: stage("01", t, "--set", "concurrency=-3"), ("'concurrency'",)),
+    Case("a missing model folder", lambda t: stage("01", t, model_path=t / "no-model"),
+         ("'model_path'", "no-model", "does not exist")),
+    Case("an unknown toy", lambda t: stage("01", t, model_path="toy:huge"), ("'model_path'", "toy:huge")),
+    Case("a missing prompts file", lambda t: stage("01", t, prompts=t / "missing.jsonl"),
+         ("'prompts'", "missing.jsonl")),
+    Case("an empty prompts path", lambda t: stage("01", t, prompts=""), ("'prompts'", "empty")),
+    Case("a URL that is not one", lambda t: stage("02", t, backend="vllm", vllm_url="localhost:8000"),
+         ("vllm_url", "http://")),
+    Case("02 backend vllm without vllm_url", lambda t: stage("02", t, backend="vllm"),
+         ("backend 'vllm' needs vllm_url",)),
+    Case("03 batch_tokens below max_length", lambda t: stage("03", t, batch_tokens=256, max_length=1024),
+         ("batch_tokens (256)", "max_length (1024)")),
+    Case("04 k above max_k", lambda t: stage("04", t, k=6, max_k=4), ("k", "max_k")),
+    Case("03 device cuda without a GPU", lambda t: stage("03", t, device="cuda"), ("'device'", "cuda", "cpu")),
+    Case("03 init_from without a checkpoint", lambda t: stage("03", t, init_from=t),
+         ("'init_from'", "config.json")),
+    Case("a parameter file that is not text", lambda t: (STAGE["01"], [str(write(t / "p" / "01_synth.yaml",
+                                                                                b"\xff\xfe\x00bin"))]),
+         ("01_synth.yaml", "not UTF-8")),
+    Case("a stage file of a list", lambda t: (STAGE["01"], [str(write(t / "p" / "01_synth.yaml", "- a\n- b\n"))]),
+         ("01_synth.yaml", "expected a mapping")),
+    Case("eagle3nb run on a missing folder", lambda t: cli("run", str(t / "nothing")), ("no such parameter folder",)),
+    Case("eagle3nb run with a bad parameter", lambda t: cli("run", str(run_dir(t, **{"03": {"lr": "fast"}}))),
+         ("'lr'", "03_train.yaml")),
+    Case("eagle3nb status of a folder with no run", lambda t: cli("status", str(t)), ("status.json",)),
+    Case("eagle3nb doctor on a missing folder", lambda t: cli("doctor", str(t / "nothing")), ("nothing",)),
+]
+
+FILES = [
+    Case("a binary prompts file", lambda t: stage("01", t, prompts=write(t / "bin.jsonl", b"\x00\xff\xfe" * 40),
+                                                  output_dir=t / "o"),
+         ("bin.jsonl line 1", "not UTF-8")),
+    Case("a prompts line that is not JSON", lambda t: stage("01", t, prompts=write(t / "p.jsonl", '{"prompt": "a"}\n'
+                                                                                           '{"prompt": \n'),
+                                                            output_dir=t / "o"),
+         ("p.jsonl line 2", "not valid JSON")),
+    Case("a prompts row without a prompt", lambda t: stage("01", t, prompts=write(t / "p.jsonl", '{"text": "a"}\n'),
+                                                           output_dir=t / "o"),
+         ("p.jsonl line 1", "no prompt found")),
+    Case("a corrupt parquet", lambda t: stage("01", t, prompts=write(t / "p.parquet", b"PAR1garbagePAR1"),
+                                              output_dir=t / "o"),
+         ("p.parquet", "parquet")),
+    Case("a broken JSON array", lambda t: stage("01", t, prompts=write(t / "p.json", '[{"prompt": "a"},'),
+                                                output_dir=t / "o"),
+         ("p.json", "JSON array")),
+    Case("an output_dir that is a file", lambda t: stage("01", t, output_dir=write(t / "file", "x")),
+         ("file",)),
+    Case("02 on a missing 01 folder", lambda t: stage("02", t, synth_dir=t / "no-synth", output_dir=t / "o"),
+         ("no-synth",)),
+    Case("02 aux layer ids out of range", lambda t: stage("02", t, synth_dir=toy_records(t), output_dir=t / "o",
+                                                          aux_layer_ids=[2, 4, 40]),
+         ("40", "layer")),
+    Case("02 draft vocabulary above the target's", lambda t: stage("02", t, synth_dir=toy_records(t),
+                                                                   output_dir=t / "o", draft_vocab_size=10**6),
+         ("draft_vocab_size",)),
+    Case("02 on a corrupt line of 01's output", lambda t: stage("02", t, synth_dir=corrupt_line(toy_records(t)),
+                                                                output_dir=t / "o"),
+         ("samples-", "line")),
+    Case("03 on a 01 folder", lambda t: stage("03", t, data_dir=toy_records(t), output_dir=t / "o"),
+         ("index.json",)),
+    Case("eagle3nb serve with a missing model", lambda t: cli("serve", "--model", str(t / "none")), ("none",)),
+    Case("eagle3nb serve with a missing draft", lambda t: cli("serve", "--model", "toy:smoke", "--draft",
+                                                              str(t / "nodraft"), "--port", str(free_port())),
+         ("--draft", "nodraft", "config.json")),
+    Case("eagle3nb serve on a busy port", lambda t: cli("serve", "--model", "toy:smoke", "--port", str(BUSY[1])),
+         ("cannot listen", "--port")),
+    Case("eagle3nb serve with an unset key variable", lambda t: cli("serve", "--model", "toy:smoke", "--api-key-env",
+                                                                    "EAGLE3NB_SURELY_UNSET"),
+         ("EAGLE3NB_SURELY_UNSET", "unset")),
+]
+
+SERVERS_THAT_LIE = [
+    Case("a dead server", lambda t: synth_against(f"http://127.0.0.1:{free_port()}", t),
+         ("cannot reach", "vllm_url")),
+    Case("an HTML page", lambda t: synth_against("html", t), ("not as an OpenAI-compatible API",)),
+    Case("{'hello': 'world'} everywhere", lambda t: synth_against("hello", t),
+         ("not as an OpenAI-compatible API", "models")),
+    Case("token ids as strings", lambda t: synth_against("string-ids", t),
+         ("all failed", "BadAnswer", "'163584'", "not an integer token id")),
+    Case("token ids outside the vocabulary", lambda t: synth_against("huge-ids", t),
+         ("all failed", "1000000000", "outside the tokenizer")),
+    Case("content that is a number", lambda t: synth_against("number-content", t), ("all failed", "not text")),
+    Case("prompt ids that are a string", lambda t: synth_against("ids-not-list", t),
+         ("all failed", "prompt_token_ids", "not a list")),
+    Case("a server refusing the key", lambda t: synth_against("401", t), ("refused the API key", "api_key_env")),
+]
+
+SECRETS = [
+    Case("a credential inside vllm_url", lambda t: stage("01", t, vllm_url=f"http://user:{SECRET}@127.0.0.1:9"),
+         ("'vllm_url'", "credential", "api_key_env")),
+    Case("a credential inside 02's vllm_url", lambda t: stage("02", t, backend="vllm",
+                                                               vllm_url=f"http://u:{SECRET}@127.0.0.1:9"),
+         ("'vllm_url'", "credential")),
+    Case("a key in the environment, a server that refuses it", lambda t: synth_against("401", t, api_key_env=KEY_ENV),
+         ("refused the API key",)),
+]
+
+CASES = PARAMETERS + FILES + SERVERS_THAT_LIE + SECRETS
+
+
+def corrupt_line(folder: Path) -> Path:
+    f = sorted(folder.glob("samples-*.jsonl"))[0]
+    lines = f.read_text().splitlines(keepends=True)
+    lines.insert(1, "{not json\n")
+    f.write_text("".join(lines))
+    return folder
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world(toy_smoke, embedded, tmp_path_factory):
+    """A real 01 output (for 02's cases), a busy port (for serve's), a key in the environment; servers closed after."""
+    from eagle3nb.params import from_dict
+    from eagle3nb.synth.stage import run as synth
+
+    out = tmp_path_factory.mktemp("synth-input") / "synth"
+    synth(from_dict("01_synth", {"model_path": str(toy_smoke), "vllm_url": embedded.url, "max_samples": 4,
+                                 "max_completion_tokens": 64, "output_dir": str(out)}))
+    SYNTH_CACHE["dir"] = out
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    BUSY[:] = [busy, busy.getsockname()[1]]
+    os.environ[KEY_ENV] = SECRET
+    yield
+    busy.close()
+    for s in SERVERS.values():
+        s.close()
+    SERVERS.clear()
+    os.environ.pop(KEY_ENV, None)
+
+
+def run_command(command: str, argv: list[str]) -> int:
+    from eagle3nb.cli import main as eagle3nb_main
+    from eagle3nb.stage_cli import main as stage_main
+
+    return eagle3nb_main(argv) if command == "eagle3nb" else stage_main(command, argv)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gets_one_clear_line(case: Case, tmp_path, capsys):
+    command, argv = case.setup(tmp_path)
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    rc = run_command(command, argv)
+    out, err = capsys.readouterr()
+    assert rc == case.rc, f"exit {rc}, stderr:\n{err}"
+    assert "Traceback" not in out + err and "internal error" not in err, err
+    # the message: from the command's "error:" line to the end (progress bars a started stage drew come before it)
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ": error: " in ln), None)
+    assert start is not None, f"no error line:\n{err}"
+    assert len(lines) - start <= 2, f"expected one or two lines, got {len(lines) - start}:\n{err}"
+    message = "\n".join(lines[start:])
+    for part in case.must:
+        assert part in message, f"{part!r} not in the message:\n{message}"
+    assert SECRET not in out + err
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before, "an input or earlier output was changed"
+
+
+def test_the_suite_covers_every_group():
+    assert len(CASES) >= 50, len(CASES)
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+def test_disk_full_while_01_writes_is_one_line_and_resumes(tmp_path, embedded, capsys, monkeypatch):
+    """ENOSPC at the writer after the first batch: one line naming the file and the fix, exit 2, and what was
+    written stays and resumes to the full set."""
+    import errno
+
+    from eagle3nb.data.samples import SampleWriter, latest
+
+    out = tmp_path / "o"
+    _, argv = stage("01", tmp_path, vllm_url=embedded.url, max_samples=12, concurrency=2, output_dir=out)
+    real = SampleWriter.write
+    calls = {"n": 0}
+
+    def full_after_one(self, records):
+        calls["n"] += 1
+        if calls["n"] > 1 and records:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        real(self, records)
+
+    monkeypatch.setattr(SampleWriter, "write", full_after_one)
+    assert run_command(STAGE["01"], argv) == 2
+    err = capsys.readouterr().err
+    assert "no space left on the disk" in err and "samples-" in err and "Traceback" not in err, err
+    kept = latest(out)
+    assert 0 < len(kept) < 12
+    monkeypatch.setattr(SampleWriter, "write", real)
+    assert run_command(STAGE["01"], argv) == 0
+    done = latest(out)
+    assert len(done) == 12 and {k: done[k] for k in kept} == kept  # the first answers kept as written
+
+
+def test_the_embedded_server_dies_with_its_stage_on_kill_9(tmp_path):
+    """A stage that serves the toy itself (vllm_url: embedded) and is killed with SIGKILL leaves no server behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    _, argv = stage("01", tmp_path, max_samples=200, max_completion_tokens=128, output_dir=tmp_path / "o")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.synth", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        server = None
+        while server is None and time.time() < deadline:
+            server = next((c for c in psutil.Process(proc.pid).children() if "serve" in c.cmdline()), None)
+            time.sleep(0.2)
+        assert server is not None, "the stage never started its embedded server"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        gone, alive = psutil.wait_procs([server], timeout=15)
+        assert not alive, f"the embedded server (pid {server.pid}) outlived its stage"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_04_probes_its_endpoints_before_the_offline_work(trained, tmp_path, capsys):
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    out = trained["out"]
+    _, argv = stage("04", tmp_path, draft_dir=out / "03_train" / "draft", data_dir=out / "02_hidden_states",
+                    output_dir=tmp_path / "o", local_prompts=0, cost_ratio=0.05, overhead=0.1,
+                    endpoints=[{"label": "baseline", "url": dead}, {"label": "eagle3", "url": dead}])
+    assert run_command(STAGE["04"], argv) == 2
+    err = capsys.readouterr().err
+    assert f"endpoint {dead} cannot be reached" in err and "Traceback" not in err, err
+    assert not (tmp_path / "o" / "positions.jsonl").exists(), "the offline step ran before the endpoints were probed"
