@@ -133,7 +133,7 @@ def main() -> None:
     from eagle3nb.data.head import read_head_tensors
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.split import split_holdout
-    from eagle3nb.draft import load_draft, save_draft
+    from eagle3nb.draft_checkpoint import load_draft, save_draft
     from eagle3nb.params import from_dict
     from eagle3nb.toy import resolve_model_path
     from eagle3nb.train.stage import run as train_run

@@ -9,27 +9,21 @@ Read top to bottom like the paper:
    (training-time test and decoding alike). ``norm`` + ``lm_head`` turn it into logits over the draft vocabulary.
 4. ``d2t``/``t2d`` map between draft and target vocabularies: ``target_id = draft_id + d2t[draft_id]``.
 
-The embedding is the target's and stays frozen. Checkpoints load from and save to the EAGLE-3 layout
-(``midlayer.*``, config ``LlamaForCausalLMEagle3`` + ``eagle_config``; AQ-MedAI drafters, SpecForge exports)
-and the speculators layout (``layers.0.*``, ``speculators_model_type: eagle3``).
+The embedding is the target's and stays frozen. The ``# shape:`` comments use B batch, T positions, H the
+draft's hidden size, H_t the target's, nh / nkv query / key-value heads of size d, I the MLP width, V the
+target's vocabulary, Vd the draft's. Loading, saving and checking that a draft fits its data:
+``eagle3nb.draft_checkpoint``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from eagle3nb.layers import default_aux_layer_ids, from_sglang
-from eagle3nb.progress import write_json_atomic
-
-WEIGHTS_FILE = "model.safetensors"
 
 
 class DraftMismatchError(ValueError):
@@ -131,7 +125,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # shape: [..., size], unit RMS
         return self.weight * x.to(dtype)
 
 
@@ -195,19 +189,19 @@ class TTTCache:
         self.ks.append(k)
         self.vs.append(v)
         T = q.shape[2]
-        allowed = _causal(T, T, 0, q.device) if attention_mask is None else _as_bool_mask(attention_mask)
+        allowed = _causal(T, T, 0, q.device) if attention_mask is None else _as_bool_mask(attention_mask)  # [T, T]
         if self.dense if self.dense is not None else q.is_cuda:
             diagonal = torch.eye(T, dtype=torch.bool, device=q.device).expand_as(allowed)
-            mask = torch.cat([allowed] + [diagonal] * len(self.ks), dim=-1)
+            mask = torch.cat([allowed] + [diagonal] * len(self.ks), dim=-1)  # shape: [..., T, (1 + i) * T]
             keys, values = torch.cat([self.k0, *self.ks], dim=2), torch.cat([self.v0, *self.vs], dim=2)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # shape: [B, nh, T, d]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        scores0 = (torch.matmul(q, self.k0.transpose(2, 3)) * scale).masked_fill(~allowed, float("-inf"))
-        diag = torch.stack([(q * kj).sum(-1) for kj in self.ks], dim=-1) * scale  # [B, nh, T, i]
-        w = torch.softmax(torch.cat([scores0, diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(w[..., :T], self.v0)
+        scores0 = (torch.matmul(q, self.k0.transpose(2, 3)) * scale).masked_fill(~allowed, float("-inf"))  # [B,nh,T,T]
+        diag = torch.stack([(q * kj).sum(-1) for kj in self.ks], dim=-1) * scale  # shape: [B, nh, T, i]
+        w = torch.softmax(torch.cat([scores0, diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)  # [B,nh,T,T+i]
+        out = torch.matmul(w[..., :T], self.v0)  # shape: [B, nh, T, d]
         for j, vj in enumerate(self.vs):
-            out = out + w[..., T + j, None] * vj
+            out = out + w[..., T + j, None] * vj  # position t's own key of step j+1
         return out
 
 
@@ -246,25 +240,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache, attention_mask):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
+        B, T, _ = x.shape  # shape: x [B, T, 2H]
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # shape: [B, nh, T, d]
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # shape: [B, nkv, T, d]
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # shape: [B, nkv, T, d]
+        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # shape: [B, 1, T, d]
+        q = q * cos + rotate_half(q) * sin  # rotary position embedding
         k = k * cos + rotate_half(k) * sin
         groups = self.nh // self.nkv
-        if isinstance(cache, TTTCache):
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = cache.attend(q, k, v, attention_mask)
-        else:
+        if isinstance(cache, TTTCache):  # training-time test: step i of the unroll
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # shape: [B, nh, T, d]
+            out = cache.attend(q, k, v, attention_mask)  # shape: [B, nh, T, d]
+        else:  # one pass, or decoding with a KV cache
             past = 0
             if cache is not None:
                 past = cache.length
-                k, v = cache.append(k, v)
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = _sdpa(q, k, v, attention_mask, past)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+                k, v = cache.append(k, v)  # shape: [B, nkv, past + T, d]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # shape: [B, nh, past+T, d]
+            out = _sdpa(q, k, v, attention_mask, past)  # shape: [B, nh, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # shape: [B, T, H]
 
 
 class MLP(nn.Module):
@@ -277,7 +271,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # shape: [..., H] -> [..., I] -> [..., H]
 
 
 class MidLayer(nn.Module):
@@ -292,9 +286,9 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, embeds, hidden, cos, sin, cache, attention_mask):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, cache, attention_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # shape: [B, T, 2H]
+        h = hidden + self.self_attn(x, cos, sin, cache, attention_mask)  # shape: [B, T, H], residual = feature
+        return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, T, H]
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -327,7 +321,7 @@ class Eagle3Draft(nn.Module):
             raise DraftMismatchError(
                 f"aux states have width {aux.shape[-1]} but the draft's fc expects 3 x target_hidden_size = "
                 f"{self.fc.in_features}; the hidden-state data and the draft come from different targets")
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(self.fc.weight.dtype))  # shape: [B, T, 3*H_t] -> [B, T, H]
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: DraftCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None,
@@ -337,10 +331,10 @@ class Eagle3Draft(nn.Module):
         hidden: [B, T, H] feature (``fuse(aux)`` at step 0, the previous step's ``hidden_out`` after);
         input_ids: [B, T] target-vocab ids of the *next* token at each position; position_ids: [B, T].
         Returns (hidden_out [B, T, H] pre-norm, fed back at the next step; logits [B, T, draft_vocab])."""
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rotary(hidden, position_ids)
-        h = self.midlayer(embeds, hidden, cos, sin, cache, attention_mask)
-        return h, self.lm_head(self.norm(h))
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # shape: [B, T, H]
+        cos, sin = self.rotary(hidden, position_ids)  # shape: [B, T, d] each
+        h = self.midlayer(embeds, hidden, cos, sin, cache, attention_mask)  # shape: [B, T, H]
+        return h, self.lm_head(self.norm(h))  # shape: [B, T, H], [B, T, Vd]
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids."""
@@ -353,198 +347,3 @@ class Eagle3Draft(nn.Module):
                 f"d2t {tuple(self.d2t.shape)} (draft_vocab_size) and t2d {tuple(self.t2d.shape)} (vocab_size)")
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))
-
-
-# ---- fitting a draft to its data -------------------------------------------------------------------
-
-
-def check_fits(cfg: Eagle3Config, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,
-               num_layers: int | None = None, draft_vocab_size: int | None = None,
-               draft: str = "the draft", data: str = "the data") -> None:
-    """Raise DraftMismatchError naming both sides when a draft cannot be trained/used on this target's data."""
-    problems = []
-    if cfg.target_hidden_size != hidden_size:
-        problems.append(f"target hidden size: {draft} has {cfg.target_hidden_size} (fc input "
-                        f"{3 * cfg.target_hidden_size}), {data} has {hidden_size}")
-    if cfg.vocab_size != vocab_size:
-        problems.append(f"target vocab size: {draft} has {cfg.vocab_size}, {data} has {vocab_size}")
-    if draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
-        problems.append(f"draft vocab size: {draft} has {cfg.draft_vocab_size}, {data} has {draft_vocab_size}")
-
-    ids = cfg.aux_layer_ids
-    if ids is None and num_layers is not None:
-        ids = default_aux_layer_ids(num_layers)  # what vLLM uses when a config names none
-    if layer_ids is not None and ids is not None and list(ids) != list(layer_ids):
-        hint = ""
-        if from_sglang(ids) == list(layer_ids):
-            hint = " (the draft's ids look like SGLang/SpecForge output-of-layer ids: add 1 to convert)"
-        problems.append(f"aux layer ids (HF hidden_states index == vLLM ids): {draft} has {list(ids)}, "
-                        f"{data} has {list(layer_ids)}{hint}")
-    if problems:
-        raise DraftMismatchError(
-            "the draft does not fit the data:\n  - " + "\n  - ".join(problems)
-            + "\nUse a checkpoint trained for this target (and these layers), or extract hidden states with the "
-              "checkpoint's layer ids (02_hidden_states aux_layer_ids).")
-
-
-# ---- load / save ----------------------------------------------------------------------------------
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if (path / WEIGHTS_FILE).exists():
-        return load_file(path / WEIGHTS_FILE)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(load_file(path / f))
-        return out
-    if (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
-                            "point at the draft checkpoint folder")
-
-
-def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
-    """The draft's shape from an EAGLE-3-layout or speculators-layout config.json."""
-    if d.get("speculators_model_type") is not None:
-        if d["speculators_model_type"] != "eagle3":
-            raise DraftMismatchError(f"{path}/config.json: speculators_model_type is "
-                                     f"{d['speculators_model_type']!r}; only 'eagle3' drafts are supported")
-        layer = dict(d["transformer_layer_config"])
-        cfg = Eagle3Config.from_llama_dict(
-            layer, draft_vocab_size=d.get("draft_vocab_size") or layer["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size"), aux_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"))
-        if d.get("norm_before_residual"):
-            raise DraftMismatchError(f"{path}: norm_before_residual=true drafts are not supported "
-                                     "(the residual would be the normed feature)")
-        return cfg
-    if "hidden_size" not in d:
-        raise DraftMismatchError(f"{path}/config.json is neither an EAGLE-3 draft config (LlamaForCausalLMEagle3) "
-                                 "nor a speculators config (speculators_model_type)")
-    arch = [a for a in d.get("architectures") or [] if a not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")]
-    if arch:
-        raise DraftMismatchError(f"{path}: architecture {arch[0]} is not a Llama-layer EAGLE-3 draft (e.g. an MLA "
-                                 "draft); only LlamaForCausalLMEagle3 checkpoints can be loaded and trained here")
-    ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
-    if d.get("num_hidden_layers", 1) != 1:
-        raise DraftMismatchError(f"{path}: num_hidden_layers={d['num_hidden_layers']}; only 1-layer EAGLE-3 "
-                                 "drafts are supported")
-    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None)
-
-
-def _normalise_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map the layouts onto ours: ``layers.0.`` -> ``midlayer.``, strip a ``model.`` prefix."""
-    out = {}
-    for name, t in tensors.items():
-        if name.startswith("model."):
-            name = name[len("model."):]
-        if name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
-        out[name] = t
-    return out
-
-
-def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = torch.float32) -> Eagle3Draft:
-    """Load an EAGLE-3 draft (EAGLE-3 or speculators layout). ``embed_tokens`` [V, H] is the target's embedding,
-    needed when the checkpoint does not carry one (e.g. ``HiddenStates(data_dir).embed_tokens()``)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} not found; point at a draft checkpoint folder (config.json + "
-                                "model.safetensors)")
-    cfg = _config_from_json(json.loads(cfg_file.read_text()), path)
-    tensors = _normalise_names(_read_tensors(path))
-    model = Eagle3Draft(cfg)
-    expected = dict(model.state_dict())
-    if "embed_tokens.weight" not in tensors:
-        if embed_tokens is None:
-            raise DraftMismatchError(f"{path} has no embed_tokens.weight; pass the target's embedding "
-                                     "(load_draft(dir, embed_tokens=HiddenStates(data_dir).embed_tokens()))")
-        tensors["embed_tokens.weight"] = embed_tokens
-    if "d2t" not in tensors and "t2d" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
-        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)  # identity map
-        tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise DraftMismatchError(f"{path}: tensors do not match an EAGLE-3 draft: missing {missing}, "
-                                 f"unexpected {unexpected}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise DraftMismatchError(f"{path}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
-                                     f"{tuple(expected[name].shape)}")
-    tensors["d2t"] = tensors["d2t"].to(torch.int64)
-    tensors["t2d"] = tensors["t2d"].to(torch.bool)
-    model.load_state_dict(tensors)
-    if dtype is not None:
-        model.to(dtype)  # floating tensors only; d2t/t2d keep their integer/bool types
-    return model.to(device).eval()
-
-
-def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.dtype | None = None,
-                      verifier: str | None = None, num_speculative_tokens: int = 3) -> dict[str, Any]:
-    """The config.json vLLM/SGLang (``eagle3``) or speculators (``speculators``) expect for this draft."""
-    cfg = model.config
-    dtype = dtype or model.fc.weight.dtype
-    dtype_name = str(dtype).removeprefix("torch.")
-    ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
-    if format == "eagle3":
-        d = {"architectures": ["LlamaForCausalLMEagle3"], **cfg.llama_dict(), **cfg.extra,
-             "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-             "torch_dtype": dtype_name}
-        if ids is not None:
-            d["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM reads the top-level key
-            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
-        return d
-    if format == "speculators":
-        return {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": "0.3.0",
-            "transformer_layer_config": {**cfg.llama_dict(), **cfg.extra},
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "target_hidden_size": cfg.target_hidden_size,
-            "norm_before_residual": False,
-            "eagle_aux_hidden_state_layer_ids": ids,
-            "torch_dtype": dtype_name,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
-                "verifier": {"name_or_path": verifier, "architectures": []},
-            },
-        }
-    raise ValueError(f"format must be 'eagle3' or 'speculators', got {format!r}")
-
-
-def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dtype: torch.dtype | None = None,
-               include_embed: bool = True, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the EAGLE-3 layout (``midlayer.*``; vLLM/SGLang) or the
-    speculators layout (``layers.0.*``). Files are written to temporary names and renamed."""
-    from safetensors.torch import save_file
-
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name == "embed_tokens.weight" and not include_embed:
-            continue
-        if t.is_floating_point() and dtype is not None:
-            t = t.to(dtype)
-        if format == "speculators" and name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
-        tensors[name] = t.detach().cpu().contiguous()
-    tmp = path / f".{WEIGHTS_FILE}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / WEIGHTS_FILE)
-    write_json_atomic(path / "config.json", config)
-    return path
-

@@ -26,7 +26,7 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
 
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft_checkpoint import load_draft
     from eagle3nb.train.stage import run
     from testkit.heldout import greedy_hidden_states
 
@@ -147,7 +147,7 @@ def test_stage_reuses_finished_steps_until_the_drafts_content_changes(world, toy
     from transformers import AutoTokenizer
 
     from eagle3nb.accept.offline import run_offline
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft_checkpoint import load_draft
 
     draft_dir = tmp_path / "draft"
     shutil.copytree(world["root"] / "03" / "draft", draft_dir)

@@ -14,8 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
-CORE = ("paths", "params", "progress", "formulas", "tokens", "layers", "draft", "spec", "vllm_config", "hf", "launch",
-        "stage_cli", "toy", "tokenview", "figures", "errors")
+CORE = ("paths", "params", "progress", "formulas", "tokens", "layers", "draft", "draft_checkpoint", "spec",
+        "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 TOP = ("serve", "doctor", "run", "cli", "__main__")
 # Third-party packages a module may import inside a function: heavy ones, kept off the CLI's start-up path.

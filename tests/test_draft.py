@@ -1,4 +1,5 @@
-"""eagle3nb.draft: decoding cache, the training-time-test attention, checkpoint layouts, fit errors."""
+"""eagle3nb.draft and eagle3nb.draft_checkpoint: decoding cache, the training-time-test attention, checkpoint
+layouts, fit errors."""
 
 from __future__ import annotations
 
@@ -8,16 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3nb.draft import (
-    DraftCache,
-    DraftMismatchError,
-    Eagle3Config,
-    Eagle3Draft,
-    TTTCache,
-    check_fits,
-    load_draft,
-    save_draft,
-)
+from eagle3nb.draft import DraftCache, DraftMismatchError, Eagle3Config, Eagle3Draft, TTTCache
+from eagle3nb.draft_checkpoint import check_fits, load_draft, save_draft
 
 H, V, VD, T = 32, 50, 20, 12
 

@@ -18,7 +18,7 @@ def pair(toy_smoke, trained):
     from transformers import AutoModelForCausalLM
 
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft_checkpoint import load_draft
 
     target = AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
     draft = load_draft(trained["out"] / "03_train" / "draft",

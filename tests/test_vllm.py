@@ -69,7 +69,7 @@ def vllm(toy_smoke, tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafts(trained, tmp_path_factory) -> dict[str, Path]:
     """The trained draft as 03 exports it, and the same weights in speculators' layout."""
-    from eagle3nb.draft import load_draft, save_draft
+    from eagle3nb.draft_checkpoint import load_draft, save_draft
 
     ours = trained["out"] / "03_train" / "draft"
     spec = save_draft(load_draft(ours), tmp_path_factory.mktemp("speculators"), format="speculators",
@@ -215,7 +215,7 @@ def held_out(n: int) -> list[dict]:
 def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_tokens: int) -> dict:
     """04's local speculative decoding (our decoder, greedy) on the same prompts vLLM gets."""
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft_checkpoint import load_draft
     from eagle3nb.hidden.capture import load_target
     from eagle3nb.spec import compare_with_plain
 

@@ -27,7 +27,7 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``online_source``: 03 with ``data_source: online`` on cuda (``hidden.online.OnlineStates``: the target computes
   each micro-batch's states on the GPU, fp32) vs stored fp32 states trained on cuda: initial held-out loss within
   1e-4, final within 1e-3.
-- ``export``: 03's export of a draft trained on cuda; ``draft.load_draft(device="cuda")`` equals the last
+- ``export``: 03's export of a draft trained on cuda; ``draft_checkpoint.load_draft(device="cuda")`` equals the last
   checkpoint's weights exactly, and the SGLang copy is written.
 - ``offline_acceptance``: 04 ``accept.offline.offline_acceptance`` with the draft and the target head on cuda vs CPU:
   greedy alpha_i within 0.02 (argmax ties), expected sampled alpha_i (temperature 1) within 1e-3.
@@ -240,7 +240,7 @@ class World:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from eagle3nb.draft import load_draft
+        from eagle3nb.draft_checkpoint import load_draft
         from eagle3nb.hf import from_pretrained
         from eagle3nb.spec import compare_with_plain
 
@@ -381,7 +381,7 @@ def check_online_source(w: World) -> str:
 def check_export(w: World) -> str:
     import torch
 
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft_checkpoint import load_draft
     from eagle3nb.train.checkpoint import checkpoints
 
     res = w.served()
@@ -399,7 +399,7 @@ def check_export(w: World) -> str:
 def check_offline_acceptance(w: World) -> str:
     from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.data.reader import HiddenStates
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft_checkpoint import load_draft
 
     data = HiddenStates(w.data()["cpu-fp32"])
     gpu, cpu = (offline_acceptance(load_draft(w.draft_dir, device=dev), data, K, K + 1, temperature=1.0)
@@ -422,7 +422,7 @@ def check_draft_sanity(w: World) -> str:
     from eagle3nb.data.split import split_holdout
     from eagle3nb.doctor import run_checks
     from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
-    from eagle3nb.draft import load_draft
+    from eagle3nb.draft_checkpoint import load_draft
 
     data_dir = w.data()["cpu-fp32"]
     run = w.work / "doctor-run"
@@ -608,8 +608,8 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/train/stage.py run"),
     CudaPath("online_source", check_online_source, ("eagle3nb/hidden/online.py", "eagle3nb/train/sources.py"),
              "see eagle3nb/hidden/online.py OnlineStates"),
-    CudaPath("export", check_export, ("eagle3nb/train/stage.py", "eagle3nb/draft.py"),
-             "see eagle3nb/train/stage.py export and eagle3nb/draft.py load_draft"),
+    CudaPath("export", check_export, ("eagle3nb/train/stage.py", "eagle3nb/draft_checkpoint.py"),
+             "see eagle3nb/train/stage.py export and eagle3nb/draft_checkpoint.py load_draft"),
     CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept/offline.py",),
              "see eagle3nb/accept/offline.py offline_acceptance"),
     CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),

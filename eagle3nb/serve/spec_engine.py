@@ -23,7 +23,7 @@ class SpecEngine:
     """Decoder for ``Engine``: chain speculative decoding of the running requests, k drafted tokens a step."""
 
     def __init__(self, model, tokenizer, draft_dir: Path, num_speculative_tokens: int, metrics):
-        from eagle3nb.draft import load_draft
+        from eagle3nb.draft_checkpoint import load_draft
         from eagle3nb.spec import SpecBatch, SpecDecoder
 
         embed = model.get_input_embeddings().weight.detach()

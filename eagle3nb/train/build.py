@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft, check_fits, load_draft
+from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft
+from eagle3nb.draft_checkpoint import check_fits, load_draft
 from eagle3nb.toy import resolve_model_path
 
 

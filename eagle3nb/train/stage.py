@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from eagle3nb.draft import draft_config_json, save_draft
+from eagle3nb.draft_checkpoint import draft_config_json, save_draft
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.layers import to_sglang
 from eagle3nb.params import StageError

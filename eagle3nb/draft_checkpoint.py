@@ -1,0 +1,216 @@
+"""A draft on disk, and whether it fits the data it is used with.
+
+Two checkpoint layouts load and save (docs/DESIGN-FACTS.md "The checkpoint layout vLLM and SGLang load"): the
+EAGLE-3 layout (``midlayer.*``, config ``LlamaForCausalLMEagle3`` + ``eagle_config``; vLLM and SGLang load it,
+AQ-MedAI drafters and SpecForge exports use it) and the speculators layout (``layers.0.*``,
+``speculators_model_type: eagle3``). :func:`check_fits` compares a draft's shape with the target's data and
+names both sides of every mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft
+from eagle3nb.layers import default_aux_layer_ids, from_sglang
+from eagle3nb.progress import write_json_atomic
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+# ---- fitting a draft to its data -------------------------------------------------------------------
+
+
+def check_fits(cfg: Eagle3Config, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,
+               num_layers: int | None = None, draft_vocab_size: int | None = None,
+               draft: str = "the draft", data: str = "the data") -> None:
+    """Raise DraftMismatchError naming both sides when a draft cannot be trained/used on this target's data."""
+    problems = []
+    if cfg.target_hidden_size != hidden_size:
+        problems.append(f"target hidden size: {draft} has {cfg.target_hidden_size} (fc input "
+                        f"{3 * cfg.target_hidden_size}), {data} has {hidden_size}")
+    if cfg.vocab_size != vocab_size:
+        problems.append(f"target vocab size: {draft} has {cfg.vocab_size}, {data} has {vocab_size}")
+    if draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
+        problems.append(f"draft vocab size: {draft} has {cfg.draft_vocab_size}, {data} has {draft_vocab_size}")
+
+    ids = cfg.aux_layer_ids
+    if ids is None and num_layers is not None:
+        ids = default_aux_layer_ids(num_layers)  # what vLLM uses when a config names none
+    if layer_ids is not None and ids is not None and list(ids) != list(layer_ids):
+        hint = ""
+        if from_sglang(ids) == list(layer_ids):
+            hint = " (the draft's ids look like SGLang/SpecForge output-of-layer ids: add 1 to convert)"
+        problems.append(f"aux layer ids (HF hidden_states index == vLLM ids): {draft} has {list(ids)}, "
+                        f"{data} has {list(layer_ids)}{hint}")
+    if problems:
+        raise DraftMismatchError(
+            "the draft does not fit the data:\n  - " + "\n  - ".join(problems)
+            + "\nUse a checkpoint trained for this target (and these layers), or extract hidden states with the "
+              "checkpoint's layer ids (02_hidden_states aux_layer_ids).")
+
+
+# ---- load / save ----------------------------------------------------------------------------------
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (path / WEIGHTS_FILE).exists():
+        return load_file(path / WEIGHTS_FILE)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(path / f))
+        return out
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
+                            "point at the draft checkpoint folder")
+
+
+def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
+    """The draft's shape from an EAGLE-3-layout or speculators-layout config.json."""
+    if d.get("speculators_model_type") is not None:
+        if d["speculators_model_type"] != "eagle3":
+            raise DraftMismatchError(f"{path}/config.json: speculators_model_type is "
+                                     f"{d['speculators_model_type']!r}; only 'eagle3' drafts are supported")
+        layer = dict(d["transformer_layer_config"])
+        cfg = Eagle3Config.from_llama_dict(
+            layer, draft_vocab_size=d.get("draft_vocab_size") or layer["vocab_size"],
+            target_hidden_size=d.get("target_hidden_size"), aux_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"))
+        if d.get("norm_before_residual"):
+            raise DraftMismatchError(f"{path}: norm_before_residual=true drafts are not supported "
+                                     "(the residual would be the normed feature)")
+        return cfg
+    if "hidden_size" not in d:
+        raise DraftMismatchError(f"{path}/config.json is neither an EAGLE-3 draft config (LlamaForCausalLMEagle3) "
+                                 "nor a speculators config (speculators_model_type)")
+    arch = [a for a in d.get("architectures") or [] if a not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")]
+    if arch:
+        raise DraftMismatchError(f"{path}: architecture {arch[0]} is not a Llama-layer EAGLE-3 draft (e.g. an MLA "
+                                 "draft); only LlamaForCausalLMEagle3 checkpoints can be loaded and trained here")
+    ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if d.get("num_hidden_layers", 1) != 1:
+        raise DraftMismatchError(f"{path}: num_hidden_layers={d['num_hidden_layers']}; only 1-layer EAGLE-3 "
+                                 "drafts are supported")
+    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None)
+
+
+def _normalise_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map the layouts onto ours: ``layers.0.`` -> ``midlayer.``, strip a ``model.`` prefix."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        out[name] = t
+    return out
+
+
+def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = torch.float32) -> Eagle3Draft:
+    """Load an EAGLE-3 draft (EAGLE-3 or speculators layout). ``embed_tokens`` [V, H] is the target's embedding,
+    needed when the checkpoint does not carry one (e.g. ``HiddenStates(data_dir).embed_tokens()``)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} not found; point at a draft checkpoint folder (config.json + "
+                                "model.safetensors)")
+    cfg = _config_from_json(json.loads(cfg_file.read_text()), path)
+    tensors = _normalise_names(_read_tensors(path))
+    model = Eagle3Draft(cfg)
+    expected = dict(model.state_dict())
+    if "embed_tokens.weight" not in tensors:
+        if embed_tokens is None:
+            raise DraftMismatchError(f"{path} has no embed_tokens.weight; pass the target's embedding "
+                                     "(load_draft(dir, embed_tokens=HiddenStates(data_dir).embed_tokens()))")
+        tensors["embed_tokens.weight"] = embed_tokens
+    if "d2t" not in tensors and "t2d" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
+        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)  # identity map
+        tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise DraftMismatchError(f"{path}: tensors do not match an EAGLE-3 draft: missing {missing}, "
+                                 f"unexpected {unexpected}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise DraftMismatchError(f"{path}: tensor {name} has shape {tuple(t.shape)} but config.json implies "
+                                     f"{tuple(expected[name].shape)}")
+    tensors["d2t"] = tensors["d2t"].to(torch.int64)
+    tensors["t2d"] = tensors["t2d"].to(torch.bool)
+    model.load_state_dict(tensors)
+    if dtype is not None:
+        model.to(dtype)  # floating tensors only; d2t/t2d keep their integer/bool types
+    return model.to(device).eval()
+
+
+def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.dtype | None = None,
+                      verifier: str | None = None, num_speculative_tokens: int = 3) -> dict[str, Any]:
+    """The config.json vLLM/SGLang (``eagle3``) or speculators (``speculators``) expect for this draft."""
+    cfg = model.config
+    dtype = dtype or model.fc.weight.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
+    if format == "eagle3":
+        d = {"architectures": ["LlamaForCausalLMEagle3"], **cfg.llama_dict(), **cfg.extra,
+             "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+             "torch_dtype": dtype_name}
+        if ids is not None:
+            d["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM reads the top-level key
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+        return d
+    if format == "speculators":
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.3.0",
+            "transformer_layer_config": {**cfg.llama_dict(), **cfg.extra},
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "torch_dtype": dtype_name,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
+                "verifier": {"name_or_path": verifier, "architectures": []},
+            },
+        }
+    raise ValueError(f"format must be 'eagle3' or 'speculators', got {format!r}")
+
+
+def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dtype: torch.dtype | None = None,
+               include_embed: bool = True, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the EAGLE-3 layout (``midlayer.*``; vLLM/SGLang) or the
+    speculators layout (``layers.0.*``). Files are written to temporary names and renamed."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "embed_tokens.weight" and not include_embed:
+            continue
+        if t.is_floating_point() and dtype is not None:
+            t = t.to(dtype)
+        if format == "speculators" and name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        tensors[name] = t.detach().cpu().contiguous()
+    tmp = path / f".{WEIGHTS_FILE}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / WEIGHTS_FILE)
+    write_json_atomic(path / "config.json", config)
+    return path
+
