@@ -8,9 +8,11 @@ rotary position t+i, exactly as when decoding with a KV cache. Loss: soft cross-
 target's distribution restricted to the draft vocabulary, counted where the predicted token is in the loss
 mask and the target's argmax is in the draft vocabulary, weighted step_decay**i.
 
-The vocabulary side ([B, T, Vd] per step) is most of the non-matmul work, so it runs as one fused function
-(``SoftCrossEntropy``): a single max (which also gives the argmax the accuracy needs), exp and sum, and a
-backward that turns the saved exponentials into the gradient in place.
+``TTTObjective`` is that unroll, step by step. The vocabulary side ([B, T, Vd] per step) is most of the
+non-matmul work, so it runs as one fused function after it (``SoftCrossEntropy``): a single max (which also
+gives the argmax the accuracy needs), exp and sum, and a backward that turns the saved exponentials into the
+gradient in place. Shapes: B batch, T positions, H / H_t the draft's / target's hidden size, Vd the draft
+vocabulary.
 """
 
 from __future__ import annotations
@@ -20,6 +22,67 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from eagle3nb.draft import Eagle3Draft, TTTCache
+
+
+def ahead(i: int, T: int) -> slice:
+    """Step i's view of a right-padded ``[B, T + pad]`` tensor: position t reads entry t+1+i, i tokens further
+    ahead than step 0's t+1 (at step i, position t stands for "the draft has drafted i tokens past t")."""
+    return slice(1 + i, T + 1 + i)
+
+
+def with_target(i: int, T: int) -> int:
+    """How many positions have a target at step i: those with t+1+i < T, i.e. ``t < T-1-i`` (the target's
+    distribution at position t+1+i is over token t+2+i, so the last 1+i positions predict past the sequence)."""
+    return max(T - 1 - i, 0)
+
+
+class TTTObjective(nn.Module):
+    """Wraps the draft so one ``forward`` = the whole unroll (one DDP call per micro-batch)."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float):
+        super().__init__()
+        self.draft, self.steps, self.decay = draft, steps, decay
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch: aux [B,T,3H], input_ids/loss_mask/target_argmax [B,T], target_probs [B,T,Vd].
+        Returns (weighted loss, stats [4, steps]: loss sum, loss positions, correct, acceptance positions)."""
+        d = self.draft
+        ids, argmax, probs = batch["input_ids"], batch["target_argmax"], batch["target_probs"]  # [B,T] [B,T] [B,T,Vd]
+        B, T = ids.shape
+
+        # 1. The targets of every step at once, zero-padded on the right so each step's shift is a view.
+        pad = self.steps + 1
+        ids = torch.cat([ids, ids.new_zeros(B, pad)], dim=1)  # shape: [B, T + pad]
+        argmax = torch.cat([argmax, argmax.new_zeros(B, pad)], dim=1)  # shape: [B, T + pad]
+        # position u: the token after u is in the loss mask (scored), and also expressible in the draft vocab
+        scored_at = torch.cat([batch["loss_mask"][:, 1:].bool(), ids.new_zeros(B, pad + 1, dtype=torch.bool)], 1)
+        counted_at = scored_at & d.t2d[argmax]  # shape: [B, T + pad] both
+        pos = torch.arange(T, device=ids.device).expand(B, T)  # shape: [B, T]
+
+        # 2. Step 0's input feature: the target's low, mid and high hidden states fused into one (g_t).
+        hidden = d.fuse(batch["aux"])  # shape: [B, T, 3H_t] -> [B, T, H]
+        cache = TTTCache()  # the unroll's keys: step 0 causal, steps 1..i on the diagonal
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        stats = []
+
+        # 3. Step i = 0 .. steps-1 (the paper's training-time test): the input is the draft's own output feature of
+        #    step i-1 (step 0: the target's), the input token and the target are the target's shifted by 1+i, the
+        #    rotary position is t+i, and the step's loss weighs decay**i (0.8**i by default).
+        for i in range(self.steps):
+            s, keep = ahead(i, T), with_target(i, T)
+            tgt_argmax, scored, counted = argmax[:, s], scored_at[:, s], counted_at[:, s]  # shape: [B, T] each
+            n = counted.sum()  # shape: [] (positions the loss counts at this step)
+            weight = counted[:, :keep] * (self.decay ** i / n.clamp(min=1))  # shape: [B, keep]
+            # a. the draft step: token t+1+i in, its feature out (fed back at step i+1)
+            hidden, logits = d(hidden, ids[:, s], pos + i, cache)  # shape: [B, T, H], [B, T, Vd]
+            # b. soft cross-entropy against the target's distribution at t+1+i (over token t+2+i)
+            loss_i, ce, pred = SoftCrossEntropy.apply(logits, probs[:, 1 + i:], weight, keep)  # [] [B,keep] [B,keep]
+            loss = loss + loss_i
+            # c. accuracy: the draft's greedy token is the target's
+            correct = (d.draft_to_target(pred) == tgt_argmax[:, :keep]) & scored[:, :keep]  # shape: [B, keep]
+            stats.append(torch.stack([(ce * counted[:, :keep]).sum().double(), n.double(), correct.sum().double(),
+                                       scored.sum().double()]))  # shape: [4]
+        return loss, torch.stack(stats, dim=1)  # shape: [], [4, steps]
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -58,42 +121,3 @@ class SoftCrossEntropy(torch.autograd.Function):
         e = buf[:, :keep]
         e.mul_((coef * grad)[..., None]).addcmul_(probs, (weight * grad)[..., None], value=-1.0)
         return buf.to(ctx.dtype), None, None, None
-
-
-class TTTObjective(nn.Module):
-    """Wraps the draft so one ``forward`` = the whole unroll (one DDP call per micro-batch)."""
-
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float):
-        super().__init__()
-        self.draft, self.steps, self.decay = draft, steps, decay
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """batch: aux [B,T,3H], input_ids/loss_mask/target_argmax [B,T], target_probs [B,T,Vd].
-        Returns (weighted loss, stats [4, steps]: loss sum, loss positions, correct, acceptance positions)."""
-        d = self.draft
-        ids, argmax, probs = batch["input_ids"], batch["target_argmax"], batch["target_probs"]
-        B, T = ids.shape
-        pad = self.steps + 1  # every shift below is a view into these zero-padded copies
-        ids = torch.cat([ids, ids.new_zeros(B, pad)], dim=1)
-        argmax = torch.cat([argmax, argmax.new_zeros(B, pad)], dim=1)
-        # position u: the token after u is in the loss mask (scored), and also expressible in the draft vocab
-        scored_at = torch.cat([batch["loss_mask"][:, 1:].bool(), ids.new_zeros(B, pad + 1, dtype=torch.bool)], 1)
-        counted_at = scored_at & d.t2d[argmax]
-        pos = torch.arange(T, device=ids.device).expand(B, T)
-        hidden = d.fuse(batch["aux"])
-        cache = TTTCache()
-        loss = hidden.new_zeros((), dtype=torch.float32)
-        stats = []
-        for i in range(self.steps):
-            # position t < keep = T-1-i has a target: token t+2+i, the target's choice argmax[t+1+i]
-            keep, s = max(T - 1 - i, 0), slice(1 + i, T + 1 + i)
-            tgt_argmax, scored, counted = argmax[:, s], scored_at[:, s], counted_at[:, s]
-            n = counted.sum()
-            weight = counted[:, :keep] * (self.decay ** i / n.clamp(min=1))
-            hidden, logits = d(hidden, ids[:, s], pos + i, cache)
-            loss_i, ce, pred = SoftCrossEntropy.apply(logits, probs[:, 1 + i:], weight, keep)
-            loss = loss + loss_i
-            correct = (d.draft_to_target(pred) == tgt_argmax[:, :keep]) & scored[:, :keep]
-            stats.append(torch.stack([(ce * counted[:, :keep]).sum().double(), n.double(), correct.sum().double(),
-                                       scored.sum().double()]))
-        return loss, torch.stack(stats, dim=1)
