@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3nb.errors import InputError, UserError
 
-class DraftMismatchError(ValueError):
+
+class DraftMismatchError(UserError, ValueError):
     """A draft checkpoint that does not fit the data / target it is used with."""
 
 
@@ -53,7 +55,7 @@ class Eagle3Config:
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+            raise InputError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
 
     # ---- config.json <-> Eagle3Config -------------------------------------------------------------

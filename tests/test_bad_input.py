@@ -250,6 +250,16 @@ FILES = [
     Case("02 on a corrupt line of 01's output", lambda t: stage("02", t, synth_dir=corrupt_line(toy_records(t)),
                                                                 output_dir=t / "o"),
          ("samples-", "line")),
+    Case("02 on a 01 that was stopped and not resumed", lambda t: stage("02", t, synth_dir=unfinished(toy_records(t)),
+                                                                           output_dir=t / "o"),
+         ("not finished", "'running'", "resume 01_synth", "allow_partial_synth")),
+    Case("02 on a 01 output ending in a torn line", lambda t: stage("02", t, synth_dir=torn(toy_records(t)),
+                                                                    output_dir=t / "o"),
+         ("torn line", "samples-00000.jsonl line", "allow_partial_synth")),
+    Case("two 02 runs on one folder", lambda t: stage("02", t, synth_dir=toy_records(t), output_dir=held(t / "o2")),
+         ("another 02_hidden_states run", f"pid {os.getpid()}", "another output_dir")),
+    Case("two 03 runs on one folder", lambda t: stage("03", t, output_dir=held(t / "o3")),
+         ("another 03_train run", f"pid {os.getpid()}")),
     Case("03 on a 01 folder", lambda t: stage("03", t, data_dir=toy_records(t), output_dir=t / "o"),
          ("index.json",)),
     Case("eagle3nb serve with a missing model", lambda t: cli("serve", "--model", str(t / "none")), ("none",)),
@@ -290,6 +300,30 @@ SECRETS = [
 ]
 
 CASES = PARAMETERS + FILES + SERVERS_THAT_LIE + SECRETS
+
+
+HELD: list[Any] = []  # the locks the "two runs" cases hold, as a first run would
+
+
+def held(folder: Path) -> Path:
+    from eagle3nb.progress import one_writer
+
+    lock = one_writer(folder, "first")
+    lock.__enter__()
+    HELD.append(lock)
+    return folder
+
+
+def unfinished(folder: Path) -> Path:
+    progress = json.loads((folder / "progress.json").read_text())
+    (folder / "progress.json").write_text(json.dumps({**progress, "state": "running"}))
+    return folder
+
+
+def torn(folder: Path) -> Path:
+    f = sorted(folder.glob("samples-*.jsonl"))[-1]
+    f.write_bytes(f.read_bytes() + b'{"id": "cut-off", "status": "o')
+    return folder
 
 
 def corrupt_line(folder: Path) -> Path:
@@ -354,6 +388,8 @@ def test_bad_input_gets_one_clear_line(case: Case, tmp_path, capsys):
     assert SECRET not in out + err
     after = snapshot(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before, "an input or earlier output was changed"
+    while HELD:
+        HELD.pop().__exit__(None, None, None)
 
 
 def test_the_suite_covers_every_group():
@@ -417,6 +453,36 @@ def test_the_embedded_server_dies_with_its_stage_on_kill_9(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_shard_whose_bytes_changed_stops_03_and_a_verified_one_is_not_hashed_again(trained, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """64 bytes flipped inside a shard (same size): 03 refuses before training, naming the shard and the fix;
+    whole shards are hashed once and recorded, so a resume does not hash them again."""
+    import eagle3nb.train.sources as sources
+
+    data = tmp_path / "02"
+    shutil.copytree(trained["out"] / "02_hidden_states", data)
+    _, argv = stage("03", tmp_path, data_dir=data, output_dir=tmp_path / "o", max_steps=2, eval_every=0)
+    hashed: list[str] = []
+    real = sources.file_sha256
+    monkeypatch.setattr(sources, "file_sha256", lambda p: hashed.append(p.name) or real(p))
+    assert run_command(STAGE["03"], argv) == 0
+    shards = sorted(p.name for p in data.glob("shard-*.safetensors"))
+    assert sorted(hashed) == shards
+    hashed.clear()
+    assert run_command(STAGE["03"], [*argv, "--set", "max_steps=3"]) == 2  # a changed setting: refused, not hashed
+    assert hashed == []
+    shard = data / shards[0]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(b ^ 0xFF for b in raw[len(raw) // 2: len(raw) // 2 + 64])
+    shard.write_bytes(bytes(raw))
+    capsys.readouterr()
+    _, argv = stage("03", tmp_path, data_dir=data, output_dir=tmp_path / "fresh", max_steps=2, eval_every=0)
+    assert run_command(STAGE["03"], argv) == 2
+    err = capsys.readouterr().err
+    assert f"{shard}: its bytes differ from the sha256 02 recorded" in err and "re-run 02_hidden_states" in err, err
+    assert not (tmp_path / "fresh" / "metrics.jsonl").exists(), "03 trained before it checked its data"
 
 
 def test_04_probes_its_endpoints_before_the_offline_work(trained, tmp_path, capsys):

@@ -59,6 +59,8 @@ class HiddenParams(TargetParams):
     statuses: list[str] = Field(["ok"], description="01_synth sample statuses to use (ok, truncated, no_reasoning, "
                                                     "error)")
     max_samples: int | None = Field(None, ge=1, description="use only the first N samples (by id order); null = all")
+    allow_partial_synth: bool = Field(False, description="use a 01_synth output that is not finished (01 stopped and "
+                                                         "not resumed) or ends in a torn line; off: 02 refuses it")
     verify_sha256: bool = Field(True, description="on resume re-hash finished shards (size and header are always "
                                                   "checked)")
     force: bool = Field(False, description="start even if the projected disk use exceeds free space; discard shards "

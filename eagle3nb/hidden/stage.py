@@ -23,7 +23,7 @@ from pathlib import Path
 from eagle3nb.data.batching import pack_batches
 from eagle3nb.data.head import TargetHead, read_head_tensors, target_info, text_config
 from eagle3nb.data.reader import HEAD_FILE, INDEX_FILE
-from eagle3nb.data.samples import load_samples
+from eagle3nb.data.samples import latest, sample_files
 from eagle3nb.data.shards import FORMAT, ShardError, bytes_per_token, check_shard, encode, shard_name, write_shard
 from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, save_draft_vocab
 from eagle3nb.hidden import report
@@ -32,7 +32,7 @@ from eagle3nb.hidden.params import STAGE, HiddenParams
 from eagle3nb.hidden.vllm_backend import VllmClient, vllm_command
 from eagle3nb.layers import check_layer_ids, default_aux_layer_ids, to_sglang
 from eagle3nb.params import StageError
-from eagle3nb.progress import Progress, write_json_atomic
+from eagle3nb.progress import Progress, one_writer, read_progress, write_json_atomic
 
 PLAN_FILE = "plan.json"
 THROUGHPUT_FILE = "throughput.jsonl"
@@ -43,15 +43,35 @@ class HiddenStatesError(StageError):
     """A problem found before (or instead of) doing the work, phrased with what to do."""
 
 
+def check_synth_finished(P: HiddenParams, torn: list[str]) -> None:
+    """01's output is whole: its progress says done and no file ends in a torn line (a kill mid-write), unless
+    ``allow_partial_synth`` says a partial one will do."""
+    if P.allow_partial_synth:
+        return
+    fix = "resume 01_synth (run it again: it continues where it stopped), or set allow_partial_synth: true"
+    state = (read_progress(P.synth_path) or {}).get("state")
+    if state is not None and state != "done":
+        raise HiddenStatesError(f"01_synth's output {P.synth_path} is not finished (its progress says {state!r}): "
+                                f"{fix}")
+    if torn:
+        raise HiddenStatesError(f"01_synth's output {P.synth_path} ends in a torn line ({', '.join(torn)}: a run "
+                                f"killed mid-write): {fix}")
+
+
 def prepare_samples(P: HiddenParams) -> tuple[list[dict], dict]:
     """01's samples to extract, cut to ``max_length``, in extraction order (by length, then id), and a report of
     every sample left out and why."""
     if not P.synth_path.is_dir():
         raise HiddenStatesError(f"synth_dir {P.synth_path} does not exist: run 01_synth first or set synth_dir")
+    torn: list[str] = []
     try:
-        records = sorted(load_samples(P.synth_path, statuses=None), key=lambda r: r["id"])
+        records = sorted(latest(P.synth_path, torn=torn).values(), key=lambda r: r["id"])
     except FileNotFoundError as e:
         raise HiddenStatesError(str(e)) from None
+    if not sample_files(P.synth_path):
+        raise HiddenStatesError(f"no samples-*.jsonl in {P.synth_path}: run 01_synth first (or point synth_dir at "
+                                f"its output_dir)")
+    check_synth_finished(P, torn)
     dropped: dict[str, int] = {}
     keep = []
     for r in records:
@@ -413,6 +433,11 @@ def stage_metrics(P: HiddenParams, plan: Plan, info: dict, layer_ids: list[int],
 def run(P: HiddenParams) -> dict:
     """Run stage 02 with validated parameters: the shards, ``index.json``, ``metrics.json`` and the report's
     figures (``throughput.png``, ``lengths.png``) in ``P.stage_dir``; returns the metrics."""
+    with one_writer(P.stage_dir, "02_hidden_states"):
+        return _run(P)
+
+
+def _run(P: HiddenParams) -> dict:
     t_start = time.time()
     stage_dir = P.stage_dir
     stage_dir.mkdir(parents=True, exist_ok=True)

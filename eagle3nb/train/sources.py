@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb.data.reader import HiddenStates
-from eagle3nb.data.shards import bytes_per_token
+from eagle3nb.data.shards import ShardError, bytes_per_token, file_sha256
 from eagle3nb.hidden.online import OnlineStates
 from eagle3nb.params import ParamsError, StageError, StageParams, from_dict, stage_values
 from eagle3nb.paths import project_root, resolve
+from eagle3nb.progress import write_json_atomic
 from eagle3nb.train.data import layout
 from eagle3nb.train.params import TrainParams
 
@@ -57,13 +58,41 @@ def hidden_params(P: TrainParams) -> StageParams:
     return from_dict("02_hidden_states", values)
 
 
+VERIFIED_DIR = "verified_shards"  # one small file per shard 03 has hashed against 02's index
+
+
+def verify_shards(data: HiddenStates, record: Path, rank: int, world: int) -> None:
+    """Every shard's sha256 against the one 02 recorded, before the first step trains on it: each process
+    hashes its share (``shards[rank::world]``), and a shard once verified is recorded in ``record`` with its
+    size and mtime, so a resume does not hash hundreds of GB again. A shard whose bytes differ stops the run."""
+    record.mkdir(parents=True, exist_ok=True)
+    for s in data.meta["shards"][rank::world]:
+        path = data.dir / s["file"]
+        st = path.stat()
+        stamp = {"sha256": s["sha256"], "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        mark = record / f"{s['file']}.json"
+        if mark.exists() and json.loads(mark.read_text()) == stamp:
+            continue
+        if file_sha256(path) != s["sha256"]:
+            raise ShardError(f"{path}: its bytes differ from the sha256 02 recorded in {data.dir / 'index.json'} "
+                             f"(a corrupt copy or disk); re-run 02_hidden_states on {data.dir} (it redoes shards "
+                             f"whose hash differs) and train again")
+        write_json_atomic(mark, stamp)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # no process trains before every share is checked
+
+
 def open_data(P: TrainParams, world: int = 1) -> HiddenStates:
     """The hidden states 03 trains on, per ``P.data_source`` (all offer HiddenStates' interface)."""
     if P.data_source == "stored":
         if not P.data_path.is_dir():
             raise MissingData(f"data_dir {P.data_path} does not exist; run 02_hidden_states first, point data_dir "
                               "at its output folder, or train with data_source: online (no stored states)")
-        return HiddenStates(P.data_path)
+        data = HiddenStates(P.data_path)
+        verify_shards(data, P.stage_dir / VERIFIED_DIR, int(os.environ.get("RANK", "0")), world)
+        return data
     HP = hidden_params(P)
     if world > 1 and P.data_source == "hybrid":
         raise SourceError("data_source hybrid runs in one process (its cache is written by one writer): train with "

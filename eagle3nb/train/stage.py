@@ -19,7 +19,7 @@ from eagle3nb.draft_checkpoint import draft_config_json, save_draft
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.layers import to_sglang
 from eagle3nb.params import StageError
-from eagle3nb.progress import Progress, write_json_atomic
+from eagle3nb.progress import Progress, one_writer, write_json_atomic
 from eagle3nb.train.build import build_draft
 from eagle3nb.train.checkpoint import checkpoints, load_checkpoint, run_config, save_checkpoint
 from eagle3nb.train.data import DeviceTargets, collate, layout
@@ -397,6 +397,12 @@ def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None
     Run it as is for one process, or under ``torchrun --nproc_per_node N`` for N (the same code path: each
     process takes its share of the same global batch). ``callback(row)`` sees every metrics row (live plots,
     ``report.LivePlot``)."""
+    first = os.environ.get("RANK", "0") == "0"  # one lock per job: its rank 0 holds it
+    with one_writer(P.stage_dir, "03_train") if first else contextlib.nullcontext():
+        return _run(P, callback)
+
+
+def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
     # 1. Processes and device: torchrun's ranks (a plain run is one process), the checkpoint folder.
     rank, world, local_rank = _dist_setup(P.device)
     device = pick_device(P.device, local_rank)
