@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
 CORE = ("paths", "params", "progress", "formulas", "tokens", "layers", "draft", "draft_checkpoint", "spec",
-        "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors")
+        "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
+        "plan")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 TOP = ("serve", "doctor", "run", "cli", "__main__")
 # A stage reads what an earlier stage wrote through eagle3nb.data, never through that stage's package. The only
