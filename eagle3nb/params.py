@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from eagle3nb.errors import UserError, has_credential, install_notebook_handler
+from eagle3nb.families import AUTO, FAMILIES, Family, detect
 from eagle3nb.paths import outputs_root, project_root, resolve
 from eagle3nb.toy import resolve_model_path
 
@@ -98,7 +99,18 @@ class TargetParams(StageParams):
     trust_remote_code: bool = Field(False, description="let transformers run Python code shipped in model_path (Kimi's "
                                                        "tokenizer needs it); off because that code runs with your "
                                                        "rights")
+    family: str = Field(AUTO, description="the target's model family (docs/families.md: reasoning markers, thinking "
+                                          "switch, end-of-turn token, server parser); auto = told from config.json "
+                                          "and the chat template")
     _model_dir: tuple[str, Path] | None = PrivateAttr(None)
+    _family: tuple[tuple[str, str], Family] | None = PrivateAttr(None)
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        if v != AUTO and v not in FAMILIES:
+            raise ValueError(f"unknown model family {v!r}: use auto or one of {', '.join(FAMILIES)}")
+        return v
 
     @property
     def model_dir(self) -> Path:
@@ -108,6 +120,15 @@ class TargetParams(StageParams):
         if self._model_dir is None or self._model_dir[0] != model_path:
             self._model_dir = (model_path, resolve_model_path(model_path))
         return self._model_dir[1]
+
+    @property
+    def target_family(self) -> Family:
+        """The target's family (``eagle3nb.families``): the ``family`` parameter, or with ``auto`` the one
+        ``model_dir``'s config.json and chat template name; resolved once per (model_path, family)."""
+        key = (getattr(self, "model_path"), self.family)
+        if self._family is None or self._family[0] != key:
+            self._family = (key, detect(self.model_dir, self.family))
+        return self._family[1]
 
 
 def register(stage: str):

@@ -15,14 +15,14 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
+from eagle3nb.families import Family, of_tokenizer, specials
 from eagle3nb.hf import from_pretrained
-from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 from eagle3nb.toy import resolve_model_path
 
 ROLES = ("prompt", "think", "reasoning", "answer", "end")
 ROLE_STYLE = {  # background colour, legend text
     "prompt": ("#e8e8e8", "prompt (not trained: loss_mask 0)"),
-    "think": ("#c9a0ff", "think wrapper <think> </think>"),
+    "think": ("#c9a0ff", "think wrapper (the family's reasoning markers)"),
     "reasoning": ("#ffe08a", "reasoning"),
     "answer": ("#a8e6a1", "answer"),
     "end": ("#ff9f9f", "end of turn"),
@@ -45,12 +45,12 @@ def load_tokenizer(model_path: str | Path, trust_remote_code: bool = False) -> A
     return from_pretrained(AutoTokenizer, resolve_model_path(str(model_path)), trust_remote_code=trust_remote_code)
 
 
-def special_ids(tokenizer: Any) -> tuple[tuple[int | None, int | None], int | None]:
-    """``((think_start, think_end), end_of_turn)`` ids from the tokenizer's vocabulary (None when absent; the end
-    of turn falls back to the tokenizer's eos token, as 01's stream does)."""
-    vocab = tokenizer.get_vocab()
-    end = IM_END if IM_END in vocab else tokenizer.eos_token
-    return (vocab.get(THINK_START), vocab.get(THINK_END)), vocab.get(end)
+def special_ids(tokenizer: Any, family: Family | None = None) -> tuple[tuple[int | None, int | None], int | None]:
+    """``((think_start, think_end), end_of_turn)`` ids of the target's family (None: told from the tokenizer's
+    folder) in the tokenizer's vocabulary (None when absent; the end of turn falls back to the tokenizer's eos
+    token, as 01's stream does)."""
+    sp = specials(family or of_tokenizer(tokenizer), tokenizer)
+    return sp.think_ids, sp.end_id
 
 
 def roles_for(ids: Sequence[int], loss_mask: Sequence[int], think_ids: tuple[int | None, int | None],

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
-CORE = ("paths", "params", "progress", "formulas", "tokens", "layers", "draft", "draft_checkpoint", "spec",
+CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "draft", "draft_checkpoint", "spec",
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
         "plan")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")

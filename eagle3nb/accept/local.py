@@ -17,7 +17,7 @@ from eagle3nb.spec import compare_with_plain, measure_costs
 
 def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:
     """The first ``n`` prompts rendered with the target's chat template, and the end-of-turn ids."""
-    tpl = Template(P.model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
+    tpl = Template(P.model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code, P.target_family)
     rows = load_prompts(P.prompts, n)
     eos = {i for i in (tpl.end_id, tpl.tokenizer.eos_token_id) if i is not None}
     return [tpl.prompt_ids(r["messages"]) for r in rows], sorted(eos)
@@ -41,5 +41,5 @@ def run_local(P: AcceptParams, target, draft, tokenizer) -> dict[str, Any]:
     local = cached(P.stage_dir / "local.json", config, work)
     rows = load_prompts(P.prompts, P.local_prompts)
     records = local_records(prompts, local, rows)
-    write_records(P.stage_dir / ROUNDS, [with_pieces(r, tokenizer, "local") for r in records])
+    write_records(P.stage_dir / ROUNDS, [with_pieces(r, tokenizer, "local", P.target_family) for r in records])
     return local

@@ -1,6 +1,6 @@
 """Where the draft misses, token by token (04): every drafted position coloured by how many of the k drafted
 tokens the target accepted from there (0..k), the draft's guess and the target's token at each miss, and the
-token kinds where misses concentrate (first token after ``</think>``, numbers, the end of turn ...).
+token kinds where misses concentrate (first token after the reasoning's end marker, numbers, the end of turn ...).
 
 Two sources, one record shape (one JSON line per sample): ``positions.jsonl`` from the offline chains on held-out
 hidden states (``accepted[p]`` = accepted tokens of the chain whose first drafted token is p), and
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.tokens import IM_END, THINK_END, THINK_START
+from eagle3nb.families import FAMILIES, Family, specials
 from eagle3nb.tokenview import HTML, legend, pieces_for, render_tokens, roles_for
 
 POSITIONS = "positions.jsonl"  # offline chains
@@ -34,12 +34,15 @@ MIN_CHECKED = 5  # a kind needs this many checked positions before the table nam
 # ----------------------------------------------------------------------------------------- writing (stage.run)
 
 
-def with_pieces(record: dict[str, Any], tokenizer: Any, source: str) -> dict[str, Any]:
-    """``record`` with its ``source`` and the text of every id it shows (its tokens, the guesses and the target's
-    tokens at misses, every drafted token of the local rounds)."""
+def with_pieces(record: dict[str, Any], tokenizer: Any, source: str, family: Family) -> dict[str, Any]:
+    """``record`` with its ``source``, the text of every id it shows (its tokens, the guesses and the target's
+    tokens at misses, every drafted token of the local rounds) and the target family's ``markers`` (the think
+    markers and end-of-turn token as text), so the view reads roles without the tokenizer."""
     drafted = [t for r in record.get("rounds", ()) for t in r[2]]
     used = sorted({*record["ids"], *(m[1] for m in record["misses"]), *(m[2] for m in record["misses"]), *drafted})
-    return {"source": source, **record, "pieces": dict(zip(map(str, used), pieces_for(tokenizer, used)))}
+    sp = specials(family, tokenizer)
+    return {"source": source, **record, "pieces": dict(zip(map(str, used), pieces_for(tokenizer, used))),
+            "markers": {"think_start": sp.think_start, "think_end": sp.think_end, "end": sp.end}}
 
 
 def local_records(prompts: Sequence[Sequence[int]], local: dict[str, Any],
@@ -88,14 +91,26 @@ def load_records(stage_dir: Path, source: str = "offline") -> list[dict[str, Any
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _special(record: dict[str, Any], name: str) -> int | None:
-    return next((int(i) for i, p in record["pieces"].items() if p == name), None)
+# Records written before they carried their family's markers all came from Kimi-format targets (the toys).
+_OLD_RECORDS = FAMILIES["kimi"]
+
+
+def markers(record: dict[str, Any]) -> dict[str, str | None]:
+    """The record's think markers and end-of-turn token, as text."""
+    old = _OLD_RECORDS
+    return record.get("markers") or {"think_start": old.think_start, "think_end": old.think_end,
+                                     "end": old.end_of_turn}
+
+
+def _special(record: dict[str, Any], which: str) -> int | None:
+    name = markers(record)[which]
+    return next((int(i) for i, p in record["pieces"].items() if p == name), None) if name else None
 
 
 def roles(record: dict[str, Any]) -> list[str]:
     """tokenview's role per token (prompt, think, reasoning, answer, end)."""
-    think = (_special(record, THINK_START), _special(record, THINK_END))
-    return roles_for(record["ids"], record["loss_mask"], think, _special(record, IM_END))
+    think = (_special(record, "think_start"), _special(record, "think_end"))
+    return roles_for(record["ids"], record["loss_mask"], think, _special(record, "end"))
 
 
 def outcomes(record: dict[str, Any]) -> list[int]:
@@ -118,17 +133,17 @@ def kinds(record: dict[str, Any]) -> list[list[str]]:
     """The kinds each token belongs to (several may apply): its segment, the reasoning's end and the token after
     it, the end of turn, numbers, punctuation, words."""
     rl, ids, pieces = roles(record), record["ids"], record["pieces"]
-    think_end = _special(record, THINK_END)
+    think_end, end_text = _special(record, "think_end"), markers(record)["think_end"]
     out = []
     for p, (tok, role) in enumerate(zip(ids, rl)):
         piece = pieces[str(tok)]
         ks = [SEGMENT_OF_ROLE.get(role, "prompt")]
         if think_end is not None and tok == think_end:
-            ks.append("</think> (end of reasoning)")
+            ks.append(f"{end_text} (end of reasoning)")
         elif p > 0 and think_end is not None and ids[p - 1] == think_end:
-            ks.append("first token after </think>")
+            ks.append(f"first token after {end_text}")
         elif role == "think":
-            ks.append("<think>")
+            ks.append(markers(record)["think_start"] or "think marker")
         if role == "end":
             ks.append("end of turn")
         elif _is_number(piece):

@@ -21,11 +21,11 @@ from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.split import split_holdout
 from eagle3nb.draft import TTTCache
 from eagle3nb.errors import InputError
+from eagle3nb.families import segment_ids, specials
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.params import run_params, schema_for
 from eagle3nb.paths import resolve
 from eagle3nb.progress import Progress
-from eagle3nb.tokens import THINK_END, THINK_START, segment_ids
 
 SEGMENTS = {1: "reasoning", 2: "answer"}
 
@@ -317,8 +317,7 @@ def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:
     """Offline acceptance of the stage's draft on its held-out samples (``offline.json``, reused when
     the draft, data and settings are unchanged), and the miss view's per-position records (``positions.jsonl``)."""
     data = HiddenStates(P.data_path)
-    vocab = tokenizer.get_vocab()
-    think = (vocab.get(THINK_START), vocab.get(THINK_END))
+    think = specials(P.target_family, tokenizer).think_ids
     indices, how = heldout_indices(P, data)
     print(f"offline acceptance on {how}", flush=True)
     config = {"draft": fingerprint(P.draft_path), "data": str(P.data_path), "k": P.k, "max_k": P.max_k,
@@ -328,7 +327,8 @@ def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:
         res = offline_acceptance(draft, data, P.k, P.max_k, P.temperature, think, indices, P.stage_dir,
                                  keep_positions=True)
         P.stage_dir.mkdir(parents=True, exist_ok=True)
-        write_records(P.stage_dir / POSITIONS, [with_pieces(r, tokenizer, "offline") for r in res.pop("positions")])
+        write_records(P.stage_dir / POSITIONS,
+                      [with_pieces(r, tokenizer, "offline", P.target_family) for r in res.pop("positions")])
         return {**res, "data": how}
 
     if not (P.stage_dir / POSITIONS).exists():  # the miss view's positions come with the step: redo it without them

@@ -178,7 +178,7 @@ def probe_endpoints(P: AcceptParams) -> None:
 def run_online(P: AcceptParams) -> list[dict[str, Any]]:
     """Benchmark every endpoint (embedded: the target served plainly, then with the draft), with speedups."""
     rows = load_prompts(P.prompts, P.num_prompts)
-    extra = {"chat_template_kwargs": {P.thinking_kwarg: P.thinking}}
+    extra = {"chat_template_kwargs": P.target_family.template_kwargs(P.thinking, P.thinking_kwarg)}
     kw = dict(prompts=rows, concurrency_levels=P.concurrency_levels, max_tokens=P.max_tokens,
               temperature=P.temperature, extra_body=extra)
     config = {"draft": fingerprint(P.draft_path), "model": P.model_path, "k": P.k, "prompts": P.prompts,

@@ -60,8 +60,8 @@ class AcceptParams(TargetParams):
                                                     "for the local check and the benchmark")
     max_tokens: int = Field(64, ge=1, description="tokens generated per request / local prompt")
     thinking: bool = Field(True, description="chat-template thinking switch for the prompts (as served)")
-    thinking_kwarg: str = Field("thinking", description="chat-template kwarg for thinking: Kimi 'thinking', Qwen "
-                                                        "'enable_thinking'")
+    thinking_kwarg: str = Field("auto", description="chat-template kwarg for thinking; auto = the family's (Kimi "
+                                                    "'thinking', Qwen3 'enable_thinking', docs/families.md)")
     cost_ratio: float | None = Field(None, ge=0.0, description="draft step / target step cost c; null = measured here "
                                                                "on the target and draft")
     overhead: float | None = Field(None, ge=0.0, description="extra cost of a verify pass over a decode step (fraction "

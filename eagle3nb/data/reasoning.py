@@ -2,14 +2,15 @@
 
 vLLM with a reasoning parser puts it in ``message.reasoning`` (older vLLM and SGLang: ``reasoning_content``);
 the openai client keeps such unknown fields as attributes and in ``model_extra``. Without a parser the
-``<think>...</think>`` text stays inline in ``content``. The story read the wrong field; we read all three.
+reasoning stays inline in ``content`` between the family's think markers (``eagle3nb.families``). The story read
+the wrong field; we read all three.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from eagle3nb.tokens import THINK_END, THINK_START
+from eagle3nb.families import Family, think_tag_pairs
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 
@@ -26,35 +27,41 @@ def field(obj: Any, name: str) -> Any:
     return value
 
 
-def split_inline(content: str | None) -> tuple[str | None, str | None]:
-    """Split ``<think>r</think>c`` inline text into (r, c); (None, content) when no closing tag is present.
-    Text is kept byte-exact: the training stream is rebuilt from it."""
-    if content is None or THINK_END not in content:
-        return None, content
-    head, _, answer = content.partition(THINK_END)
-    start = head.find(THINK_START)
-    reasoning = head[start + len(THINK_START):] if start >= 0 else head
-    return reasoning, answer
+def split_inline(content: str | None, tags: tuple[str, str] | None = None) -> tuple[str | None, str | None]:
+    """Split ``<start>r<end>c`` inline text into (r, c) at the family's think ``tags`` (None: any registered
+    family's); (None, content) when no closing tag is present. Text is kept byte-exact: the training stream is
+    rebuilt from it."""
+    for start, end in ([tags] if tags else think_tag_pairs()):
+        if content is None or end not in content:
+            continue
+        head, _, answer = content.partition(end)
+        at = head.find(start)
+        reasoning = head[at + len(start):] if at >= 0 else head
+        return reasoning, answer
+    return None, content
 
 
-def extract(message: Any) -> tuple[str | None, str | None, str]:
+def extract(message: Any, tags: tuple[str, str] | None = None) -> tuple[str | None, str | None, str]:
     """(reasoning, content, source) from a chat message; source is the field the reasoning came from:
-    ``reasoning`` | ``reasoning_content`` | ``inline`` | ``none``. Empty reasoning counts as none."""
+    ``reasoning`` | ``reasoning_content`` | ``inline`` (between the think ``tags``, None: any family's) |
+    ``none``. Empty reasoning counts as none."""
     content = field(message, "content")
     for name in REASONING_FIELDS:
         value = field(message, name)
         if value:
             return value, content, name
-    reasoning, answer = split_inline(content)
+    reasoning, answer = split_inline(content, tags)
     if reasoning:
         return reasoning, answer, "inline"
     return None, answer, "none"
 
 
-NO_REASONING_FIX = (
-    "thinking is on but the first {n} responses came back without reasoning: the server is not splitting it "
-    "out, so the training data would lose it (the story's bug). Fix the server, e.g. start vLLM with "
-    "`--reasoning-parser kimi_k2` (Kimi; `qwen3` / `deepseek_r1` for those families) or SGLang with "
-    "`--reasoning-parser kimi_k2`; check that `{kwarg}` is the template kwarg your model reads (Qwen: "
-    "enable_thinking); or set thinking: false if the model should not reason. Look at the probe cell's output."
-)
+def no_reasoning_fix(n: int, family: Family, kwarg: str | None) -> str:
+    """What to do when thinking is on but the first ``n`` answers came back without reasoning, for the family."""
+    switch = (f"check that `{kwarg}` is the template kwarg your model reads (the thinking_kwarg parameter; "
+              f"docs/families.md)" if kwarg else f"the {family.name} family's template has no thinking switch")
+    return (f"thinking is on but the first {n} responses came back without reasoning: the server is not splitting "
+            f"it out, so the training data would lose it (the story's bug). Fix the server: start vLLM with "
+            f"{family.parser_flag('vllm')} or SGLang with {family.parser_flag('sglang')} (the {family.name} "
+            f"family's parser); {switch}; or set thinking: false if the model should not reason. Look at the probe "
+            f"cell's output.")

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.families import AUTO, Family, detect, specials
 from eagle3nb.hf import RemoteCodeRequired, from_pretrained
 from eagle3nb.params import StageError
-from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 
 
 class StreamError(StageError):
@@ -23,10 +23,12 @@ class StreamError(StageError):
 
 class Template:
     """The target's tokenizer and chat template, with the run's template kwargs; the folder's own tokenizer
-    code runs only with ``trust_remote_code``."""
+    code runs only with ``trust_remote_code``. The reasoning markers and the end-of-turn token are the target's
+    family's (``family``: the run's ``P.target_family``; None = told from the folder); ``thinking_kwarg`` auto
+    asks through the family's switch, any other name as ``{thinking_kwarg: thinking}``."""
 
-    def __init__(self, model_dir: str | Path, thinking: bool, thinking_kwarg: str = "thinking",
-                 trust_remote_code: bool = False):
+    def __init__(self, model_dir: str | Path, thinking: bool, thinking_kwarg: str = AUTO,
+                 trust_remote_code: bool = False, family: Family | None = None):
         from transformers import AutoTokenizer
 
         try:
@@ -40,12 +42,13 @@ class Template:
         if not self.tokenizer.chat_template:
             raise StreamError(f"{model_dir} has no chat template (tokenizer_config.json 'chat_template' or "
                               f"chat_template.jinja); the training stream must use the target's own template")
-        self.kwargs = {thinking_kwarg: thinking}
-        vocab = self.tokenizer.get_vocab()
-        end = IM_END if IM_END in vocab else self.tokenizer.eos_token
-        self.end_text = end
-        self.end_id = vocab.get(end)
-        self.think_ids = (vocab.get(THINK_START), vocab.get(THINK_END))
+        self.family = family or detect(model_dir)
+        self.kwargs = self.family.template_kwargs(thinking, thinking_kwarg)
+        self.thinking_kwarg = self.family.thinking_kwarg(thinking_kwarg)  # the resolved name, None: no switch
+        sp = specials(self.family, self.tokenizer)
+        self.specials = sp
+        self.end_text, self.end_id = sp.end, sp.end_id
+        self.think_ids = sp.think_ids
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,

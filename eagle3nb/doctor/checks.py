@@ -1,4 +1,4 @@
-"""The eight checks. Each takes the run's ``Context`` and returns one ``CheckResult``; raising ``Unavailable``
+"""The nine checks. Each takes the run's ``Context`` and returns one ``CheckResult``; raising ``Unavailable``
 means "nothing to check yet" (skip, with the reason). Thresholds are named constants at the top so a reader
 can argue with them."""
 
@@ -14,12 +14,12 @@ from typing import Any
 from eagle3nb.data.stream import StreamError, build
 from eagle3nb.doctor.context import PROBE_QUESTION, STREAM_PROBES, Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, SKIP, WARN, CheckResult
+from eagle3nb.families import VLLM_EAGLE3_RELEASE, Family, FamilyError
 from eagle3nb.formulas import speedup
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
 from eagle3nb.params import ParamsError
 from eagle3nb.synth.client import FatalServerError, GaveUp
-from eagle3nb.tokens import THINK_END, THINK_START
 from eagle3nb.vllm_config import TESTED_VERSION, version_notes
 
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -55,8 +55,43 @@ def _result(name: str, problems: list[tuple[str, str, str]], measured: str, deta
 
 # -- 1. server --------------------------------------------------------------------------------------------------
 
-NO_PARSER_FIX = ("start the server with a reasoning parser: vLLM `--reasoning-parser kimi_k2` (Qwen3: qwen3, "
-                 "DeepSeek-R1: deepseek_r1), SGLang `--reasoning-parser kimi_k2`; then re-run the doctor")
+def no_parser_fix(family: Family) -> str:
+    return (f"start the server with the {family.name} family's reasoning parser: vLLM {family.parser_flag('vllm')}, "
+            f"SGLang {family.parser_flag('sglang')} (docs/families.md); then re-run the doctor")
+
+
+def _family(ctx: Context) -> Family:
+    """The target's family, or the fix when it cannot be told."""
+    try:
+        return ctx.family
+    except FamilyError as e:
+        raise Unavailable(str(e)) from None
+
+
+# -- 0. family ------------------------------------------------------------------------------------------------------
+
+def check_family(ctx: Context) -> CheckResult:
+    """The target's family (its markers, switch and parser) and whether the serving engine serves an EAGLE-3
+    draft for it: a target it cannot serve is refused before any work."""
+    try:
+        fam = ctx.family
+    except FamilyError as e:
+        return _result("family", [(FAIL, str(e), "set family: <name> in the run's common.yaml")], "", {})
+    engine = ctx.serving_engine
+    details = {"family": fam.name, "engine": engine, "reasoning": fam.reasoning, "vllm_parser": fam.vllm_parser,
+               "eagle3": fam.serves_eagle3(engine)}
+    tags = f"{fam.think_start}...{fam.think_end}" if fam.think_tags else fam.reasoning
+    said = (f"{ctx.model_dir.name}: family {fam.name} (reasoning {tags}, switch "
+            f"{fam.switch.kwarg if fam.switch else 'none'}, end of turn {fam.end_of_turn or 'eos'}); "
+            f"{ENGINES[engine]} serves its EAGLE-3 drafts")
+    if fam.serves_eagle3(engine):
+        return _result("family", [], said, details)
+    can = [e for e in ENGINES if fam.serves_eagle3(e)]
+    why = f"vLLM {VLLM_EAGLE3_RELEASE}: its model class lacks the EAGLE-3 interface" if engine == "vllm" else engine
+    fix = (f"serve the draft with {' or '.join(ENGINES[e] for e in can)} (--serving-engine {can[0]}); a draft "
+           f"{ENGINES[engine]} cannot load wastes the run" if can else "no engine eagle3nb knows serves it")
+    return _result("family", [(FAIL, f"{ENGINES[engine]} cannot serve an EAGLE-3 draft for the {fam.name} family "
+                                     f"({why})", fix)], said, details)
 
 
 def check_server(ctx: Context) -> CheckResult:
@@ -67,7 +102,8 @@ def check_server(ctx: Context) -> CheckResult:
             model, names = ctx.served_model(url)
         except GaveUp as e:  # after 01_synth's retries: not a passing hiccup
             problems.append((FAIL, f"{url}: not reachable ({e})",
-                             f"start the server (e.g. `vllm serve MODEL --reasoning-parser kimi_k2`) or fix vllm_url "
+                             f"start the server (e.g. `vllm serve MODEL` with {_family(ctx).parser_flag()}) or fix "
+                             f"vllm_url "
                              f"in {P1.params_file or '01_synth params'}"))
             continue
         except (FatalServerError, ParamsError) as e:  # the message says what to fix
@@ -95,18 +131,18 @@ def check_server(ctx: Context) -> CheckResult:
         elif P1.thinking and pr["source"] == "inline":
             problems.append((FAIL, f"{said}message.reasoning empty, the think text is inline in message.content "
                                    f"({pr['raw_content'][:60]!r}...): the server runs without a reasoning parser",
-                             NO_PARSER_FIX))
+                             no_parser_fix(_family(ctx))))
         elif P1.thinking:
             why = (f"no reasoning within {pr['max_tokens']} tokens (finish_reason=length)"
                    if pr["finish_reason"] == "length" else "no reasoning at all")
             problems.append((FAIL, f"{said}{why}; content {(pr['content'] or '')[:60]!r}",
-                             f"{NO_PARSER_FIX}; check that {pr['kwarg']!r} is the template kwarg your model reads "
-                             f"(Kimi: thinking, Qwen: enable_thinking)"))
+                             f"{no_parser_fix(_family(ctx))}; check that {pr['kwarg']!r} is the template kwarg "
+                             f"your model reads (the thinking_kwarg parameter; docs/families.md)"))
         elif pr["source"] != "none":
             problems.append((FAIL, f"{said}thinking is off ({pr['kwarg']}: false) but reasoning came back "
                                    f"(message.{pr['source']})",
                              f"the chat template ignores {pr['kwarg']!r}: set thinking_kwarg to the kwarg it reads "
-                             f"(Kimi: thinking, Qwen: enable_thinking)"))
+                             f"(or family: the target's, docs/families.md)"))
         else:
             measured.append(f"{said}thinking off, no reasoning, content {len(pr['content'] or '')} chars")
     return _result("server", problems, "; ".join(measured), details)
@@ -144,7 +180,8 @@ def check_token_stream(ctx: Context) -> CheckResult:
         return _result("token_stream", [(FAIL, str(e), "")], "", {})
     tok = tpl.tokenizer
     problems, measured, details = [], [], {}
-    for t in (THINK_START, THINK_END):
+    tags = tpl.family.think_tags or ()
+    for t in tags:
         ids = tok.encode(t, add_special_tokens=False)
         details[t] = ids
         if len(ids) != 1:
@@ -152,8 +189,10 @@ def check_token_stream(ctx: Context) -> CheckResult:
                              "load the target's own tokenizer (Kimi: trust_remote_code: true, the tiktoken backend) "
                              "whose think tokens are single special tokens; other backends split them and every "
                              "training sample is then off from what the server generates"))
-    if not problems:
-        measured.append(f"{THINK_START}/{THINK_END} are single tokens {details[THINK_START]}/{details[THINK_END]}")
+    if tags and not problems:
+        measured.append(f"{tags[0]}/{tags[1]} are single tokens {details[tags[0]]}/{details[tags[1]]}")
+    elif not tags:
+        measured.append(f"the {tpl.family.name} family marks no reasoning with think tokens")
     if not ctx.use_server:
         measured.append("server streams not compared (server not part of this check-up)")
         return _result("token_stream", problems, "; ".join(measured), details)
@@ -179,7 +218,8 @@ def check_token_stream(ctx: Context) -> CheckResult:
         a, b = server["input_ids"], ours["input_ids"]
         # An answer cut by max_tokens, or reasoning the model never closed, has no faithful re-rendering:
         # compare its prompt only.
-        if pr["finish_reason"] != "stop" or (thinking and tpl.think_ids[1] not in pr["token_ids"]):
+        if pr["finish_reason"] != "stop" or (thinking and tpl.think_ids[1] is not None
+                                             and tpl.think_ids[1] not in pr["token_ids"]):
             prompts_only += 1
             n = len(pr["prompt_token_ids"])
             a, b = a[:n], b[:n]
@@ -245,9 +285,15 @@ def check_thinking(ctx: Context) -> CheckResult:
         problems.append((FAIL, f"the drafter learns {'thinking' if data else 'non-thinking'} output but serving "
                                f"runs with thinking {'on' if serving else 'off'}",
                          f"make them agree: regenerate the data with thinking: {str(serving).lower()} in "
-                         f"01_synth, or serve with chat_template_kwargs {{{P1.thinking_kwarg!r}: "
-                         f"{str(data).lower()}}}; a drafter trained on one mode collapses on the other"))
+                         f"01_synth, or serve with chat_template_kwargs {_serving_kwargs(ctx, data)}; a drafter "
+                         f"trained on one mode collapses on the other"))
     return _result("thinking", problems, said, details)
+
+
+def _serving_kwargs(ctx: Context, thinking: bool) -> str:
+    """The chat_template_kwargs that ask the target for ``thinking``, as JSON-ish text ({'thinking': true})."""
+    kw = _family(ctx).template_kwargs(thinking, ctx.p("01_synth").thinking_kwarg)
+    return "{" + ", ".join(f"{k!r}: {json.dumps(v)}" for k, v in kw.items()) + "}"
 
 
 def _default_probe(ctx: Context) -> dict | None:
@@ -482,11 +528,11 @@ def check_data_health(ctx: Context) -> CheckResult:
         problems.append((WARN, f"{kinds['text']}/{len(ok)} ok samples: the chat template renders other text than "
                                f"the server generated", "run the token_stream check against the server; the data "
                                                         "keeps the server's ids"))
-    think = ctx.template.think_ids[0]
-    thinking = [s for s in ok if s.get("thinking")]
+    think, think_text = ctx.template.think_ids[0], ctx.template.specials.think_start
+    thinking = [s for s in ok if s.get("thinking")] if think is not None else []
     no_wrap = sum(1 for s in thinking if think not in [t for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
     if no_wrap:
-        problems.append((FAIL, f"{no_wrap}/{len(thinking)} ok thinking samples have no {THINK_START} token in their "
+        problems.append((FAIL, f"{no_wrap}/{len(thinking)} ok thinking samples have no {think_text} token in their "
                                f"trained tokens (reasoning or its wrappers lost: the story's bug)",
                          "regenerate them with the current 01_synth (it keeps the server's token ids)"))
     max_length = ctx.max_length()
@@ -518,7 +564,7 @@ def _mismatch_kinds(ctx: Context, samples: list[dict]) -> dict[str, int]:
     out = {"text": 0, "split": 0, "unclosed": 0}
     for s in samples:
         generated = [t for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
-        if s.get("thinking") and tpl.think_ids[1] not in generated:
+        if s.get("thinking") and tpl.think_ids[1] is not None and tpl.think_ids[1] not in generated:
             out["unclosed"] += 1
             continue
         try:
@@ -670,7 +716,7 @@ def rank_causes(results: list[CheckResult]) -> list[str]:
 # -- dispatch ----------------------------------------------------------------------------------------------------------
 
 FUNCS = {
-    "server": check_server, "token_stream": check_token_stream, "thinking": check_thinking,
+    "family": check_family, "server": check_server, "token_stream": check_token_stream, "thinking": check_thinking,
     "layer_ids": check_layer_ids, "shapes_vocab": check_shapes_vocab, "data_health": check_data_health,
     "disk": check_disk,
 }

@@ -14,6 +14,7 @@ from eagle3nb.data.split import split_holdout
 from eagle3nb.data.stream import Template
 from eagle3nb.doctor.result import FAIL, CheckResult
 from eagle3nb.errors import InputError
+from eagle3nb.families import AUTO, detect
 from eagle3nb.launch import start_server
 from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict, run_params
 from eagle3nb.paths import project_root, resolve
@@ -113,12 +114,18 @@ class Context:
             raise Unavailable(f"model_path of {P.stage}: {e}") from None
 
     @cached_property
+    def family(self):
+        """The target's family (``eagle3nb.families``): the params' ``family``, or told from its folder. Raises
+        FamilyError naming the parameter when it cannot be told."""
+        return detect(self.model_dir, self.target_params.family)
+
+    @cached_property
     def template(self):
         """The target's tokenizer + chat template with 01_synth's thinking kwarg (the one 01 renders with);
         the folder's own code runs only with the params' trust_remote_code."""
         P1 = self.params.get("01_synth")
-        return Template(self.model_dir, P1.thinking if P1 else True, P1.thinking_kwarg if P1 else "thinking",
-                        self.target_params.trust_remote_code)
+        return Template(self.model_dir, P1.thinking if P1 else True, P1.thinking_kwarg if P1 else AUTO,
+                        self.target_params.trust_remote_code, self.family)
 
     @cached_property
     def target_dims(self) -> dict:
@@ -327,11 +334,13 @@ class Context:
         model, _ = self.served_model(base_url)
         resp = self.ask(base_url, lambda ep: chat(
             ep, messages, max_completion_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=P1.seed,
-            template_kwargs={} if thinking is None else {P1.thinking_kwarg: thinking}), model)
+            template_kwargs={} if thinking is None else self.family.template_kwargs(thinking, P1.thinking_kwarg)),
+            model)
         choice = resp.choices[0]
-        reasoning, content, source = extract(choice.message)
+        reasoning, content, source = extract(choice.message, self.family.think_tags)
         return {
-            "messages": messages, "thinking": thinking, "kwarg": P1.thinking_kwarg, "model": model,
+            "messages": messages, "thinking": thinking, "kwarg": self.family.thinking_kwarg(P1.thinking_kwarg),
+            "model": model,
             "reasoning": reasoning, "content": content, "source": source,
             "fields": {f: field(choice.message, f) for f in REASONING_FIELDS},
             "raw_content": field(choice.message, "content"), "finish_reason": choice.finish_reason,

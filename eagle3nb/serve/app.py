@@ -5,9 +5,11 @@ Choices made to match vLLM (checked against its source):
 - ``choices[i].token_ids`` is every generated token, including the final ``<|im_end|>`` (EOS) when it
   stopped on it and the token that completed a stop string; the text drops EOS and cuts the stop string.
   Chat puts ``prompt_token_ids`` at the top level, text completions inside each choice.
-- Reasoning parser (vLLM ``kimi_k2``): with ``thinking`` on (the default) the text is split at ``</think>``
-  (a leading ``<think>`` dropped; no ``</think>`` yet means it is all reasoning); with ``thinking: false``
-  in ``chat_template_kwargs`` everything is content. Without a parser the think text stays in ``content``.
+- Reasoning parser (vLLM's for the model's family, e.g. ``kimi_k2``; ``eagle3nb.families``): with thinking on
+  (the default) the text is split at the family's end marker (``</think>``; a leading start marker dropped; no
+  end marker yet means it is all reasoning); with the family's switch off in ``chat_template_kwargs`` (Kimi
+  ``thinking: false``) everything is content. Without a parser, or for a family whose reasoning is not marked
+  by think tags, the text stays in ``content``.
 - Unknown model -> 404 ``NotFoundError``; malformed body, n > 1, too-long prompt -> 400
   ``BadRequestError``; missing/wrong key -> 401; body ``{"error": {message, type, param, code}}``.
 
@@ -35,10 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from eagle3nb import __version__
+from eagle3nb.families import Family, detect
 from eagle3nb.serve.engine import Engine, Request, SamplingParams, Update
 from eagle3nb.serve.errors import APIError
 from eagle3nb.serve.extract import handle_completion_extract
-from eagle3nb.tokens import THINK_END, THINK_START
 
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
 
@@ -78,15 +80,18 @@ class Server:
     """Request handling over one engine; ``create_app`` wires it into FastAPI routes."""
 
     def __init__(self, engine: Engine, *, model_name: str, model_dir: str, reasoning_field: str = "reasoning",
-                 reasoning_parser: bool = True, api_key: str | None = None, hidden_states_dir: Path | None = None):
+                 reasoning_parser: bool = True, api_key: str | None = None, hidden_states_dir: Path | None = None,
+                 family: Family | None = None):
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
         self.engine, self.tok = engine, engine.tokenizer
         self.model_name, self.model_dir = model_name, model_dir
         self.fields = ["reasoning", "reasoning_content"] if reasoning_field == "both" else [reasoning_field]
         vocab = self.tok.get_vocab()
+        self.family = family or detect(model_dir)
+        self.tags = self.family.think_tags
         # A parser needs the think tokens; a model without them is served like vLLM without a parser.
-        self.reasoning_parser = reasoning_parser and THINK_END in vocab
+        self.reasoning_parser = bool(reasoning_parser and self.tags and self.tags[1] in vocab)
         self.api_key = api_key
         self.hidden_states_dir = hidden_states_dir
         self.extract = handle_completion_extract if hidden_states_dir is not None else None
@@ -149,15 +154,23 @@ class Server:
         return final
 
     def split(self, text: str, thinking: bool) -> tuple[str | None, str | None]:
-        """(reasoning, content) as vLLM's kimi_k2 parser gives them."""
-        if not (self.reasoning_parser and thinking):
+        """(reasoning, content) as vLLM's reasoning parser for the family (kimi_k2, qwen3, ...) gives them."""
+        if not (self.reasoning_parser and thinking and self.tags):
             return None, text
-        head, sep, rest = text.partition(THINK_START)
+        start, end = self.tags
+        head, sep, rest = text.partition(start)
         text = rest if sep else head
-        if THINK_END not in text:
+        if end not in text:
             return text, None
-        reasoning, _, content = text.partition(THINK_END)
+        reasoning, _, content = text.partition(end)
         return reasoning, content or None
+
+    def thinking(self, kwargs: dict[str, Any] | None) -> bool:
+        """Whether a request asks for thinking: the family's switch as the request sets it (on by default)."""
+        sw = self.family.switch
+        if sw is None:
+            return True
+        return (kwargs or {}).get(sw.kwarg, sw.on) != sw.off
 
     def reasoning_fields(self, reasoning: str | None) -> dict[str, str | None]:
         return {f: reasoning for f in self.fields}
@@ -176,7 +189,7 @@ class Server:
         self.check_model(body.model)
         prompt_ids = self.chat_prompt(body)
         params = self.sampling(body, len(prompt_ids), body.max_completion_tokens or body.max_tokens)
-        thinking = bool((body.chat_template_kwargs or {}).get("thinking", True))
+        thinking = self.thinking(body.chat_template_kwargs)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(self.chat_stream(body, prompt_ids, params, thinking, rid, created))
@@ -208,7 +221,7 @@ class Server:
         final = None
         async for u in self.generate(prompt_ids, params):
             final = u
-            text = u.text if u.finish_reason is not None else _settled(u.text, holdback)
+            text = u.text if u.finish_reason is not None else _settled(u.text, holdback, self.tags)
             reasoning, content = self.split(text, thinking)
             delta: dict[str, Any] = {}
             if reasoning and len(reasoning) > len(sent_r):
@@ -253,7 +266,7 @@ class Server:
         final = None
         async for u in self.generate(prompt_ids, params):
             final = u
-            text = u.text if u.finish_reason is not None else _settled(u.text, holdback)
+            text = u.text if u.finish_reason is not None else _settled(u.text, holdback, self.tags)
             if len(text) > len(sent) or u.finish_reason is not None:
                 choice = {"index": 0, "text": text[len(sent):], "logprobs": None, "finish_reason": u.finish_reason,
                           "stop_reason": u.stop_reason,
@@ -299,11 +312,11 @@ def _flatten_content(m: dict) -> dict:
     return m
 
 
-def _settled(text: str, holdback: int) -> str:
+def _settled(text: str, holdback: int, tags: tuple[str, str] | None) -> str:
     """The part of a growing text that can be streamed now: without the last ``holdback`` characters (they
-    may still become a stop string), a split UTF-8 character, or a half-written think tag."""
+    may still become a stop string), a split UTF-8 character, or a half-written think tag (of ``tags``)."""
     text = (text[:len(text) - holdback] if holdback else text).rstrip("\ufffd")
-    for tag in (THINK_START, THINK_END):
+    for tag in tags or ():
         for k in range(len(tag) - 1, 0, -1):
             if text.endswith(tag[:k]):
                 return text[:-k]

@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3nb.families import Family, of_tokenizer
 from eagle3nb.spec import PaddedKV, left_padded
-from eagle3nb.tokens import THINK_END, THINK_START
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -196,7 +196,7 @@ class Engine:
     """Owns the model, the waiting queue and the background loop; applies stop conditions and metrics."""
 
     def __init__(self, model, tokenizer, *, model_name: str, max_batch_size: int = 32, decoder=None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, family: Family | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size = max_batch_size
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
@@ -204,9 +204,9 @@ class Engine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.decoder = decoder or BatchDecoder(model, pad_id=pad or 0)
         self.eos_ids = _eos_ids(model, tokenizer)
-        # Text keeps <think>/</think> (the reasoning split needs them) but drops other special tokens.
+        # Text keeps the family's think markers (the reasoning split needs them) but drops other special tokens.
         vocab = tokenizer.get_vocab()
-        keep = {vocab[t] for t in (THINK_START, THINK_END) if t in vocab}
+        keep = {vocab[t] for t in (family or of_tokenizer(tokenizer)).think_tags or () if t in vocab}
         self.hidden_ids = set(tokenizer.all_special_ids) - keep
         self.waiting: queue.Queue[Request] = queue.Queue()
         m = self.metrics

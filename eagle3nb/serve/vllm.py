@@ -6,6 +6,8 @@ vLLM runs from its own environment (``make vllm`` builds ``.venv-vllm/`` with th
 ``/health``. On a CPU machine three things differ from the GPU recipe, and only these: no tensor
 parallelism, ``--enforce-eager`` (no compile step: a start in about a minute), and the hidden-states
 connector, which is ``tools/vllm/cpu_hidden_states_connector.py`` (vLLM's own copies through CUDA streams).
+The reasoning parser is the target family's (``eagle3nb.families``), the dtype the one vLLM's CPU build serves
+the target in on this machine (``families.vllm_cpu_dtype``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.errors import InputError
+from eagle3nb.families import AUTO, VLLM_EAGLE3_RELEASE, detect, read_config, vllm_cpu_dtype
 from eagle3nb.launch import ServerHandle, free_port, launch
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
@@ -44,20 +47,27 @@ def unavailable_reason() -> str | None:
 def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model_name: str | None = None,
               layer_ids: list[int] | None = None, storage_dir: str | os.PathLike | None = None,
               draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
-              max_model_len: int = 1024, cpu: bool = True) -> list[str]:
-    """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with the
-    ``kimi_k2`` reasoning parser), ``no_parser`` (the story's mistake), ``extract`` (02's
+              max_model_len: int = 1024, cpu: bool = True, family: str = AUTO,
+              cpu_flags: set[str] | None = None) -> list[str]:
+    """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with its family's
+    reasoning parser, e.g. ``kimi_k2``), ``no_parser`` (the story's mistake), ``extract`` (02's
     ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
-    ``eagle3`` (the target serving the draft in ``draft_dir``)."""
+    ``eagle3`` (the target serving the draft in ``draft_dir``). ``family``: the target's (auto: detected from
+    ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None: this machine's)."""
     if mode not in MODES:
         raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
-    args = ["--model", str(model_dir), "--max-model-len", str(max_model_len), "--dtype", "float32"]
+    fam = detect(model_dir, family)
+    dtype = vllm_cpu_dtype(read_config(model_dir), cpu_flags) if cpu else "auto"
+    args = ["--model", str(model_dir), "--max-model-len", str(max_model_len), "--dtype", dtype]
     if served_model_name:
         args += ["--served-model-name", served_model_name]
     if cpu:
         args.append("--enforce-eager")
-    if mode != "no_parser":
-        args += ["--reasoning-parser", "kimi_k2"]
+    if mode != "no_parser" and fam.vllm_parser:
+        args += ["--reasoning-parser", fam.vllm_parser]
+    if mode == "eagle3" and not fam.vllm_eagle3:
+        raise InputError(f"vLLM {VLLM_EAGLE3_RELEASE} serves no EAGLE-3 draft for the {fam.name} family "
+                         f"(its model class lacks the EAGLE-3 interface); serve the draft with SGLang")
     if mode == "extract":
         if not layer_ids or storage_dir is None:
             raise ValueError("extract mode needs layer_ids (aux ids + the last layer) and storage_dir")

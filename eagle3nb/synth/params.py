@@ -31,9 +31,10 @@ class SynthParams(TargetParams):
                                                               "a list served round-robin, or 'embedded'")
     temperature: float = Field(0.7, ge=0.0, description="sampling temperature")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="nucleus sampling cutoff")
-    thinking: bool = Field(True, description="ask for reasoning (sent as chat_template_kwargs[thinking_kwarg])")
-    thinking_kwarg: str = Field("thinking", description="chat-template kwarg that switches thinking: Kimi 'thinking', "
-                                                        "Qwen 'enable_thinking'")
+    thinking: bool = Field(True, description="ask for reasoning (sent as chat_template_kwargs: the family's switch, "
+                                             "or thinking_kwarg)")
+    thinking_kwarg: str = Field("auto", description="chat-template kwarg that switches thinking; auto = the family's "
+                                                    "(Kimi 'thinking', Qwen3 'enable_thinking', docs/families.md)")
     return_token_ids: bool = Field(True, description="ask the server for the exact token ids (vLLM/SGLang); false = "
                                                      "re-render through the chat template")
     seed: int = Field(0, description="base sampling seed; each prompt gets its own seed derived from its id")
@@ -68,7 +69,9 @@ class SynthParams(TargetParams):
 
     def data_config(self) -> dict:
         """The data-affecting settings, as stored in run_config.json."""
-        return {k: getattr(self, k) for k in DATA_KEYS}
+        values = {k: getattr(self, k) for k in DATA_KEYS}
+        values["thinking_kwarg"] = self.target_family.thinking_kwarg(self.thinking_kwarg)  # auto, resolved
+        return values
 
     def check_paths(self) -> None:
         src = self.params_file or "the notebook's parameters cell"

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from eagle3nb.data.prompts import load_prompts
-from eagle3nb.data.reasoning import NO_REASONING_FIX, extract, field
+from eagle3nb.data.reasoning import extract, field, no_reasoning_fix
 from eagle3nb.data.samples import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
 from eagle3nb.data.stream import StreamError, Template, build, naive_text
 from eagle3nb.errors import scrub
+from eagle3nb.families import segment_ids
 from eagle3nb.launch import start_server
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
@@ -41,7 +42,6 @@ from eagle3nb.synth.client import (
     with_retries,
 )
 from eagle3nb.synth.params import STAGE, SynthParams
-from eagle3nb.tokens import segment_ids
 
 EARLY_CHECK = 8  # first answers looked at to decide that reasoning is missing or every request fails
 DONE_STATUSES = ("ok", "truncated")  # never requested again; error / no_reasoning are, with retry_errors
@@ -140,7 +140,7 @@ class Session:
 
     async def worker(self, results: asyncio.Queue) -> None:
         P = self.P
-        kwargs = {P.thinking_kwarg: P.thinking}
+        kwargs = self.tpl.kwargs
         while not self.halt.is_set() and self.next_index < len(self.todo):
             item = self.todo[self.next_index]
             self.next_index += 1
@@ -173,7 +173,7 @@ class Session:
                                "ids_match": None, "usage": None, "latency_s": round(latency, 4), "error": err}
         if resp is not None:
             choice = resp.choices[0]
-            reasoning, content, _ = extract(choice.message)
+            reasoning, content, _ = extract(choice.message, self.tpl.family.think_tags)
             finish = choice.finish_reason
             rec.update(reasoning=reasoning, content=content, finish_reason=finish,
                        usage=resp.usage.model_dump() if resp.usage else None)
@@ -211,9 +211,9 @@ class Session:
                                      f"fix the setting or server it names, then run again"))
         if not self.P.thinking or resp is None or len(self.checked) >= n:
             return
-        self.checked.append(extract(resp.choices[0].message)[0] is not None)
+        self.checked.append(extract(resp.choices[0].message, self.tpl.family.think_tags)[0] is not None)
         if len(self.checked) == n and not any(self.checked):
-            self.stop(SynthError(NO_REASONING_FIX.format(n=n, kwarg=self.P.thinking_kwarg)))
+            self.stop(SynthError(no_reasoning_fix(n, self.tpl.family, self.tpl.thinking_kwarg)))
 
     def process(self, batch: list[tuple]) -> None:
         """Writer thread: records for a batch of answers, appended and fsynced in one go, then progress."""
@@ -294,7 +294,7 @@ def run(P: SynthParams) -> dict[str, Any]:
     stage_dir = P.stage_dir
     prompts = load_prompts(P.prompts, P.max_samples)
     model_dir = P.model_dir
-    tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
+    tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code, P.target_family)
     P.api_key()  # a missing key variable is an error before anything starts
     early = P.data_config()
     if P.served_model_name is None:
@@ -406,7 +406,7 @@ def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
     content fields, whether token ids came back, and the training stream decoded with special tokens
     visible. Catches a missing reasoning parser or a wrong template kwarg before a long run."""
     model_dir = P.model_dir
-    tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code)
+    tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code, P.target_family)
     messages = [{"role": "user", "content": question}]
 
     async def ask(urls: list[str]) -> tuple[Endpoint, Any]:
@@ -415,7 +415,7 @@ def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
         try:
             resp = await retried(lambda ep: chat(ep, messages, max_completion_tokens=P.max_completion_tokens,
                                                  temperature=P.temperature, top_p=P.top_p, seed=P.seed,
-                                                 template_kwargs={P.thinking_kwarg: P.thinking},
+                                                 template_kwargs=tpl.kwargs,
                                                  return_token_ids=P.return_token_ids,
                                                  vocab_size=len(tpl.tokenizer)), eps[0], **retry)
         except (GaveUp, FatalServerError) as e:
@@ -428,13 +428,13 @@ def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
         ep, resp = run_sync(lambda: ask(urls))
     choice = resp.choices[0]
     msg = choice.message
-    reasoning, content, source = extract(msg)
+    reasoning, content, source = extract(msg, tpl.family.think_tags)
     stream = build(tpl, messages, reasoning, content, choice.finish_reason,
                    field(resp, "prompt_token_ids"), field(choice, "token_ids"))
     n_prompt = stream["loss_mask"].count(0)
     problems = []
     if P.thinking and reasoning is None:
-        problems.append(NO_REASONING_FIX.format(n=1, kwarg=P.thinking_kwarg))
+        problems.append(no_reasoning_fix(1, tpl.family, tpl.thinking_kwarg))
     if stream["token_source"] == "template":
         problems.append("the server returned no token ids (return_token_ids): the stream is re-rendered through "
                         "the chat template, which is exact only if the template keeps reasoning_content")
