@@ -18,7 +18,8 @@ from eagle3nb.params import ParamsError, from_dict
 TEMPLATES = {
     "kimi": ("kimi_k2", "<|im_user|>user<|im_middle|>{{ m }}<|im_end|><|im_assistant|>assistant<|im_middle|>"),
     "deepseek_r1": ("deepseek_v3", "{{ bos_token }}<｜User｜>{{ m }}<｜Assistant｜><think>\n"),
-    "deepseek_v3": ("deepseek_v3", "<｜User｜>{{ m }}<｜Assistant｜>{% if thinking %}<think>{% else %}</think>{% endif %}"),
+    "deepseek_v3": ("deepseek_v3",
+                    "<｜User｜>{{ m }}<｜Assistant｜>{% if thinking %}<think>{% else %}</think>{% endif %}"),
     "qwen3": ("qwen3_moe", "<|im_start|>user\n{{ m }}<|im_end|>\n<|im_start|>assistant\n{% if enable_thinking is "
                            "defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"),
     "glm45": ("glm4_moe", "[gMASK]<sop><|user|>\n{{ m }}<|assistant|>{% if not enable_thinking %}/nothink{% endif %}"),
