@@ -375,3 +375,20 @@ def test_api_key_from_the_named_variable_never_in_outputs(tmp_path, toy_smoke, m
     monkeypatch.delenv("SYNTH_TEST_KEY")
     with pytest.raises(ParamsError, match="SYNTH_TEST_KEY.*not set"):
         run(P)
+
+
+def test_public_prompt_files_as_shipped_keep_their_ids(tmp_path):
+    """ShareGPT's JSON array (id + conversations) and HumanEval's JSONL rows (task_id + prompt) load as the
+    packages ship them, each row under the dataset's own id."""
+    sharegpt = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    sharegpt.write_text(json.dumps([
+        {"id": "QWJhYvA_0", "conversations": [{"from": "human", "value": "Hi there"},
+                                              {"from": "gpt", "value": "Hello"}]},
+        {"id": "i6IyJda_0", "conversations": [{"from": "human", "value": "Name a colour."}]}], indent=2))
+    rows = load_prompts(str(sharegpt))
+    assert [r["id"] for r in rows] == ["QWJhYvA_0", "i6IyJda_0"]
+    assert rows[0]["messages"] == [{"role": "user", "content": "Hi there"}]
+    humaneval = tmp_path / "HumanEval.jsonl"
+    humaneval.write_text("".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n",
+                                             "entry_point": f"f{i}"}) + "\n" for i in range(3)))
+    assert [r["id"] for r in load_prompts(str(humaneval))] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]

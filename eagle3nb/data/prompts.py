@@ -21,6 +21,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system", "tool": "tool", "function": "tool"}
 ROLES = {"system", "user", "assistant", "tool"}
+# A dataset's own row id, under the names the public sets use (HumanEval: task_id, MT-Bench: question_id).
+ID_KEYS = ("id", "task_id", "question_id")
 FORMATS_HINT = ("each row needs 'messages' (OpenAI style [{role, content}]), 'conversations' "
                 "(ShareGPT [{from, value}]) or 'prompt' (text)")
 
@@ -192,9 +194,10 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
         if max_samples is not None and len(out) >= max_samples:
             break
         messages = to_messages(row, where)
-        pid = str(row["id"]) if row.get("id") is not None else prompt_id(messages)
+        given = next((row[k] for k in ID_KEYS if row.get(k) is not None), None)
+        pid = str(given) if given is not None else prompt_id(messages)
         if pid in seen:
-            if row.get("id") is not None:
+            if given is not None:
                 raise PromptsError(f"{where}: id {pid!r} already used at {seen[pid]}; ids must be unique")
             duplicates += 1  # the same conversation twice: answering it once is enough
             continue
