@@ -366,3 +366,17 @@ def test_compact_storage_halves_bytes_and_keeps_the_training_signal(synth, tmp_p
     tail = [1 - ref.target_probs(it)[it["loss_mask"].bool()].topk(8).values.sum(-1) for it in items]
     assert abs(topk["total_variation"] - torch.cat(tail).mean().item()) < 0.01, topk
     assert topk["argmax_agreement"] > 0.97 and topk["aux_relative_error"] < 0.05, topk
+
+
+def test_samples_hash_is_the_one_of_the_whole_json():
+    """02's config hash is fed in chunks (no whole-run JSON text in memory) and equals the one-shot digest."""
+    import hashlib
+
+    from eagle3nb.hidden.stage import samples_sha256
+
+    rng = random.Random(0)
+    for n in (0, 1, 1023, 1024, 2500):
+        rows = [{"id": f"s{i}é", "input_ids": [rng.randrange(99) for _ in range(rng.randrange(6))],
+                 "loss_mask": [0, 1]} for i in range(n)]
+        whole = json.dumps([(r["id"], r["input_ids"], r["loss_mask"]) for r in rows]).encode()
+        assert samples_sha256(rows) == samples_sha256(rows, chunk=7) == hashlib.sha256(whole).hexdigest()

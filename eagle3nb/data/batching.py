@@ -11,12 +11,13 @@ def pack_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
     batches: list[list[int]] = []
     cur: list[int] = []
     longest = 0
-    for i, n in enumerate(lengths):
-        if cur and (len(cur) + 1) * max(longest, n) > tokens_per_batch:
+    for i, n in enumerate(lengths):  # no call per sample: 03 packs every epoch of a million samples up front
+        m = n if n > longest else longest
+        if cur and (len(cur) + 1) * m > tokens_per_batch:
             batches.append(cur)
-            cur, longest = [], 0
+            cur, m = [], n
         cur.append(i)
-        longest = max(longest, n)
+        longest = m
     if cur:
         batches.append(cur)
     return batches

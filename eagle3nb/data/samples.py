@@ -33,29 +33,30 @@ def read_records(synth_dir: Path, torn: list[str] | None = None) -> Iterator[dic
     """Every record in write order. A file's unfinished last line (a kill mid-write) is skipped and
     noted in ``torn``; a bad line anywhere else is corruption and raises."""
     for path in sample_files(synth_dir):
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-        last = len(lines) - 1
-        for n, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except ValueError:
-                if n == last:
-                    if torn is not None:
-                        torn.append(f"{path.name} line {n + 1}")
+        with open(path, "rb") as f:  # line by line: a session's file can be tens of GB at a million samples
+            for n, line in enumerate(f):
+                if not line.strip():
                     continue
-                raise InputError(f"{path} line {n + 1} is not valid JSON (corrupted file); move the file away "
-                                 f"and re-run to regenerate its samples") from None
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    if not line.endswith(b"\n"):  # the file's unfinished last line
+                        if torn is not None:
+                            torn.append(f"{path.name} line {n + 1}")
+                        continue
+                    raise InputError(f"{path} line {n + 1} is not valid JSON (corrupted file); move the file away "
+                                     f"and re-run to regenerate its samples") from None
 
 
-def latest(synth_dir: Path, light: bool = False, torn: list[str] | None = None) -> dict[str, dict]:
-    """The last record of each id; ``light`` drops the heavy fields (resume and metrics need only the rest)."""
+def latest(synth_dir: Path, light: bool = False, torn: list[str] | None = None,
+           drop: Iterable[str] = ()) -> dict[str, dict]:
+    """The last record of each id; ``light`` drops the heavy fields (resume and metrics need only the rest),
+    ``drop`` the fields named (each record as it is read, so a million samples' texts are never held at once)."""
     out: dict[str, dict] = {}
+    gone = {*HEAVY, *drop} if light else set(drop)
     for rec in read_records(synth_dir, torn):
-        if light:
-            rec = {k: v for k, v in rec.items() if k not in HEAVY}
+        if gone:
+            rec = {k: v for k, v in rec.items() if k not in gone}
         out[rec["id"]] = rec
     return out
 

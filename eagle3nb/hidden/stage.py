@@ -65,7 +65,9 @@ def prepare_samples(P: HiddenParams) -> tuple[list[dict], dict]:
         raise HiddenStatesError(f"synth_dir {P.synth_path} does not exist: run 01_synth first or set synth_dir")
     torn: list[str] = []
     try:
-        records = sorted(latest(P.synth_path, torn=torn).values(), key=lambda r: r["id"])
+        # 01's texts are not part of 02's input: dropped as each record is read
+        records = sorted(latest(P.synth_path, torn=torn, drop=("messages", "reasoning", "content")).values(),
+                         key=lambda r: r["id"])
     except FileNotFoundError as e:
         raise HiddenStatesError(str(e)) from None
     if not sample_files(P.synth_path):
@@ -89,7 +91,7 @@ def prepare_samples(P: HiddenParams) -> tuple[list[dict], dict]:
         keep = keep[:P.max_samples]
     samples, truncated = [], 0
     for r in keep:
-        ids, mask = list(r["input_ids"]), [int(m) for m in r["loss_mask"]]
+        ids, mask = r["input_ids"], [int(m) for m in r["loss_mask"]]  # ids: a list of its own, parsed from JSON
         if len(ids) > P.max_length:
             ids, mask, truncated = ids[:P.max_length], mask[:P.max_length], truncated + 1
         if not any(mask):
@@ -139,10 +141,20 @@ def disk_check(P: HiddenParams, remaining_tokens: int, bpt: int, extra: int, tot
     return {"projected_bytes": total_tokens * bpt + extra, "projected_remaining_bytes": need, "free_bytes": free}
 
 
+def samples_sha256(samples: list[dict], chunk: int = 1024) -> str:
+    """sha256 of ``json.dumps([(id, input_ids, loss_mask), ...])``, fed a chunk of samples at a time: the same
+    digest without the whole JSON text in memory (gigabytes at a million samples)."""
+    h = hashlib.sha256(b"[")
+    for start in range(0, len(samples), chunk):
+        part = json.dumps([(s["id"], s["input_ids"], s["loss_mask"]) for s in samples[start:start + chunk]])
+        h.update(((", " if start else "") + part[1:-1]).encode())
+    h.update(b"]")
+    return h.hexdigest()
+
+
 def _config(P: HiddenParams, info: dict, layer_ids: list[int], samples: list[dict]) -> dict:
-    digest = hashlib.sha256(json.dumps([(s["id"], s["input_ids"], s["loss_mask"]) for s in samples]).encode())
     return {**P.data_config(), "aux_layer_ids": layer_ids, "model_fingerprint": info["fingerprint"],
-            "samples_sha256": digest.hexdigest()}
+            "samples_sha256": samples_sha256(samples)}
 
 
 def _resume(P: HiddenParams, config: dict, shards: list[dict]) -> dict:
