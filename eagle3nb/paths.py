@@ -6,6 +6,7 @@ relative path in a parameter file is resolved against the project root, never th
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -41,3 +42,12 @@ def cache_dir() -> Path:
     d = Path(os.environ.get("EAGLE3NB_CACHE", Path.home() / ".cache" / "eagle3nb"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """A file's sha256, read in 16 MB blocks (shards and model weights are large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()

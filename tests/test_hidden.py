@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from eagle3nb.data.reader import HiddenStates
-from eagle3nb.data.shards import STORAGES, ShardError, bytes_per_token, file_sha256
+from eagle3nb.data.shards import STORAGES, ShardError, bytes_per_token
 from eagle3nb.data.vocab import build_draft_vocab
 from eagle3nb.hidden.cost import compare_targets
 from eagle3nb.hidden.stage import HiddenStatesError, preview, run
 from eagle3nb.layers import LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.params import from_dict
+from eagle3nb.paths import file_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.data.shards import file_sha256
+from eagle3nb.paths import file_sha256
 from eagle3nb.progress import write_json_atomic
 
 

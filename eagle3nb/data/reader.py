@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3nb.data.head import read_head_tensors, rms_norm, target_info
-from eagle3nb.data.shards import ShardError, check_shard, decode, file_sha256
+from eagle3nb.data.shards import ShardError, check_shard, decode
 from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, load_draft_vocab
 from eagle3nb.errors import InputError
+from eagle3nb.paths import file_sha256
 from eagle3nb.toy import resolve_model_path
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3nb.params import StageError
+from eagle3nb.paths import file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -133,14 +134,6 @@ def write_shard(path: Path, tensors: dict[str, "torch.Tensor"]) -> dict:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return {"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_shard(path: Path, expect_bytes: int | None = None, expect_sha256: str | None = None) -> None:

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.errors import InputError
+from eagle3nb.paths import file_sha256
 from eagle3nb.tokens import IM_END, THINK_END
 from eagle3nb.toy import dialogues
-from eagle3nb.toy.shipped import file_sha256, manifest
+from eagle3nb.toy.shipped import manifest
 from eagle3nb.toy.tokenizer import build_tokenizer
 
 # Model and training settings per size. ``threads`` is fixed so a rebuild repeats on the same machine (another

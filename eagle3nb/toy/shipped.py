@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from eagle3nb.errors import UserError
+from eagle3nb.paths import file_sha256
 
 SHIPPED = Path(__file__).resolve().parent / "shipped"
 MANIFEST = SHIPPED / "MANIFEST.json"
@@ -24,14 +25,6 @@ MANIFEST = SHIPPED / "MANIFEST.json"
 
 class ShippedToyError(UserError, RuntimeError):
     """The shipped toy is missing or its bytes differ from the manifest."""
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def folder_digest(files: dict[str, str]) -> str:
