@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from worlds import THREADS
+
 
 def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_size: int = 160, seed: int = 0) -> Path:
     """``root/02`` (stage 02's output over ``n`` toy dialogues rendered with the toy's chat template)."""
@@ -48,8 +50,9 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
 
 
 def child_env() -> dict[str, str]:
-    """A child 03 process: one thread (deterministic, no oversubscription), this checkout on its path."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    """A child 03 process: the fixtures' thread count (1 unless tools/variations.py says otherwise: a resumed run
+    repeats the in-process reference bit for bit only at the same count), this checkout on its path."""
+    return {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(Path(__file__).parents[1])}
 
 
 def kill_after(folder: Path, out: Path, step: int) -> int:
