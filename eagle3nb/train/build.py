@@ -10,6 +10,7 @@ import torch
 
 from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft
 from eagle3nb.draft_checkpoint import check_fits, load_draft
+from eagle3nb.families import is_mla
 from eagle3nb.toy import resolve_model_path
 
 
@@ -27,19 +28,38 @@ def target_config(meta: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
 
-def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
-    """A one-layer draft shaped like one of the target's layers, unless the params say otherwise."""
-    tc = target_config(meta)
-    H = meta["hidden_size"]
+def fresh_shape(P, tc: dict[str, Any], hidden_size: int, where: str = "the target") -> dict[str, int]:
+    """The attention and MLP sizes of a fresh draft: the target's own, explicit 03_train params winning.
+
+    A Llama-like target (Llama, Qwen3, GLM, gpt-oss) lends its heads, KV heads and head width. An MLA target
+    (DeepseekV3 / Kimi-K2: ``families.is_mla``) has no Llama head layout to copy: its ``head_dim`` is the rotary
+    part only (qk_rope_head_dim, 64) and its KV lives in a latent. The published drafters of such targets
+    (AQ-MedAI's Kimi-K2 EAGLE-3, docs/DESIGN-FACTS.md) are Llama layers with every head a KV head, of the
+    target's value width (v_head_dim, else qk_nope_head_dim: 128 on Kimi-K2) and its dense MLP width, so a
+    fresh draft is shaped the same way and a published checkpoint fits where a fresh draft would."""
     heads = P.num_attention_heads or tc.get("num_attention_heads")
     inter = P.intermediate_size or tc.get("intermediate_size")
     if not heads or not inter:
         raise DraftMismatchError(
-            f"cannot read the target's config.json at {meta.get('model_path')!r} to shape a fresh draft; set "
-            "num_attention_heads, num_key_value_heads, head_dim and intermediate_size in the 03_train parameters")
-    llama = {**tc, "hidden_size": H, "intermediate_size": inter, "num_attention_heads": heads,
-             "num_key_value_heads": P.num_key_value_heads or tc.get("num_key_value_heads") or heads,
-             "head_dim": P.head_dim or tc.get("head_dim") or H // heads, "vocab_size": meta["vocab_size"],
+            f"cannot read the target's config.json at {where} to shape a fresh draft; set num_attention_heads, "
+            "num_key_value_heads, head_dim and intermediate_size in the 03_train parameters")
+    if is_mla(tc):
+        kv = P.num_key_value_heads or heads
+        head_dim = P.head_dim or tc.get("v_head_dim") or tc.get("qk_nope_head_dim") or hidden_size // heads
+    else:
+        kv = P.num_key_value_heads or tc.get("num_key_value_heads") or heads
+        head_dim = P.head_dim or tc.get("head_dim") or hidden_size // heads
+    return {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+            "intermediate_size": inter}
+
+
+def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
+    """A one-layer draft shaped like one of the target's layers (:func:`fresh_shape`), unless the params say
+    otherwise."""
+    tc = target_config(meta)
+    H = meta["hidden_size"]
+    shape = fresh_shape(P, tc, H, where=repr(meta.get("model_path")))
+    llama = {**tc, "hidden_size": H, **shape, "vocab_size": meta["vocab_size"],
              "draft_vocab_size": draft_vocab_size}
     return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]))
 
