@@ -1,4 +1,9 @@
-"""Build the toy target: tokenizer + a small LlamaForCausalLM trained on generated reasoning dialogues.
+"""Build the toy targets: the toy tokenizer + a small model trained on generated reasoning dialogues.
+
+``smoke`` and ``demo`` are Llama models with Kimi's chat format (the fixture of the bulk of the suite); ``kimi``
+is Kimi-K2's own architecture, DeepseekV3 (multi-head latent attention at Kimi's real widths: kv_lora_rank 512 +
+qk_rope_head_dim 64 = 576, which vLLM's MLA kernel requires; a routed MoE with Kimi's sigmoid router and
+correction bias) at a small hidden size, with the same chat format: what the rehearsal and the demo serve.
 
 The recipe of the shipped toys (``shipped.py``: ``toy:smoke`` / ``toy:demo`` are those fixed bytes). A rebuild
 repeats bit for bit on one machine (fixed thread count, seeded torch and data) but not across CPUs: other
@@ -28,13 +33,32 @@ from eagle3nb.toy.tokenizer import build_tokenizer
 
 # Model and training settings per size. ``threads`` is fixed so a rebuild repeats on the same machine (another
 # CPU still ends at other weights: the shipped builds are what every machine uses).
-# Head size 32 in both (hidden / heads): the real vLLM's CPU attention serves head sizes of 32 and up only.
+# Head size 32 and up in all (hidden / heads): the real vLLM's CPU attention serves head sizes of 32 and up only.
+# ``arch``: the transformers architecture (``ARCHS``; absent: llama, which keeps the Llama toys' cache keys and
+# shipped manifest); ``mla``/``moe``: DeepseekV3's attention and expert widths.
 SIZES: dict[str, dict] = {
     "smoke": dict(hidden=64, layers=8, heads=2, kv_heads=1, intermediate=192, steps=560, batch=4, lr=1e-2,
                   warmup=20, threads=1),
     "demo": dict(hidden=128, layers=8, heads=4, kv_heads=2, intermediate=384, steps=1200, batch=8, lr=5e-3,
                  warmup=30, threads=1),
+    # Kimi-K2's config at 1/56 of its hidden size: its real MLA widths (kv_lora_rank 512, qk_rope_head_dim 64), 64
+    # heads -> 2, 384 routed experts (8 per token) + 1 shared -> 4 (2 per token) + 1, the first layer dense. No
+    # query low-rank (Kimi's q_lora_rank 1536 is above its head widths; at hidden 128 a rank-64 query slowed
+    # learning: held-out loss 2.16 vs 1.26 after 200 steps), and a lower rate than the Llama toys (5e-3: 2.16).
+    "kimi": dict(arch="deepseek_v3", hidden=128, layers=8, heads=2, kv_heads=2, intermediate=256, steps=900,
+                 batch=4, lr=2e-3, warmup=60, threads=1,
+                 mla=dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                          q_lora_rank=None),
+                 moe=dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
+                          first_k_dense_replace=1, routed_scaling_factor=2.827)),
 }
+# arch -> (config class, model class, config values beyond the shared ones).
+ARCHS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rms_norm_eps=1e-5)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(rms_norm_eps=1e-6, n_group=1, topk_group=1, norm_topk_prob=True, rope_scaling=None)),
+}
+ROUTER = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
 MAX_POSITIONS = 1024
 SAMPLE_TOKENS = 128  # length cap of the sample generations printed after a build
 TRAIN_VERSION = 3  # bump when the training code below changes the weights (the cache key includes it)
@@ -86,16 +110,22 @@ def batches(tokenizer, rng: random.Random, n: int, batch: int, split: str) -> li
 
 
 def make_model(tokenizer, s: dict):
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    """A fresh model of the size's architecture: Llama, or DeepseekV3 with its MLA and MoE widths."""
+    import transformers
+    from transformers import GenerationConfig
 
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(cfg)
+    common = dict(vocab_size=len(tokenizer), hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+                  num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                  max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, bos_token_id=None,
+                  eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id)
+    arch = s.get("arch", "llama")
+    config_cls, model_cls, extra = ARCHS[arch]
+    cfg = getattr(transformers, config_cls)(**common, **extra, **s.get("mla", {}), **s.get("moe", {}))
+    # Kimi-K2's config.json names its router (transformers' DeepseekV3 always routes this way; vLLM reads them).
+    for key, value in ROUTER.get(arch, {}).items():
+        setattr(cfg, key, value)
+    model = getattr(transformers, model_cls)(cfg)
     model.generation_config = GenerationConfig(eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=None, do_sample=False, max_new_tokens=128)
     return model

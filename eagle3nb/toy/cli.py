@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from eagle3nb.toy import build, write_prompts
+from eagle3nb.toy.build import SIZES
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -24,7 +25,8 @@ def register_cli(subparsers) -> None:
     b = sub.add_parser("build", help="rebuild the toy target model + tokenizer from its recipe (or reuse the cached "
                                      "rebuild); toy:smoke / toy:demo keep using the shipped builds")
     b.add_argument("--out", type=Path, default=None, help="output folder (default: the build cache)")
-    b.add_argument("--size", choices=["smoke", "demo"], default="smoke", help="smoke: ~30 s build; demo: ~3 min")
+    b.add_argument("--size", choices=list(SIZES), default="smoke",
+                   help="smoke: ~30 s build; demo: ~3 min (both Llama); kimi: DeepseekV3, MLA + MoE, ~3 min")
     b.add_argument("--seed", type=int, default=0, help="training seed (same seed on the same machine -> "
                                                                   "identical weights)")
     b.set_defaults(func=_build)
