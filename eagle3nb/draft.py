@@ -3,8 +3,11 @@
 Read top to bottom like the paper:
 
 1. ``fc`` fuses three of the target's hidden states (low, mid, high layer) into one feature g_t.
-2. One Llama decoder layer (``midlayer``) takes ``cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))``, so
-   its q/k/v projections take 2H inputs; the residual stream is the hidden path (g_t), not the embedding.
+2. One decoder layer (``midlayer``) takes ``cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))``, so its
+   attention projections take 2H inputs; the residual stream is the hidden path (g_t), not the embedding. Its
+   attention is Llama's (``Attention``), or DeepSeek's multi-head latent attention (``MLAAttention``, when the
+   config has ``mla`` widths: the draft vLLM serves beside an MLA target, whose CPU kernels share one KV block
+   size only with another MLA layer).
 3. The pre-norm output of that layer is the draft's own "feature"; it is fed back as g at the next draft step
    (training-time test and decoding alike). ``norm`` + ``lm_head`` turn it into logits over the draft vocabulary.
 4. ``d2t``/``t2d`` map between draft and target vocabularies: ``target_id = draft_id + d2t[draft_id]``.
@@ -50,10 +53,18 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
     extra: dict[str, Any] = field(default_factory=dict)  # other config keys, kept on save (e.g. bos/eos ids)
+    # An MLA midlayer's widths (MLA_KEYS; q_lora_rank None: a full-rank query); None: Llama attention.
+    mla: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
+        if self.mla is not None:
+            missing = [k for k in MLA_KEYS if k not in self.mla]
+            if missing:
+                raise InputError(f"an MLA draft needs {', '.join(MLA_KEYS)}; missing {', '.join(missing)}")
+            self.num_key_value_heads = self.num_attention_heads  # MLA expands its latent to every head
+            self.head_dim = self.mla["qk_rope_head_dim"]  # the rotary width
         if self.num_attention_heads % self.num_key_value_heads:
             raise InputError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -61,7 +72,9 @@ class Eagle3Config:
     # ---- config.json <-> Eagle3Config -------------------------------------------------------------
 
     def llama_dict(self) -> dict[str, Any]:
-        """The Llama decoder-layer keys both layouts share."""
+        """The decoder-layer keys both layouts share (Llama's; an MLA draft's under DeepseekV2's model_type, the
+        one vLLM keeps for a draft: it rewrites deepseek_v3 configs into its MTP drafter)."""
+        mla = {"model_type": "deepseek_v2", **self.mla} if self.mla is not None else {}
         return {
             "model_type": "llama",
             "num_hidden_layers": 1,
@@ -79,6 +92,7 @@ class Eagle3Config:
             "attention_bias": False,
             "mlp_bias": False,
             "tie_word_embeddings": False,
+            **mla,
         }
 
     @classmethod
@@ -109,6 +123,8 @@ class Eagle3Config:
         return cls(**values)
 
 
+# An MLA midlayer's widths, as DeepSeek's config.json names them.
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Token-id keys of the target's config that a draft config carries along unchanged.
 _KEPT_EXTRA = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -148,8 +164,11 @@ class DraftCache:
         return 0 if self.k is None else self.k.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        if self.length == 0:  # an empty cache (None, or zero positions of any width) takes the layer's widths
+            self.k, self.v = k, v
+            return self.k, self.v
+        self.k = torch.cat([self.k, k], dim=2)
+        self.v = torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
     def crop(self, n: int) -> None:
@@ -263,6 +282,63 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # shape: [B, T, H]
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotary pairs adjacent channels (2i, 2i+1); reorder them into halves so ``rotate_half`` applies
+    (the same permutation on q and k leaves every q.k product as the interleaved rotation gives it)."""
+    d = x.shape[-1]
+    return x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).flatten(-2)  # shape: [..., d]
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention reading the 2H concatenation: keys and values come from one
+    compressed latent (kv_lora_rank) plus a rotary key part shared by all heads; tensor names as vLLM's
+    deepseek_eagle3 draft loads them."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        m = cfg.mla
+        self.nh, self.rank, self.q_rank = cfg.num_attention_heads, m["kv_lora_rank"], m["q_lora_rank"]
+        self.nope, self.rope, self.vd = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+        qk = self.nope + self.rope
+        if (cfg.rope_scaling or {}).get("mscale_all_dim"):
+            raise InputError("an MLA draft with DeepSeek's yarn mscale (rope_scaling.mscale_all_dim) is not "
+                             "supported yet: train a Llama-attention draft (draft_attention: llama)")
+        if self.q_rank:
+            self.q_a_proj = nn.Linear(2 * cfg.hidden_size, self.q_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_rank, self.nh * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * cfg.hidden_size, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, self.nh * (self.nope + self.vd), bias=False)
+        self.o_proj = nn.Linear(self.nh * self.vd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache, attention_mask):
+        B, T, _ = x.shape  # shape: x [B, T, 2H]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_rank else self.q_proj(x)
+        q = q.view(B, T, self.nh, -1).transpose(1, 2)  # shape: [B, nh, T, nope + rope]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)  # [B, T, r], [B, T, rope]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.nh, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.vd], dim=-1)  # shape: [B, nh, T, nope], [B, nh, T, vd]
+        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # shape: [B, 1, T, rope]
+        q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe[:, None])  # shape: [B, nh, T, rope], [B, 1, T, rope]
+        q_pe = q_pe * cos + rotate_half(q_pe) * sin
+        k_pe = k_pe * cos + rotate_half(k_pe) * sin
+        q = torch.cat([q_nope, q_pe], dim=-1)  # shape: [B, nh, T, nope + rope]
+        k = torch.cat([k_nope, k_pe.expand(-1, self.nh, -1, -1)], dim=-1)  # shape: [B, nh, T, nope + rope]
+        if isinstance(cache, TTTCache):
+            out = cache.attend(q, k, v, attention_mask)  # shape: [B, nh, T, vd]
+        else:
+            past = 0
+            if cache is not None:
+                past = cache.length
+                k, v = cache.append(k, v)  # shape: [B, nh, past + T, .]
+            out = _sdpa(q, k, v, attention_mask, past)  # shape: [B, nh, T, vd], scale 1/sqrt(nope + rope)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.vd))  # shape: [B, T, H]
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -283,7 +359,7 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.mla is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

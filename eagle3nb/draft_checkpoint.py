@@ -15,11 +15,15 @@ from typing import Any
 
 import torch
 
-from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft
+from eagle3nb.draft import MLA_KEYS, DraftMismatchError, Eagle3Config, Eagle3Draft
 from eagle3nb.layers import default_aux_layer_ids, from_sglang
 from eagle3nb.progress import write_json_atomic
 
 WEIGHTS_FILE = "model.safetensors"
+# config.json architectures: a Llama midlayer (the first is what we write), and an MLA one (vLLM's
+# model_executor/models/deepseek_eagle3.py registers both names).
+LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 
 # ---- fitting a draft to its data -------------------------------------------------------------------
@@ -92,16 +96,23 @@ def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
     if "hidden_size" not in d:
         raise DraftMismatchError(f"{path}/config.json is neither an EAGLE-3 draft config (LlamaForCausalLMEagle3) "
                                  "nor a speculators config (speculators_model_type)")
-    arch = [a for a in d.get("architectures") or [] if a not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")]
+    archs = d.get("architectures") or []
+    arch = [a for a in archs if a not in LLAMA_ARCHS + MLA_ARCHS]
     if arch:
-        raise DraftMismatchError(f"{path}: architecture {arch[0]} is not a Llama-layer EAGLE-3 draft (e.g. an MLA "
-                                 "draft); only LlamaForCausalLMEagle3 checkpoints can be loaded and trained here")
+        raise DraftMismatchError(f"{path}: architecture {arch[0]} is not an EAGLE-3 draft this package reads "
+                                 f"({', '.join(LLAMA_ARCHS + MLA_ARCHS)})")
+    mla = None
+    if any(a in MLA_ARCHS for a in archs):
+        missing = [k for k in MLA_KEYS if k not in d]
+        if missing:
+            raise DraftMismatchError(f"{path}/config.json: an MLA draft ({archs[0]}) without {', '.join(missing)}")
+        mla = {k: d[k] for k in MLA_KEYS}
     ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
     if d.get("num_hidden_layers", 1) != 1:
         raise DraftMismatchError(f"{path}: num_hidden_layers={d['num_hidden_layers']}; only 1-layer EAGLE-3 "
                                  "drafts are supported")
-    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None)
+    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None, mla=mla)
 
 
 def _normalise_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -161,8 +172,12 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
     dtype = dtype or model.fc.weight.dtype
     dtype_name = str(dtype).removeprefix("torch.")
     ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
+    if format != "eagle3" and cfg.mla is not None:
+        raise DraftMismatchError(f"an MLA draft has no {format} layout (speculators' eagle3 speculator is a Llama "
+                                 "layer): export it as eagle3, vLLM's deepseek_eagle3 draft")
     if format == "eagle3":
-        d = {"architectures": ["LlamaForCausalLMEagle3"], **cfg.llama_dict(), **cfg.extra,
+        arch = MLA_ARCHS[0] if cfg.mla is not None else LLAMA_ARCHS[0]
+        d = {"architectures": [arch], **cfg.llama_dict(), **cfg.extra,
              "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
              "torch_dtype": dtype_name}
         if ids is not None:

@@ -13,6 +13,9 @@ from eagle3nb.draft import DraftCache, DraftMismatchError, Eagle3Config, Eagle3D
 from eagle3nb.draft_checkpoint import check_fits, load_draft, save_draft
 
 H, V, VD, T = 32, 50, 20, 12
+# The midlayer's attention: Llama's, and DeepSeek's latent attention with and without a low-rank query.
+MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+ATTENTIONS = {"llama": {}, "mla": {"mla": MLA}, "mla-qlora": {"mla": {**MLA, "q_lora_rank": 12}}}
 
 
 def tiny_draft(seed: int = 0, **over) -> Eagle3Draft:
@@ -37,9 +40,10 @@ def inputs(B: int = 2, seed: int = 1):
     return aux, ids, torch.arange(T).expand(B, T)
 
 
+@pytest.mark.parametrize("attention", list(ATTENTIONS))
 @torch.no_grad()
-def test_decoding_with_cache_equals_one_causal_pass_and_crop_rewinds():
-    m = tiny_draft()
+def test_decoding_with_cache_equals_one_causal_pass_and_crop_rewinds(attention):
+    m = tiny_draft(**ATTENTIONS[attention])
     aux, ids, pos = inputs()
     g = m.fuse(aux)
     _, full = m(g, ids, pos)
@@ -54,13 +58,14 @@ def test_decoding_with_cache_equals_one_causal_pass_and_crop_rewinds():
     torch.testing.assert_close(again, full[:, 7:8], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention", list(ATTENTIONS))
 @pytest.mark.parametrize("dense", [False, True])
 @torch.no_grad()
-def test_ttt_step_i_sees_causal_step0_keys_plus_its_own_diagonal(dense):
+def test_ttt_step_i_sees_causal_step0_keys_plus_its_own_diagonal(dense, attention):
     """Each TTT step, at every position t, equals decoding i tokens ahead of t with a KV cache: prefill the
     target features 0..t, then feed the draft's own feature back at positions t+1..t+i. Both ways of computing
     the TTT attention (element-wise diagonal; fused attention with a block mask) are held to it."""
-    m = tiny_draft()
+    m = tiny_draft(**ATTENTIONS[attention])
     aux, ids, pos = inputs(B=1)
     steps = 3
     step_ids = [torch.roll(ids, -i, dims=1) for i in range(steps)]  # any token per (step, position)
@@ -166,9 +171,63 @@ def test_shape_mismatch_in_checkpoint_is_named(tmp_path):
         load_draft(tmp_path)
 
 
-def test_non_llama_eagle3_architecture_is_named(tmp_path):
+def test_unknown_or_incomplete_draft_architectures_are_named(tmp_path):
     save_draft(tiny_draft(), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
-    with pytest.raises(DraftMismatchError, match="Eagle3DeepseekV2ForCausalLM is not a Llama-layer"):
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["MedusaModel"]}))
+    with pytest.raises(DraftMismatchError, match="MedusaModel is not an EAGLE-3 draft this package reads"):
         load_draft(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
+    with pytest.raises(DraftMismatchError, match="MLA draft .* without kv_lora_rank"):
+        load_draft(tmp_path)
+
+
+@pytest.mark.parametrize("attention", ["mla", "mla-qlora"])
+def test_mla_draft_exports_as_vllms_deepseek_eagle3_and_loads_back(tmp_path, attention):
+    """vLLM's deepseek_eagle3 reads architectures Eagle3DeepseekV2ForCausalLM under a model_type it keeps for a
+    draft (deepseek_v2: it rewrites deepseek_v3 into its MTP drafter), the MLA widths, and these tensor names."""
+    m = tiny_draft(**ATTENTIONS[attention])
+    aux, ids, pos = inputs()
+    with torch.no_grad():
+        want = m(m.fuse(aux), ids, pos)[1]
+    save_draft(m, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    mla = ATTENTIONS[attention]["mla"]
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v2"
+    assert {k: cfg[k] for k in mla} == mla and cfg["num_attention_heads"] == 4
+    names = {k for k in load_file(tmp_path / "model.safetensors") if k.startswith("midlayer.self_attn.")}
+    query = ({"q_a_proj", "q_a_layernorm", "q_b_proj"} if mla["q_lora_rank"] else {"q_proj"})
+    assert names == {f"midlayer.self_attn.{n}.weight" for n in
+                     query | {"kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"}}
+    back = load_draft(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(back(back.fuse(aux), ids, pos)[1], want)
+    with pytest.raises(DraftMismatchError, match="no speculators layout"):
+        save_draft(m, tmp_path / "spec", format="speculators")
+
+
+@torch.no_grad()
+def test_mla_attention_equals_transformers_deepseek_v3_attention():
+    """Our MLA midlayer attention is DeepSeek-V3's (transformers' class: interleaved rotary on the shared rotary
+    key, latent-normed keys and values, 1/sqrt(nope + rope) scale), over the 2H concatenation it reads."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    m = tiny_draft(**ATTENTIONS["mla"])
+    ours = m.midlayer.self_attn
+    hf_cfg = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=4, num_key_value_heads=4, **MLA,
+                              rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                              rms_norm_eps=m.config.rms_norm_eps, max_position_embeddings=64)
+    hf_cfg._attn_implementation = "eager"
+    hf = DeepseekV3Attention(hf_cfg, layer_idx=0).eval()
+    for name in ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"):
+        getattr(hf, name).weight.copy_(getattr(ours, name).weight)
+    hf.o_proj.weight.zero_()
+    hf.o_proj.weight[:H] = ours.o_proj.weight  # its o_proj maps back to 2H: our H outputs are its first H
+    x = torch.randn(2, T, 2 * H)
+    pos = torch.arange(T).expand(2, T)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(2, 1, T, T)
+    want = hf(x, position_embeddings=DeepseekV3RotaryEmbedding(hf_cfg)(x, pos), attention_mask=mask)[0][..., :H]
+    cos, sin = m.rotary(x, pos)
+    got = ours(x, cos, sin, None, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

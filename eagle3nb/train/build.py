@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from eagle3nb.draft import DraftMismatchError, Eagle3Config, Eagle3Draft
+from eagle3nb.draft import MLA_KEYS, DraftMismatchError, Eagle3Config, Eagle3Draft
 from eagle3nb.draft_checkpoint import check_fits, load_draft
 from eagle3nb.families import is_mla
 from eagle3nb.toy import resolve_model_path
@@ -61,7 +61,14 @@ def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config
     shape = fresh_shape(P, tc, H, where=repr(meta.get("model_path")))
     llama = {**tc, "hidden_size": H, **shape, "vocab_size": meta["vocab_size"],
              "draft_vocab_size": draft_vocab_size}
-    return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]))
+    mla = None
+    if P.draft_attention == "mla":
+        if not is_mla(tc):
+            raise DraftMismatchError(f"draft_attention: mla copies the target's latent attention, but the target at "
+                                     f"{meta.get('model_path')!r} has no kv_lora_rank (it is not an MLA model); "
+                                     "set draft_attention: llama")
+        mla = {k: tc.get(k) for k in MLA_KEYS}
+    return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla)
 
 
 def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:

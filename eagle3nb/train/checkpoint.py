@@ -23,6 +23,8 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
     """The settings a resumed run must share with the run it continues (``source``: an online or hybrid data
     source's own settings, which change the data as much as data_dir does)."""
     cfg = {k: getattr(P, k) for k in CURVE_KEYS}
+    if cfg["draft_attention"] == "llama":
+        del cfg["draft_attention"]  # the layer every run had before the choice existed: older runs still resume
     cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
     cfg["global_micro_batches"] = P.grad_accum * world

@@ -16,7 +16,7 @@ STAGE = "03_train"
 CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_decay", "warmup_ratio", "epochs",
               "max_steps", "max_length", "batch_tokens", "grad_clip", "seed", "holdout_fraction",
               "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "remap_vocab",
-              "autocast")
+              "autocast", "draft_attention")
 
 
 @register(STAGE)
@@ -70,6 +70,10 @@ class TrainParams(StageParams):
                                             description="from scratch: attention heads; null = the target's")
     num_key_value_heads: int | None = Field(None, ge=1, description="from scratch: KV heads; null = the target's")
     head_dim: int | None = Field(None, ge=1, description="from scratch: head width; null = the target's")
+    draft_attention: Literal["llama", "mla"] = Field(
+        "llama", description="from scratch: the midlayer's attention: llama (the published drafters' layer, served "
+                             "by vLLM and SGLang on GPUs) or mla (an MLA target's own latent attention and widths: "
+                             "vLLM's deepseek_eagle3 draft, the one its CPU build serves beside an MLA target)")
     remap_vocab: bool = Field(False, description="fine-tuning with a checkpoint whose draft vocabulary differs from "
                                                  "the data's: carry its lm_head rows over for shared tokens (others "
                                                  "from the target's lm_head) instead of stopping")
