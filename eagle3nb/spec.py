@@ -182,16 +182,86 @@ def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
+def attention_windows(config) -> dict[str, int | None] | None:
+    """The target's attention window by layer type, e.g. ``{"sliding_attention": 128, "full_attention": None}``
+    (gpt-oss), or None when no layer slides. Other layer kinds (chunked, linear, shared KV) raise: PaddedKV
+    edits every layer's keys and values column by column, which only plain attention layers allow."""
+    cfg = config.get_text_config(decoder=True)
+    try:  # what DynamicCache(config=...) itself reads
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # older transformers: the same rule from the config's fields
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None) or \
+            ["sliding_attention" if window is not None else "full_attention"] * cfg.num_hidden_layers
+        kwargs = [{"sliding_window": window} if t == "sliding_attention" else {} for t in types]
+    else:
+        types, kwargs = get_layer_types_and_kwargs(cfg)
+    windows: dict[str, int | None] = {}
+    for t, kw in zip(types, kwargs):
+        if t not in ("full_attention", "sliding_attention"):
+            raise InputError(f"the target has {t!r} layers: local speculative decoding supports full and "
+                             "sliding-window attention layers only (serve it with vLLM instead)")
+        windows[t] = kw.get("sliding_window") if t == "sliding_attention" else None
+    return windows if any(w is not None for w in windows.values()) else None
+
+
+def full_cache(config):
+    """An empty DynamicCache for ``config`` whose every layer keeps all its columns: transformers' sliding layers
+    drop columns past the window by count, and with holes and padding a row's window is not the last columns
+    (``attention_mask`` applies the windows instead). Costs the memory of full layers."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
+
+
 class PaddedKV:
     """One KV cache (transformers' or the draft's) shared by rows of different lengths, as continuous batching
     needs. Rows share columns; ``mask`` [B, T] (1 = a real token of that row) says which are a row's own, so
     left padding, rejected drafts and finished neighbours cost no copy, only masked attention, until holes
     waste a quarter of the width and the rows are packed again. ``length`` [B] counts each row's real tokens:
-    the position of its next token. Every forward over it must pass ``mask`` and the positions of ``extend``."""
+    the position of its next token. Every forward over it must pass the positions of ``extend`` and ``mask``
+    (a target: ``attention_mask(n, ...)``, which also applies sliding windows by each row's real tokens)."""
 
-    def __init__(self, cache, mask: torch.Tensor):
-        self.cache, self.mask = cache, mask
+    def __init__(self, cache, mask: torch.Tensor, windows: dict[str, int | None] | None = None):
+        self.cache, self.mask, self.windows = cache, mask, windows
         self.length = mask.sum(1)
+
+    @classmethod
+    def for_target(cls, config, mask: torch.Tensor) -> "PaddedKV":
+        """An empty target cache for rows whose columns ``mask`` [B, T] describes (the prefill comes next). A
+        target with sliding-window layers gets full layers and its windows applied by ``attention_mask``."""
+        windows = attention_windows(config)  # first: it refuses the layer kinds full_cache would not keep
+        return cls(full_cache(config), mask, windows)
+
+    def attention_mask(self, n: int, config, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What a target forward over the last ``n`` columns passes as ``attention_mask``.
+
+        Without sliding layers the 2D ``mask``: transformers builds causal + padding from it. With them, 4D masks
+        [B, 1, n, T] built here, one per layer type (one tensor if every layer has the same window): a key is
+        seen if it is one of the row's real tokens, not after the query, and for a sliding layer fewer than
+        ``window`` real tokens before it. transformers' own sliding mask counts columns, which holes and padding
+        make wrong, and its sliding cache layers keep only the last window of columns."""
+        if not self.windows:
+            return self.mask
+        impl = getattr(config.get_text_config(decoder=True), "_attn_implementation", None)
+        if impl not in ("eager", "sdpa"):
+            raise InputError(f"local decoding of a sliding-window target needs attn_implementation 'eager' or "
+                             f"'sdpa' (explicit 4D masks), not {impl!r}: load the target with one of them")
+        width = self.mask.shape[1]
+        q = torch.arange(width - n, width, device=self.mask.device)[:, None]
+        k = torch.arange(width, device=self.mask.device)[None]
+        seen = self.mask.bool()[:, None, None, :] & (k <= q)  # shape: [B, 1, n, T]
+        count = self.mask.cumsum(1)  # shape: [B, T]: real tokens up to each column
+        # shape: [B, 1, n, T]: real tokens after the key up to the query = their position difference (for real keys)
+        dist = (count[:, width - n:, None] - count[:, None, :])[:, None]
+        masks = {t: seen if w is None else seen & (dist < w) for t, w in self.windows.items()}
+        if impl == "eager":  # additive: 0 where seen, the dtype's minimum elsewhere (as transformers' eager_mask)
+            zero, low = torch.zeros((), dtype=dtype, device=q.device), torch.finfo(dtype).min
+            masks = {t: torch.where(m, zero, low) for t, m in masks.items()}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def extend(self, n: int) -> torch.Tensor:
         """Columns for ``n`` new tokens per row (the forward that follows appends their K/V): position ids [B, n]."""
@@ -286,11 +356,13 @@ class SpecDecoder:
         self.d2t_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
         self.d2t_ids = self.d2t_ids.to(self.device)
         self.vocab = target.config.vocab_size
+        attention_windows(target.config)  # layer kinds PaddedKV cannot hold fail here, before any request
 
     def target_forward(self, ids: torch.Tensor, kv: PaddedKV, pos: torch.Tensor, keep: int = 0):
         """Target forward over ``ids`` [B, n] after ``kv``: (logits [B, n, V] (the last ``keep`` only, if > 0),
         aux [B, n, 3H] at the draft's layers)."""
-        out = self.target(input_ids=ids, attention_mask=kv.mask, position_ids=pos, cache=kv.cache, use_cache=True,
+        mask = kv.attention_mask(ids.shape[1], self.target.config, self.target.dtype)
+        out = self.target(input_ids=ids, attention_mask=mask, position_ids=pos, cache=kv.cache, use_cache=True,
                           output_hidden_states=True, logits_to_keep=keep)
         kv.cache = out.cache
         return out.logits, torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
@@ -353,13 +425,11 @@ class SpecBatch:
         """Prefill new rows (their own left-padded batch, then merged in) and return their first tokens. The
         draft consumes every prompt position but the last, whose aux state pairs with the first token and
         opens the row's first round."""
-        from transformers import DynamicCache
-
         from eagle3nb.draft import DraftCache
 
         dec, B = self.dec, len(prompts)
         ids, mask, pos = left_padded(prompts, 0, dec.device)
-        target = PaddedKV(DynamicCache(config=dec.target.config), mask)
+        target = PaddedKV.for_target(dec.target.config, mask)
         logits, aux = dec.target_forward(ids, target, pos, keep=1)
         aux = aux.masked_fill(~mask.bool()[..., None], 0.0)  # padding's states may be NaN; the draft caches them
         first = [_pick(logits[i, -1], s.temperature, s.top_p, s.generator) for i, s in enumerate(sampling)]
