@@ -229,3 +229,32 @@ def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, toke
     assert [r.finish_reason for r in reqs] == ["length"] * len(reqs)
     assert [r.output_ids for r in reqs] == refs
     assert 0 < decoder.batch.counters.accepted < decoder.batch.counters.draft_tokens
+
+
+def test_embedded_plain_server_engine_answers_gpt_oss_like_generate(gpt_oss, tokenizer, prompts):
+    """The embedded server without a draft (its BatchDecoder): requests in two waves, the second joining a
+    running batch whose rows have crossed the window, each request's token ids equal generate's."""
+    from eagle3nb.serve.engine import Engine, Request, SamplingParams
+
+    with torch.inference_mode():
+        refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
+    engine = Engine(gpt_oss, tokenizer, model_name="gpt-oss-tiny").start()
+    done = [threading.Event() for _ in prompts]
+    reqs = []
+    for i, (p, n) in enumerate(zip(prompts, LIMITS)):
+        def on_update(u, ev=done[i]):
+            if u.finish_reason is not None:
+                ev.set()
+        reqs.append(Request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), on_update))
+    try:
+        for r in reqs[:3]:
+            engine.submit(r)
+        assert done[1].wait(60), engine.error
+        for r in reqs[3:]:
+            engine.submit(r)
+        for ev in done:
+            assert ev.wait(60), engine.error
+    finally:
+        engine.shutdown()
+    assert engine.error is None
+    assert [r.output_ids for r in reqs] == refs

@@ -154,13 +154,14 @@ class BatchDecoder:
     @torch.inference_mode()
     def join(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         """Prefill the new requests (left-padded), sample their first token, merge them into the batch."""
-        from transformers import DynamicCache
-
         ids, mask, pos = left_padded([r.prompt_ids + r.output_ids for r in reqs], self.pad_id, self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         cache=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+        # sliding-window targets get full cache layers and their windows in the mask (PaddedKV.attention_mask)
+        kv = PaddedKV.for_target(self.model.config, mask)
+        out = self.model(input_ids=ids, attention_mask=kv.attention_mask(ids.shape[1], self.model.config,
+                                                                         self.model.dtype),
+                         position_ids=pos, cache=kv.cache, use_cache=True, logits_to_keep=1)
+        kv.cache = out.cache
         toks = sample_next(out.logits[:, -1], reqs)
-        kv = PaddedKV(out.cache, mask)
         if self.kv is None:
             self.kv = kv
         else:
@@ -173,8 +174,8 @@ class BatchDecoder:
         """One decode step for every running request: feed each one's last token, sample the next."""
         ids = torch.tensor([[r.output_ids[-1]] for r in self.running], device=self.device)
         pos = self.kv.extend(1)
-        out = self.model(input_ids=ids, attention_mask=self.kv.mask, position_ids=pos, cache=self.kv.cache,
-                         use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=self.kv.attention_mask(1, self.model.config, self.model.dtype),
+                         position_ids=pos, cache=self.kv.cache, use_cache=True)
         self.kv.cache = out.cache
         toks = sample_next(out.logits[:, -1], self.running)
         return [(r, [t]) for r, t in zip(self.running, toks)]
