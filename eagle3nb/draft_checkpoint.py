@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from eagle3nb.draft import MLA_KEYS, DraftMismatchError, Eagle3Config, Eagle3Draft
+from eagle3nb.families import MLA_ARCHS
 from eagle3nb.layers import default_aux_layer_ids, from_sglang
 from eagle3nb.progress import write_json_atomic
 
 WEIGHTS_FILE = "model.safetensors"
-# config.json architectures: a Llama midlayer (the first is what we write), and an MLA one (vLLM's
-# model_executor/models/deepseek_eagle3.py registers both names).
+# config.json architectures of a Llama midlayer (the first is what we write); an MLA one's: families.MLA_ARCHS.
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 
 
 # ---- fitting a draft to its data -------------------------------------------------------------------

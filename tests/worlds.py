@@ -45,8 +45,9 @@ def write_run(folder: Path, stages: dict[str, dict]) -> Path:
     return folder
 
 
-def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0) -> dict:
-    """01 against ``server_url``, 02 extracted, 03 trained; returns ``{"run", "out", "stages"}``."""
+def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0, **train03: object) -> dict:
+    """01 against ``server_url``, 02 extracted, 03 trained (``train03``: more 03_train values); returns
+    ``{"run", "out", "stages"}``."""
     import torch
 
     from eagle3nb.hidden.stage import run as extract
@@ -61,7 +62,7 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0
                              "output_dir": out / "02_hidden_states"},
         "03_train": {"data_dir": out / "02_hidden_states", "output_dir": out / "03_train", "max_length": 512,
                      "batch_tokens": 2048, "max_steps": TRAIN_STEPS, "lr": 5e-3, "eval_every": 0, "save_every": 1000,
-                     "seed": seed},
+                     "seed": seed, **train03},
         "04_acceptance": {"model_path": model_dir, "draft_dir": out / "03_train" / "draft",
                           "data_dir": out / "02_hidden_states", "output_dir": out / "04_acceptance"},
     }

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.errors import InputError
-from eagle3nb.families import AUTO, VLLM_EAGLE3_RELEASE, detect, read_config, vllm_cpu_dtype
+from eagle3nb.families import AUTO, MLA_ARCHS, VLLM_EAGLE3_RELEASE, detect, is_mla, read_config, vllm_cpu_dtype
 from eagle3nb.launch import ServerHandle, free_port, launch
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
@@ -76,6 +76,11 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     if mode == "eagle3":
         if draft_dir is None:
             raise ValueError("eagle3 mode needs draft_dir (03_train's draft/ folder)")
+        draft_archs = read_config(draft_dir).get("architectures") or []
+        if cpu and is_mla(read_config(model_dir)) and not any(a in MLA_ARCHS for a in draft_archs):
+            raise InputError(f"vLLM's CPU build serves an MLA target ({model_dir}) only beside an MLA draft (its MLA "
+                             f"kernel takes KV blocks of 16, its Llama attention multiples of 32), but {draft_dir} "
+                             f"is {'/'.join(draft_archs) or 'not an MLA draft'}: train it with draft_attention: mla")
         args += ["--speculative-config", json.dumps(eagle3_spec(draft_dir, num_speculative_tokens))]
     return args
 

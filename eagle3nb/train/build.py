@@ -67,7 +67,9 @@ def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config
             raise DraftMismatchError(f"draft_attention: mla copies the target's latent attention, but the target at "
                                      f"{meta.get('model_path')!r} has no kv_lora_rank (it is not an MLA model); "
                                      "set draft_attention: llama")
-        mla = {k: tc.get(k) for k in MLA_KEYS}
+        # vLLM 0.32's deepseek_eagle3 loader always stacks kv_a_proj_with_mqa into fused_qkv_a_proj, so it loads
+        # only drafts with a low-rank query: a target without one (the toy) lends its hidden size as the rank.
+        mla = {**{k: tc.get(k) for k in MLA_KEYS}, "q_lora_rank": tc.get("q_lora_rank") or H}
     return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla)
 
 
