@@ -10,6 +10,9 @@ Read top to bottom like the paper:
    size only with another MLA layer).
 3. The pre-norm output of that layer is the draft's own "feature"; it is fed back as g at the next draft step
    (training-time test and decoding alike). ``norm`` + ``lm_head`` turn it into logits over the draft vocabulary.
+   EAGLE-3.1 (vLLM's ``fc_norm`` / ``norm_output`` config keys, both off by default): ``fc_norm`` puts one RMSNorm
+   on each aux state before ``fc`` (so no layer's scale dominates the fused feature), ``norm_output`` feeds
+   the post-norm state back instead of the pre-norm one.
 4. ``d2t``/``t2d`` map between draft and target vocabularies: ``target_id = draft_id + d2t[draft_id]``.
 
 The embedding is the target's and stays frozen. The ``# shape:`` comments use B batch, T positions, H the
@@ -55,6 +58,10 @@ class Eagle3Config:
     extra: dict[str, Any] = field(default_factory=dict)  # other config keys, kept on save (e.g. bos/eos ids)
     # An MLA midlayer's widths (MLA_KEYS; q_lora_rank None: a full-rank query); None: Llama attention.
     mla: dict[str, Any] | None = None
+    # EAGLE-3.1 (vLLM's llama_eagle3 / deepseek_eagle3 config keys): an RMSNorm per aux state before fc
+    # (``fc_norm.{i}.weight``), and the post-norm state fed back as the next step's feature.
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
         if self.target_hidden_size is None:
@@ -118,6 +125,8 @@ class Eagle3Config:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             extra={k: d[k] for k in _KEPT_EXTRA if d.get(k) is not None},
+            fc_norm=bool(d.get("fc_norm", False)),
+            norm_output=bool(d.get("norm_output", False)),
         )
         values.update(over)
         return cls(**values)
@@ -384,6 +393,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.fc_norm:  # EAGLE-3.1: one norm per aux state (vLLM's ``fc_norm.{i}``); absent otherwise
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -399,7 +410,11 @@ class Eagle3Draft(nn.Module):
             raise DraftMismatchError(
                 f"aux states have width {aux.shape[-1]} but the draft's fc expects 3 x target_hidden_size = "
                 f"{self.fc.in_features}; the hidden-state data and the draft come from different targets")
-        return self.fc(aux.to(self.fc.weight.dtype))  # shape: [B, T, 3*H_t] -> [B, T, H]
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.fc_norm:  # EAGLE-3.1: normalise each aux state on its own, as vLLM's combine_hidden_states
+            chunks = aux.chunk(3, dim=-1)  # shape: 3 x [B, T, H_t]
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)  # shape: [B, T, 3*H_t]
+        return self.fc(aux)  # shape: [B, T, 3*H_t] -> [B, T, H]
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: DraftCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None,
@@ -408,11 +423,14 @@ class Eagle3Draft(nn.Module):
 
         hidden: [B, T, H] feature (``fuse(aux)`` at step 0, the previous step's ``hidden_out`` after);
         input_ids: [B, T] target-vocab ids of the *next* token at each position; position_ids: [B, T].
-        Returns (hidden_out [B, T, H] pre-norm, fed back at the next step; logits [B, T, draft_vocab])."""
+        Returns (hidden_out [B, T, H] pre-norm (post-norm with ``norm_output``), fed back at the next step;
+        logits [B, T, draft_vocab])."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # shape: [B, T, H]
         cos, sin = self.rotary(hidden, position_ids)  # shape: [B, T, d] each
         h = self.midlayer(embeds, hidden, cos, sin, cache, attention_mask)  # shape: [B, T, H]
-        return h, self.lm_head(self.norm(h))  # shape: [B, T, H], [B, T, Vd]
+        normed = self.norm(h)  # shape: [B, T, H]
+        out = normed if self.config.norm_output else h  # EAGLE-3.1 norm_output: the post-norm state is fed back
+        return out, self.lm_head(normed)  # shape: [B, T, H], [B, T, Vd]
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids."""

@@ -23,6 +23,9 @@ from eagle3nb.progress import write_json_atomic
 WEIGHTS_FILE = "model.safetensors"
 # config.json architectures of a Llama midlayer (the first is what we write); an MLA one's: families.MLA_ARCHS.
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# EAGLE-3.1's config keys, top-level in both layouts (vLLM 0.32 reads them in llama_eagle3 / deepseek_eagle3, and
+# its speculators parser copies them from a speculators config); written only when on, so 3.0 exports stay as they were.
+EAGLE31_KEYS = ("fc_norm", "norm_output")
 
 
 # ---- fitting a draft to its data -------------------------------------------------------------------
@@ -87,7 +90,8 @@ def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
         layer = dict(d["transformer_layer_config"])
         cfg = Eagle3Config.from_llama_dict(
             layer, draft_vocab_size=d.get("draft_vocab_size") or layer["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size"), aux_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"))
+            target_hidden_size=d.get("target_hidden_size"), aux_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"),
+            **{k: bool(d.get(k, False)) for k in EAGLE31_KEYS})
         if d.get("norm_before_residual"):
             raise DraftMismatchError(f"{path}: norm_before_residual=true drafts are not supported "
                                      "(the residual would be the normed feature)")
@@ -171,6 +175,7 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
     dtype = dtype or model.fc.weight.dtype
     dtype_name = str(dtype).removeprefix("torch.")
     ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
+    on31 = {k: True for k in EAGLE31_KEYS if getattr(cfg, k)}
     if format != "eagle3" and cfg.mla is not None:
         raise DraftMismatchError(f"an MLA draft has no {format} layout (speculators' eagle3 speculator is a Llama "
                                  "layer): export it as eagle3, vLLM's deepseek_eagle3 draft")
@@ -178,7 +183,7 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
         arch = MLA_ARCHS[0] if cfg.mla is not None else LLAMA_ARCHS[0]
         d = {"architectures": [arch], **cfg.llama_dict(), **cfg.extra,
              "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-             "torch_dtype": dtype_name}
+             "torch_dtype": dtype_name, **on31}
         if ids is not None:
             d["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM reads the top-level key
             d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
@@ -192,6 +197,7 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
             "norm_before_residual": False,
+            **on31,
             "eagle_aux_hidden_state_layer_ids": ids,
             "torch_dtype": dtype_name,
             "speculators_config": {

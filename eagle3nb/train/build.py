@@ -70,7 +70,9 @@ def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config
         # vLLM 0.32's deepseek_eagle3 loader always stacks kv_a_proj_with_mqa into fused_qkv_a_proj, so it loads
         # only drafts with a low-rank query: a target without one (the toy) lends its hidden size as the rank.
         mla = {**{k: tc.get(k) for k in MLA_KEYS}, "q_lora_rank": tc.get("q_lora_rank") or H}
-    return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla)
+    return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla,
+                                        fc_norm=bool(getattr(P, "fc_norm", False)),
+                                        norm_output=bool(getattr(P, "norm_output", False)))
 
 
 def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
@@ -92,6 +94,10 @@ def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
                layer_ids=meta["layer_ids"], num_layers=meta.get("num_layers"),
                draft=f"checkpoint {init}", data=f"hidden states {P.data_path}")
     model.config.aux_layer_ids = list(meta["layer_ids"])
+    asked = [k for k in ("fc_norm", "norm_output") if getattr(P, k, False) and not getattr(model.config, k)]
+    if asked:
+        raise DraftMismatchError(f"{', '.join(asked)}: true shapes a fresh draft, but checkpoint {init} has none; "
+                                 "set them to false to fine-tune it, or init_from: null to train an EAGLE-3.1 draft")
     notes: dict[str, Any] = {"init": str(init)}
     if not (torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)):
         ours = set(model.draft_to_target(torch.arange(model.config.draft_vocab_size)).tolist())

@@ -25,6 +25,9 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
     cfg = {k: getattr(P, k) for k in CURVE_KEYS}
     if cfg["draft_attention"] == "llama":
         del cfg["draft_attention"]  # the layer every run had before the choice existed: older runs still resume
+    for key in ("fc_norm", "norm_output"):  # EAGLE-3.1's options, off in every run before they existed
+        if not cfg[key]:
+            del cfg[key]
     cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
     cfg["global_micro_batches"] = P.grad_accum * world

@@ -16,7 +16,7 @@ STAGE = "03_train"
 CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_decay", "warmup_ratio", "epochs",
               "max_steps", "max_length", "batch_tokens", "grad_clip", "seed", "holdout_fraction",
               "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "remap_vocab",
-              "autocast", "draft_attention")
+              "autocast", "draft_attention", "fc_norm", "norm_output")
 
 
 @register(STAGE)
@@ -74,6 +74,11 @@ class TrainParams(StageParams):
         "llama", description="from scratch: the midlayer's attention: llama (the published drafters' layer, served "
                              "by vLLM and SGLang on GPUs) or mla (an MLA target's own latent attention and widths: "
                              "vLLM's deepseek_eagle3 draft, the one its CPU build serves beside an MLA target)")
+    fc_norm: bool = Field(False, description="from scratch: EAGLE-3.1's RMSNorm on each of the three aux states "
+                                             "before fc, so no layer's scale dominates the fused feature (vLLM "
+                                             "reads fc_norm from the draft's config.json)")
+    norm_output: bool = Field(False, description="from scratch: EAGLE-3.1's post-norm state, not the pre-norm one, "
+                                                 "fed back as the next draft step's feature (vLLM's norm_output key)")
     remap_vocab: bool = Field(False, description="fine-tuning with a checkpoint whose draft vocabulary differs from "
                                                  "the data's: carry its lm_head rows over for shared tokens (others "
                                                  "from the target's lm_head) instead of stopping")

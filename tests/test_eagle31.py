@@ -1,0 +1,105 @@
+"""EAGLE-3.1's two options (vLLM 0.32's ``fc_norm`` / ``norm_output`` draft config keys): per-aux-state norms
+before fc, and the post-norm state fed back; decoding, export and the real vLLM serving such a draft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_draft import H, T, inputs, tiny_draft
+
+from eagle3nb.draft import DraftCache, TTTCache
+from eagle3nb.draft_checkpoint import load_draft, save_draft
+
+V31 = {"fc_norm": True, "norm_output": True}
+
+
+@torch.no_grad()
+def test_fc_norm_normalises_each_aux_state_before_fc():
+    m = tiny_draft(fc_norm=True)
+    aux, _, _ = inputs()
+    aux[..., :H] *= 100.0  # one layer's scale far above the others'
+    eps = m.config.rms_norm_eps
+    chunks = [aux[..., i * H:(i + 1) * H] for i in range(3)]
+    normed = [m.fc_norm[i].weight * c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)
+              for i, c in enumerate(chunks)]
+    want = torch.cat(normed, -1) @ m.fc.weight.T
+    torch.testing.assert_close(m.fuse(aux), want, rtol=1e-5, atol=1e-5)
+    plain = tiny_draft()  # the same seed: the same fc, without the norms
+    assert not torch.allclose(plain.fuse(aux), want, rtol=1e-3, atol=1e-3)
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(m.state_dict())
+    assert not any(k.startswith("fc_norm") for k in plain.state_dict())
+
+
+@torch.no_grad()
+def test_norm_output_feeds_back_the_post_norm_state():
+    m, pre = tiny_draft(norm_output=True), tiny_draft()
+    aux, ids, pos = inputs()
+    g = m.fuse(aux)
+    out, logits = m(g, ids, pos)
+    h, want_logits = pre(g, ids, pos)  # the same weights: h is the pre-norm state
+    torch.testing.assert_close(out, m.norm(h), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(out, h, atol=1e-3)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@torch.no_grad()
+def test_ttt_unroll_of_a_31_draft_equals_decoding_with_a_cache(dense):
+    m = tiny_draft(**V31)
+    aux, ids, pos = inputs(B=1)
+    steps = 3
+    step_ids = [torch.roll(ids, -i, dims=1) for i in range(steps)]
+    cache, hidden, ttt = TTTCache(dense=dense), m.fuse(aux), []
+    for i in range(steps):
+        hidden, logits = m(hidden, step_ids[i], pos + i, cache)
+        ttt.append((hidden, logits))
+    for t in range(T):
+        dc = DraftCache()
+        h, logits = m(m.fuse(aux[:, :t + 1]), ids[:, :t + 1], pos[:, :t + 1], dc)
+        h, logits = h[:, -1:], logits[:, -1:]
+        torch.testing.assert_close(logits, ttt[0][1][:, t:t + 1], rtol=1e-5, atol=1e-5)
+        for i in range(1, steps):
+            h, logits = m(h, step_ids[i][:, t:t + 1], torch.tensor([[t + i]]), dc)
+            torch.testing.assert_close(logits, ttt[i][1][:, t:t + 1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(h, ttt[i][0][:, t:t + 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_31_export_round_trips_bit_identical_with_the_keys_vllm_reads(tmp_path, fmt):
+    m = tiny_draft(**V31)
+    aux, ids, pos = inputs()
+    with torch.no_grad():
+        want = m(m(m.fuse(aux), ids, pos)[0], ids, pos + 1)  # two steps: the fed-back feature matters
+    save_draft(m, tmp_path, format=fmt)
+    back = load_draft(tmp_path)
+    assert back.config.fc_norm and back.config.norm_output
+    with torch.no_grad():
+        got = back(back(back.fuse(aux), ids, pos)[0], ids, pos + 1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # top-level in both layouts, as vLLM reads them
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert all(tensors[f"fc_norm.{i}.weight"].shape == (H,) for i in range(3))  # vLLM: model.fc_norm.{i}.weight
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_a_30_export_carries_no_31_keys(tmp_path, fmt):
+    save_draft(tiny_draft(), tmp_path, format=fmt)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert "fc_norm" not in cfg and "norm_output" not in cfg
+    assert not any(k.startswith("fc_norm") for k in load_file(tmp_path / "model.safetensors"))
+    back = load_draft(tmp_path)
+    assert not back.config.fc_norm and not back.config.norm_output
+
+
+def test_run_config_omits_the_31_options_when_off_so_older_runs_resume():
+    from eagle3nb.train.checkpoint import run_config
+    from eagle3nb.train.params import TrainParams
+
+    assert "fc_norm" not in run_config(TrainParams(), 1) and "norm_output" not in run_config(TrainParams(), 1)
+    on = run_config(TrainParams(fc_norm=True, norm_output=True), 1)
+    assert on["fc_norm"] is True and on["norm_output"] is True
+
