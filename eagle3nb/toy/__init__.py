@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.errors import InputError
-from eagle3nb.toy.build import SIZES, build
+from eagle3nb.toy.build import SIZES, build, is_shipped
 from eagle3nb.toy.dialogues import write_prompts
 from eagle3nb.toy.shipped import ShippedToyError, shipped
 
@@ -18,13 +18,14 @@ __all__ = ["build", "resolve_model_path", "write_prompts", "resolve_prompts", "s
 
 
 def resolve_model_path(value: str) -> Path:
-    """``toy:smoke`` / ``toy:demo`` -> the shipped toy (the same bytes on every machine); anything else -> that
-    existing model folder."""
+    """``toy:smoke`` / ``toy:demo`` / ``toy:kimi`` -> the shipped toy (the same bytes on every machine);
+    ``toy:qwen3`` (not shipped: tens of MB) -> its cached build, built here first when absent; anything else ->
+    that existing model folder."""
     if value.startswith("toy:"):
         size = value[4:]
         if size not in SIZES:
             raise InputError(f"unknown toy size {value!r}: use one of {', '.join('toy:' + s for s in sorted(SIZES))}")
-        return shipped(size)
+        return shipped(size) if is_shipped(size) else build(size=size)
     p = paths.resolve(value)
     if not p.is_dir():
         raise FileNotFoundError(

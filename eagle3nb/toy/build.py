@@ -4,6 +4,9 @@
 is Kimi-K2's own architecture, DeepseekV3 (multi-head latent attention at Kimi's real widths: kv_lora_rank 512 +
 qk_rope_head_dim 64 = 576, which vLLM's MLA kernel requires; a routed MoE with Kimi's sigmoid router and
 correction bias) at a small hidden size, with the same chat format: what the rehearsal and the demo serve.
+``qwen3`` is Qwen3-MoE (Qwen3MoeForCausalLM) on the real Qwen3 tokenizer and chat template
+(``real_tokenizers``); it is not shipped (its 151,936-row vocabulary makes it tens of MB) but built at first
+use into the cache, and trained only over the vocabulary rows the corpus uses (see ``train``).
 
 The recipe of the shipped toys (``shipped.py``: ``toy:smoke`` / ``toy:demo`` are those fixed bytes). A rebuild
 repeats bit for bit on one machine (fixed thread count, seeded torch and data) but not across CPUs: other
@@ -25,9 +28,10 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.errors import InputError
+from eagle3nb.families import from_template
 from eagle3nb.paths import file_sha256
 from eagle3nb.tokens import IM_END, THINK_END
-from eagle3nb.toy import dialogues
+from eagle3nb.toy import dialogues, real_tokenizers
 from eagle3nb.toy.shipped import manifest
 from eagle3nb.toy.tokenizer import build_tokenizer
 
@@ -35,7 +39,9 @@ from eagle3nb.toy.tokenizer import build_tokenizer
 # CPU still ends at other weights: the shipped builds are what every machine uses).
 # Head size 32 and up in all (hidden / heads): the real vLLM's CPU attention serves head sizes of 32 and up only.
 # ``arch``: the transformers architecture (``ARCHS``; absent: llama, which keeps the Llama toys' cache keys and
-# shipped manifest); ``mla``/``moe``: DeepseekV3's attention and expert widths.
+# shipped manifest); ``mla``/``moe``/``attn``: the architecture's attention and expert widths. ``tokenizer``: a
+# real family's tokenizer (``real_tokenizers``, name-version: its version is in the cache key; absent: the toy
+# tokenizer) and ``vocab`` its model's vocabulary size; ``shipped: False``: built at first use (absent: shipped).
 SIZES: dict[str, dict] = {
     "smoke": dict(hidden=64, layers=8, heads=2, kv_heads=1, intermediate=192, steps=560, batch=4, lr=1e-2,
                   warmup=20, threads=1),
@@ -51,12 +57,22 @@ SIZES: dict[str, dict] = {
                           q_lora_rank=None),
                  moe=dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
                           first_k_dense_replace=1, routed_scaling_factor=2.827)),
+    # Qwen3-30B-A3B's layout at hidden 64: GQA with an explicit head_dim whose attention is wider than the hidden
+    # size (32 heads x 128 over 2048 -> 4 x 32 over 64), q/k norms, every layer a top-k routed MoE without a shared
+    # expert (128 experts, 8 per token -> 4, 2), its real vocabulary size (151,936: the tokenizer's 151,669 padded
+    # to a multiple of 128).
+    "qwen3": dict(arch="qwen3_moe", hidden=64, layers=8, heads=4, kv_heads=2, intermediate=192, steps=700, batch=4,
+                  lr=1e-2, warmup=20, threads=1, attn=dict(head_dim=32),
+                  moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                           decoder_sparse_step=1),
+                  tokenizer=real_tokenizers.QWEN3.key, vocab=151936, shipped=False),
 }
 # arch -> (config class, model class, config values beyond the shared ones).
 ARCHS: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rms_norm_eps=1e-5)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(rms_norm_eps=1e-6, n_group=1, topk_group=1, norm_topk_prob=True, rope_scaling=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(rms_norm_eps=1e-6)),
 }
 ROUTER = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
 MAX_POSITIONS = 1024
@@ -69,15 +85,29 @@ SOURCE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / f).read_bytes()
                                       for f in ["tokenizer.py", "dialogues.py"]))
 
 
+def is_shipped(size: str) -> bool:
+    """Whether ``toy:<size>`` is a shipped build (``shipped.py``) rather than built at first use into the cache."""
+    return SIZES[size].get("shipped", True)
+
+
 def settings_hash(size: str, seed: int) -> str:
     """Cache key: this size's settings, the seed, the training version and the tokenizer/dialogue source."""
     key = {"size": SIZES[size], "seed": seed, "v": TRAIN_VERSION, "src": SOURCE_HASH.hexdigest()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def template_kwargs(tokenizer, thinking: bool) -> dict:
+    """The chat-template kwargs asking for ``thinking`` in the tokenizer's family (the toy template's and Kimi's
+    ``thinking``, Qwen3's ``enable_thinking``), told from the template's markers as the stages tell them."""
+    family = from_template(tokenizer.chat_template or "")
+    if family is None:
+        raise InputError("toy build: the tokenizer's chat template carries no known family's markers")
+    return family.template_kwargs(thinking)
+
+
 def render(tokenizer, d: dict) -> tuple[str, str]:
     """A finished dialogue's generation prompt and full text (the loss covers what the full text adds)."""
-    kw = {"thinking": d["thinking"]}
+    kw = template_kwargs(tokenizer, d["thinking"])
     prompt = tokenizer.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True, **kw)
     reply = {"role": "assistant", "content": d["answer"], "reasoning_content": d["reasoning"] if d["thinking"] else ""}
     full = tokenizer.apply_chat_template(d["messages"] + [reply], tokenize=False, **kw)
@@ -109,19 +139,30 @@ def batches(tokenizer, rng: random.Random, n: int, batch: int, split: str) -> li
     return out
 
 
+def load_tokenizer(s: dict):
+    """The size's tokenizer: a real family's (fetched into the cache at first use) or the toy tokenizer."""
+    if "tokenizer" in s:
+        return real_tokenizers.load(real_tokenizers.TOKENIZERS[s["tokenizer"]])
+    return build_tokenizer(dialogues.words_for_vocab())
+
+
 def make_model(tokenizer, s: dict):
-    """A fresh model of the size's architecture: Llama, or DeepseekV3 with its MLA and MoE widths."""
+    """A fresh model of the size's architecture: Llama, DeepseekV3 with its MLA and MoE widths, or Qwen3-MoE."""
     import transformers
     from transformers import GenerationConfig
 
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    common = dict(vocab_size=len(tokenizer), hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+    vocab = s.get("vocab", len(tokenizer))
+    if vocab < len(tokenizer):
+        raise InputError(f"toy build: vocab {vocab} is below the tokenizer's {len(tokenizer)} tokens")
+    common = dict(vocab_size=vocab, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                   num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
                   max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, bos_token_id=None,
                   eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id)
     arch = s.get("arch", "llama")
     config_cls, model_cls, extra = ARCHS[arch]
-    cfg = getattr(transformers, config_cls)(**common, **extra, **s.get("mla", {}), **s.get("moe", {}))
+    cfg = getattr(transformers, config_cls)(**common, **extra, **s.get("mla", {}), **s.get("moe", {}),
+                                            **s.get("attn", {}))
     # Kimi-K2's config.json names its router (transformers' DeepseekV3 always routes this way; vLLM reads them).
     for key, value in ROUTER.get(arch, {}).items():
         setattr(cfg, key, value)
@@ -131,7 +172,55 @@ def make_model(tokenizer, s: dict):
     return model
 
 
-def heldout_loss(model, tokenizer, seed: int, n_batches: int = 4) -> float:
+class CorpusRows:
+    """Training over the vocabulary rows the corpus uses, for a real vocabulary (Qwen3's 151,936 rows): the lm_head
+    over every row would cost most of each step. The embedding and lm_head rows of the ids the training batches
+    hold are trained as their own parameters; every other lm_head row is zero (their logits 0), so the softmax
+    over the used rows plus one logit log(#rest) for the rest is the full-vocabulary cross-entropy exactly,
+    and greedy decoding never picks an untrained token. The other embedding rows stay at their init."""
+
+    def __init__(self, model, data: list):
+        import torch
+
+        self.model = model
+        self.ids = torch.unique(torch.cat([x.flatten() for x, _ in data]))
+        self.local = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
+        self.local[self.ids] = torch.arange(len(self.ids))
+        self.full_embed = model.get_input_embeddings().weight
+        self.full_head = model.get_output_embeddings().weight
+        self.embed = torch.nn.Parameter(self.full_embed.detach()[self.ids].clone())
+        self.head = torch.nn.Parameter(self.full_head.detach()[self.ids].clone())
+        self.rest = math.log(model.config.vocab_size - len(self.ids))
+        self.full_embed.requires_grad_(False)
+        self.full_head.requires_grad_(False)
+
+    def parameters(self) -> list:
+        return [self.embed, self.head] + [p for p in self.model.parameters() if p.requires_grad]
+
+    def loss(self, x, y):
+        import torch
+        import torch.nn.functional as F
+
+        h = self.model.get_decoder()(inputs_embeds=self.embed[self.local[x]]).last_hidden_state
+        z = h @ self.head.T
+        z = torch.cat([z, z.new_full((*z.shape[:-1], 1), self.rest)], -1)
+        return F.cross_entropy(z.flatten(0, 1), self.local[y.clamp(min=0)].masked_fill(y == -100, -100).flatten())
+
+    def write_back(self) -> None:
+        """The trained rows into the model's full embedding and lm_head (the rest of lm_head zero)."""
+        import torch
+
+        with torch.no_grad():
+            self.full_embed[self.ids] = self.embed
+            self.full_head.zero_()
+            self.full_head[self.ids] = self.head
+        self.full_embed.requires_grad_(True)
+        self.full_head.requires_grad_(True)
+
+
+def heldout_loss(model, tokenizer, seed: int, n_batches: int = 4, per_sequence: bool = False) -> float:
+    """Mean cross-entropy on held-out assistant tokens; ``per_sequence``: one sequence's logits at a time (a real
+    vocabulary's logits of a whole batch would take gigabytes)."""
     import torch
     import torch.nn.functional as F
 
@@ -139,8 +228,13 @@ def heldout_loss(model, tokenizer, seed: int, n_batches: int = 4) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for x, y in batches(tokenizer, rng, n_batches, 32, "heldout"):
-            logits = model(input_ids=x).logits
-            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            if per_sequence:
+                h = model.get_decoder()(input_ids=x).last_hidden_state
+                for hi, yi in zip(h, y):
+                    total += F.cross_entropy(model.get_output_embeddings()(hi), yi, reduction="sum").item()
+            else:
+                logits = model(input_ids=x).logits
+                total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
             count += int((y != -100).sum())
     return total / count
 
@@ -149,8 +243,8 @@ def generate(model, tokenizer, messages: list[dict], thinking: bool = True, max_
     """Greedy completion text (special tokens kept) of one conversation."""
     import torch
 
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, thinking=thinking, tokenize=True,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **template_kwargs(tokenizer, thinking))
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False)
@@ -164,31 +258,40 @@ def train(out: Path, size: str, seed: int) -> dict:
 
     s = SIZES[size]
     t0 = time.time()
-    tokenizer = build_tokenizer(dialogues.words_for_vocab())
+    tokenizer = load_tokenizer(s)
     torch.manual_seed(seed)
     model = make_model(tokenizer, s)
-    opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(f"train:{seed}")
+    data = batches(tokenizer, rng, s["steps"], s["batch"], "train")
+    rows = CorpusRows(model, data) if "tokenizer" in s else None
+    params = rows.parameters() if rows else list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=s["lr"], weight_decay=0.01, betas=(0.9, 0.98))
     model.train()
     last = t0
-    for step, (x, y) in enumerate(batches(tokenizer, rng, s["steps"], s["batch"], "train")):
+    for step, (x, y) in enumerate(data):
         lr = s["lr"] * min(1.0, (step + 1) / s["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / s["steps"]))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss = rows.loss(x, y) if rows else F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if time.time() - last > 15 or step == s["steps"] - 1:
             last = time.time()
             print(f"toy {size}: step {step + 1}/{s['steps']} loss {loss.item():.3f} ({time.time() - t0:.0f}s)",
                   flush=True)
+    if rows:
+        rows.write_back()
     model.eval()
-    report = {"size": size, "seed": seed, "settings": s, "heldout_loss": heldout_loss(model, tokenizer, seed),
+    report = {"size": size, "seed": seed, "settings": s,
+              "heldout_loss": heldout_loss(model, tokenizer, seed, per_sequence=rows is not None),
               "train_seconds": round(time.time() - t0, 1)}
     model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
+    if "tokenizer" in s:  # the real files as fetched (a re-serialization would be this transformers' own dialect)
+        real_tokenizers.copy_into(real_tokenizers.TOKENIZERS[s["tokenizer"]], out)
+    else:
+        tokenizer.save_pretrained(str(out))
     samples = []
     rng = random.Random(f"samples:{seed}")
     for category in dialogues.CATEGORIES:
@@ -205,6 +308,8 @@ def train(out: Path, size: str, seed: int) -> dict:
 
 def rebuild_note(out: Path, size: str, seed: int) -> str:
     """How a rebuild's weights compare with the shipped toy of its size (``toy:<size>`` keeps the shipped one)."""
+    if not is_shipped(size):
+        return f"toy:{size} is built at first use (not shipped): on this machine it is this build"
     entry = manifest().get(size)
     if entry is None:
         return f"no shipped toy of size {size!r} to compare with"
@@ -257,7 +362,7 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
     print(rebuild_note(out, size, seed))
     print(f"held-out loss {report['heldout_loss']:.3f}")
     for smp in report["samples"]:
-        right = smp["output"].split(THINK_END)[-1] == smp["expected"] + IM_END
+        right = smp["output"].split(THINK_END)[-1].lstrip("\n") == smp["expected"] + IM_END
         print(f"  [{'think' if smp['thinking'] else 'no-think'}, {'right' if right else 'wrong'}] "
               f"{smp['question']!r} -> {smp['output']!r}")
     return out
