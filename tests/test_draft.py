@@ -13,9 +13,11 @@ from eagle3nb.draft import DraftCache, DraftMismatchError, Eagle3Config, Eagle3D
 from eagle3nb.draft_checkpoint import check_fits, load_draft, save_draft
 
 H, V, VD, T = 32, 50, 20, 12
-# The midlayer's attention: Llama's, and DeepSeek's latent attention with and without a low-rank query.
+# The draft variants every decoding test holds: Llama attention, DeepSeek's latent attention with and without a
+# low-rank query, and EAGLE-3.1's per-aux-state norms with the post-norm state fed back.
 MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
-ATTENTIONS = {"llama": {}, "mla": {"mla": MLA}, "mla-qlora": {"mla": {**MLA, "q_lora_rank": 12}}}
+ATTENTIONS = {"llama": {}, "mla": {"mla": MLA}, "mla-qlora": {"mla": {**MLA, "q_lora_rank": 12}},
+              "eagle3.1": {"fc_norm": True, "norm_output": True}}
 
 
 def tiny_draft(seed: int = 0, **over) -> Eagle3Draft:

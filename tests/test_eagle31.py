@@ -8,9 +8,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_draft import H, T, inputs, tiny_draft
+from test_draft import H, inputs, tiny_draft
 
-from eagle3nb.draft import DraftCache, TTTCache
 from eagle3nb.draft_checkpoint import load_draft, save_draft
 
 from worlds import requires_vllm
@@ -45,28 +44,6 @@ def test_norm_output_feeds_back_the_post_norm_state():
     torch.testing.assert_close(out, m.norm(h), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(logits, want_logits, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(out, h, atol=1e-3)
-
-
-@pytest.mark.parametrize("dense", [False, True])
-@torch.no_grad()
-def test_ttt_unroll_of_a_31_draft_equals_decoding_with_a_cache(dense):
-    m = tiny_draft(**V31)
-    aux, ids, pos = inputs(B=1)
-    steps = 3
-    step_ids = [torch.roll(ids, -i, dims=1) for i in range(steps)]
-    cache, hidden, ttt = TTTCache(dense=dense), m.fuse(aux), []
-    for i in range(steps):
-        hidden, logits = m(hidden, step_ids[i], pos + i, cache)
-        ttt.append((hidden, logits))
-    for t in range(T):
-        dc = DraftCache()
-        h, logits = m(m.fuse(aux[:, :t + 1]), ids[:, :t + 1], pos[:, :t + 1], dc)
-        h, logits = h[:, -1:], logits[:, -1:]
-        torch.testing.assert_close(logits, ttt[0][1][:, t:t + 1], rtol=1e-5, atol=1e-5)
-        for i in range(1, steps):
-            h, logits = m(h, step_ids[i][:, t:t + 1], torch.tensor([[t + i]]), dc)
-            torch.testing.assert_close(logits, ttt[i][1][:, t:t + 1], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(h, ttt[i][0][:, t:t + 1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])

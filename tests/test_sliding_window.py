@@ -194,20 +194,11 @@ def test_one_sequence_generate_equals_generate(gpt_oss, prompts):
     assert 0 < out.counters.accepted < out.counters.draft_tokens
 
 
-def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, tokenizer, prompts, tmp_path):
-    """The embedded server's ``--draft`` path: its Engine thread with a SpecEngine over a saved draft, requests
-    submitted in two waves (the second joins a running batch), each request's token ids equal generate's."""
-    from eagle3nb.draft_checkpoint import save_draft
-    from eagle3nb.serve.engine import Engine, Metrics, Request, SamplingParams
-    from eagle3nb.serve.spec_engine import SpecEngine
+def _serve_in_two_waves(engine, prompts: list[list[int]]) -> list:
+    """Greedy requests of ``LIMITS`` tokens on a started Engine: three first, the rest once the shortest has
+    finished (so they join a running batch); every request finished, the engine shut down and error-free."""
+    from eagle3nb.serve.engine import Request, SamplingParams
 
-    with torch.inference_mode():
-        refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
-    save_draft(_draft(gpt_oss), tmp_path / "draft")
-    metrics = Metrics("gpt-oss-tiny")
-    decoder = SpecEngine(gpt_oss, tokenizer, tmp_path / "draft", K, metrics)
-    _hint(decoder.batch.dec.draft, [p + r for p, r in zip(prompts, refs)])
-    engine = Engine(gpt_oss, tokenizer, model_name="gpt-oss-tiny", decoder=decoder, metrics=metrics).start()
     done = [threading.Event() for _ in prompts]
     reqs = []
     for i, (p, n) in enumerate(zip(prompts, LIMITS)):
@@ -226,6 +217,24 @@ def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, toke
     finally:
         engine.shutdown()
     assert engine.error is None
+    return reqs
+
+
+def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, tokenizer, prompts, tmp_path):
+    """The embedded server's ``--draft`` path: its Engine thread with a SpecEngine over a saved draft, requests
+    submitted in two waves (the second joins a running batch), each request's token ids equal generate's."""
+    from eagle3nb.draft_checkpoint import save_draft
+    from eagle3nb.serve.engine import Engine, Metrics
+    from eagle3nb.serve.spec_engine import SpecEngine
+
+    with torch.inference_mode():
+        refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
+    save_draft(_draft(gpt_oss), tmp_path / "draft")
+    metrics = Metrics("gpt-oss-tiny")
+    decoder = SpecEngine(gpt_oss, tokenizer, tmp_path / "draft", K, metrics)
+    _hint(decoder.batch.dec.draft, [p + r for p, r in zip(prompts, refs)])
+    engine = Engine(gpt_oss, tokenizer, model_name="gpt-oss-tiny", decoder=decoder, metrics=metrics).start()
+    reqs = _serve_in_two_waves(engine, prompts)
     assert [r.finish_reason for r in reqs] == ["length"] * len(reqs)
     assert [r.output_ids for r in reqs] == refs
     assert 0 < decoder.batch.counters.accepted < decoder.batch.counters.draft_tokens
@@ -234,27 +243,10 @@ def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, toke
 def test_embedded_plain_server_engine_answers_gpt_oss_like_generate(gpt_oss, tokenizer, prompts):
     """The embedded server without a draft (its BatchDecoder): requests in two waves, the second joining a
     running batch whose rows have crossed the window, each request's token ids equal generate's."""
-    from eagle3nb.serve.engine import Engine, Request, SamplingParams
+    from eagle3nb.serve.engine import Engine
 
     with torch.inference_mode():
         refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
     engine = Engine(gpt_oss, tokenizer, model_name="gpt-oss-tiny").start()
-    done = [threading.Event() for _ in prompts]
-    reqs = []
-    for i, (p, n) in enumerate(zip(prompts, LIMITS)):
-        def on_update(u, ev=done[i]):
-            if u.finish_reason is not None:
-                ev.set()
-        reqs.append(Request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), on_update))
-    try:
-        for r in reqs[:3]:
-            engine.submit(r)
-        assert done[1].wait(60), engine.error
-        for r in reqs[3:]:
-            engine.submit(r)
-        for ev in done:
-            assert ev.wait(60), engine.error
-    finally:
-        engine.shutdown()
-    assert engine.error is None
+    reqs = _serve_in_two_waves(engine, prompts)
     assert [r.output_ids for r in reqs] == refs
