@@ -7,7 +7,9 @@ Read top to bottom like the paper:
    attention projections take 2H inputs; the residual stream is the hidden path (g_t), not the embedding. Its
    attention is Llama's (``Attention``), or DeepSeek's multi-head latent attention (``MLAAttention``, when the
    config has ``mla`` widths: the draft vLLM serves beside an MLA target, whose CPU kernels share one KV block
-   size only with another MLA layer).
+   size only with another MLA layer). ``num_layers`` > 1 stacks plain decoder layers (``deeper``) on it, as
+   vLLM's llama_eagle3 / deepseek_eagle3 build ``num_hidden_layers``: layer 0 reads the 2H concatenation, every
+   later one only the H-wide residual stream (its attention input H, no embedding, no ``hidden_norm``).
 3. The pre-norm output of that layer is the draft's own "feature"; it is fed back as g at the next draft step
    (training-time test and decoding alike). ``norm`` + ``lm_head`` turn it into logits over the draft vocabulary.
    EAGLE-3.1 (vLLM's ``fc_norm`` / ``norm_output`` config keys, both off by default): ``fc_norm`` puts one RMSNorm
@@ -62,6 +64,7 @@ class Eagle3Config:
     # (``fc_norm.{i}.weight``), and the post-norm state fed back as the next step's feature.
     fc_norm: bool = False
     norm_output: bool = False
+    num_layers: int = 1  # decoder layers (vLLM's num_hidden_layers): the midlayer, then num_layers - 1 ``deeper``
 
     def __post_init__(self):
         if self.target_hidden_size is None:
@@ -72,6 +75,8 @@ class Eagle3Config:
                 raise InputError(f"an MLA draft needs {', '.join(MLA_KEYS)}; missing {', '.join(missing)}")
             self.num_key_value_heads = self.num_attention_heads  # MLA expands its latent to every head
             self.head_dim = self.mla["qk_rope_head_dim"]  # the rotary width
+        if self.num_layers < 1:
+            raise InputError(f"num_layers is {self.num_layers}; a draft has at least one decoder layer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InputError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -84,7 +89,7 @@ class Eagle3Config:
         mla = {"model_type": "deepseek_v2", **self.mla} if self.mla is not None else {}
         return {
             "model_type": "llama",
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads,
@@ -104,7 +109,9 @@ class Eagle3Config:
 
     @classmethod
     def from_llama_dict(cls, d: dict[str, Any], **over: Any) -> "Eagle3Config":
-        """Read the Llama keys (legacy ``rope_theta``/``rope_scaling`` or transformers-5 ``rope_parameters``)."""
+        """Read the Llama keys (legacy ``rope_theta``/``rope_scaling`` or transformers-5 ``rope_parameters``).
+        ``num_hidden_layers`` is not read (a target's config lends its other keys to a fresh draft): a draft's
+        own config passes ``num_layers`` in ``over``."""
         rope = dict(d.get("rope_parameters") or {})
         rope_theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope_scaling = d.get("rope_scaling")
@@ -162,11 +169,32 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DraftCache:
-    """The midlayer's K/V while decoding: keys/values [B, kv_heads, length, head_dim], one entry per position."""
+    """The midlayer's K/V while decoding: keys/values [B, kv_heads, length, head_dim], one entry per position.
+    A deeper draft's later layers keep theirs in ``deeper`` (``layer(i)``), cropped and edited together."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.deeper: list[DraftCache] = []
+
+    @classmethod
+    def empty(cls, num_layers: int, like: torch.Tensor) -> "DraftCache":
+        """A cache of ``num_layers`` layers holding zero positions, each ``like`` ([B, heads, 0, d]): rows can be
+        merged into it before the first forward."""
+        cache = cls()
+        for c in [cache, *(cache.layer(i) for i in range(1, num_layers))]:
+            c.k = c.v = like
+        return cache
+
+    def layer(self, i: int) -> "DraftCache":
+        """Layer i's cache (0: this one), made on first use."""
+        while len(self.deeper) < i:
+            self.deeper.append(DraftCache())
+        return self if i == 0 else self.deeper[i - 1]
+
+    def layers(self) -> list["DraftCache"]:
+        """Every layer's cache, layer 0 first."""
+        return [self, *self.deeper]
 
     @property
     def length(self) -> int:
@@ -181,9 +209,10 @@ class DraftCache:
         return self.k, self.v
 
     def crop(self, n: int) -> None:
-        """Keep the first ``n`` positions (drop the K/V of rejected draft tokens)."""
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+        """Keep the first ``n`` positions (drop the K/V of rejected draft tokens), in every layer."""
+        for c in self.layers():
+            if c.k is not None:
+                c.k, c.v = c.k[:, :, :n], c.v[:, :, :n]
 
 
 class TTTCache:
@@ -205,6 +234,13 @@ class TTTCache:
         self.v0: torch.Tensor | None = None
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
+        self.deeper: list[TTTCache] = []  # a deeper draft's later layers, each its own unroll
+
+    def layer(self, i: int) -> "TTTCache":
+        """Layer i's unroll (0: this one), made on first use with the same attention path."""
+        while len(self.deeper) < i:
+            self.deeper.append(TTTCache(self.dense))
+        return self if i == 0 else self.deeper[i - 1]
 
     @property
     def steps(self) -> int:
@@ -259,18 +295,19 @@ def _sdpa(q, k, v, attention_mask, past: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H concatenation of embedding and feature."""
+    """Llama attention whose q/k/v read the 2H concatenation of embedding and feature (``width`` H in the
+    layers after the first)."""
 
-    def __init__(self, cfg: Eagle3Config):
+    def __init__(self, cfg: Eagle3Config, width: int):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.q_proj = nn.Linear(width, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache, attention_mask):
-        B, T, _ = x.shape  # shape: x [B, T, 2H]
+        B, T, _ = x.shape  # shape: x [B, T, 2H] (H after the first layer)
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # shape: [B, nh, T, d]
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # shape: [B, nkv, T, d]
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # shape: [B, nkv, T, d]
@@ -300,10 +337,10 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 class MLAAttention(nn.Module):
     """DeepSeek-V2/V3 multi-head latent attention reading the 2H concatenation: keys and values come from one
-    compressed latent (kv_lora_rank) plus a rotary key part shared by all heads; tensor names as vLLM's
-    deepseek_eagle3 draft loads them."""
+    compressed latent (kv_lora_rank) plus a rotary key part shared by all heads (``width`` H after the first
+    layer); tensor names as vLLM's deepseek_eagle3 draft loads them."""
 
-    def __init__(self, cfg: Eagle3Config):
+    def __init__(self, cfg: Eagle3Config, width: int):
         super().__init__()
         m = cfg.mla
         self.nh, self.rank, self.q_rank = cfg.num_attention_heads, m["kv_lora_rank"], m["q_lora_rank"]
@@ -313,18 +350,18 @@ class MLAAttention(nn.Module):
             raise InputError("an MLA draft with DeepSeek's yarn mscale (rope_scaling.mscale_all_dim) is not "
                              "supported yet: train a Llama-attention draft (draft_attention: llama)")
         if self.q_rank:
-            self.q_a_proj = nn.Linear(2 * cfg.hidden_size, self.q_rank, bias=False)
+            self.q_a_proj = nn.Linear(width, self.q_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_rank, cfg.rms_norm_eps)
             self.q_b_proj = nn.Linear(self.q_rank, self.nh * qk, bias=False)
         else:
-            self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(2 * cfg.hidden_size, self.rank + self.rope, bias=False)
+            self.q_proj = nn.Linear(width, self.nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(width, self.rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.rank, self.nh * (self.nope + self.vd), bias=False)
         self.o_proj = nn.Linear(self.nh * self.vd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache, attention_mask):
-        B, T, _ = x.shape  # shape: x [B, T, 2H]
+        B, T, _ = x.shape  # shape: x [B, T, 2H] (H after the first layer)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_rank else self.q_proj(x)
         q = q.view(B, T, self.nh, -1).transpose(1, 2)  # shape: [B, nh, T, nope + rope]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
@@ -368,7 +405,7 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg) if cfg.mla is not None else Attention(cfg)
+        self.self_attn = attention(cfg, 2 * cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -376,6 +413,27 @@ class MidLayer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # shape: [B, T, 2H]
         h = hidden + self.self_attn(x, cos, sin, cache, attention_mask)  # shape: [B, T, H], residual = feature
         return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, T, H]
+
+
+class DecoderLayer(nn.Module):
+    """A layer after the midlayer (``num_layers`` > 1): a plain pre-norm decoder layer over the residual stream,
+    as vLLM's eagle3 drafts run their layers >= 1 (no embedding, attention input H)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attention(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, cache, attention_mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, attention_mask)  # shape: [B, T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, T, H]
+
+
+def attention(cfg: Eagle3Config, width: int) -> nn.Module:
+    """The config's attention (DeepSeek's latent one when it has ``mla`` widths, else Llama's) over ``width``."""
+    return MLAAttention(cfg, width) if cfg.mla is not None else Attention(cfg, width)
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -396,6 +454,8 @@ class Eagle3Draft(nn.Module):
         if cfg.fc_norm:  # EAGLE-3.1: one norm per aux state (vLLM's ``fc_norm.{i}``); absent otherwise
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
         self.midlayer = MidLayer(cfg)
+        if cfg.num_layers > 1:  # vLLM's layers 1.. (exported as ``layers.{i}``); absent in a one-layer draft
+            self.deeper = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers - 1))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
@@ -428,6 +488,8 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # shape: [B, T, H]
         cos, sin = self.rotary(hidden, position_ids)  # shape: [B, T, d] each
         h = self.midlayer(embeds, hidden, cos, sin, cache, attention_mask)  # shape: [B, T, H]
+        for i, layer in enumerate(self.deeper if self.config.num_layers > 1 else (), start=1):
+            h = layer(h, cos, sin, None if cache is None else cache.layer(i), attention_mask)  # shape: [B, T, H]
         normed = self.norm(h)  # shape: [B, T, H]
         out = normed if self.config.norm_output else h  # EAGLE-3.1 norm_output: the post-norm state is fed back
         return out, self.lm_head(normed)  # shape: [B, T, H], [B, T, Vd]

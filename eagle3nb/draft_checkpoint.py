@@ -3,7 +3,9 @@
 Two checkpoint layouts load and save (docs/DESIGN-FACTS.md "The checkpoint layout vLLM and SGLang load"): the
 EAGLE-3 layout (``midlayer.*``, config ``LlamaForCausalLMEagle3`` + ``eagle_config``; vLLM and SGLang load it,
 AQ-MedAI drafters and SpecForge exports use it) and the speculators layout (``layers.0.*``,
-``speculators_model_type: eagle3``). :func:`check_fits` compares a draft's shape with the target's data and
+``speculators_model_type: eagle3``). A draft of ``num_layers`` > 1 writes every layer as ``layers.{i}.*`` in both
+layouts, the names vLLM's eagle3 models give their ``num_hidden_layers`` layers (a one-layer EAGLE-3 export keeps
+``midlayer.*``, byte for byte as before). :func:`check_fits` compares a draft's shape with the target's data and
 names both sides of every mismatch.
 """
 
@@ -91,7 +93,7 @@ def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
         cfg = Eagle3Config.from_llama_dict(
             layer, draft_vocab_size=d.get("draft_vocab_size") or layer["vocab_size"],
             target_hidden_size=d.get("target_hidden_size"), aux_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"),
-            **{k: bool(d.get(k, False)) for k in EAGLE31_KEYS})
+            num_layers=int(layer.get("num_hidden_layers", 1)), **{k: bool(d.get(k, False)) for k in EAGLE31_KEYS})
         if d.get("norm_before_residual"):
             raise DraftMismatchError(f"{path}: norm_before_residual=true drafts are not supported "
                                      "(the residual would be the normed feature)")
@@ -112,22 +114,35 @@ def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
         mla = {k: d[k] for k in MLA_KEYS}
     ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
-    if d.get("num_hidden_layers", 1) != 1:
-        raise DraftMismatchError(f"{path}: num_hidden_layers={d['num_hidden_layers']}; only 1-layer EAGLE-3 "
-                                 "drafts are supported")
-    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None, mla=mla)
+    return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None, mla=mla,
+                                        num_layers=int(d.get("num_hidden_layers", 1)))
 
 
 def _normalise_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map the layouts onto ours: ``layers.0.`` -> ``midlayer.``, strip a ``model.`` prefix."""
+    """Map the layouts onto ours: ``layers.0.`` -> ``midlayer.``, ``layers.{i}.`` -> ``deeper.{i-1}.``, strip a
+    ``model.`` prefix."""
     out = {}
     for name, t in tensors.items():
         if name.startswith("model."):
             name = name[len("model."):]
-        if name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
+        if name.startswith("layers."):
+            index, rest = name[len("layers."):].split(".", 1)
+            name = f"midlayer.{rest}" if index == "0" else f"deeper.{int(index) - 1}.{rest}"
         out[name] = t
     return out
+
+
+def _layout_name(name: str, layers_named: bool) -> str:
+    """Our tensor name as a layout writes it: with ``layers_named`` (speculators, or a deeper draft) the
+    midlayer is ``layers.0.`` and ``deeper.{j}.`` is ``layers.{j+1}.``, vLLM's module names."""
+    if not layers_named:
+        return name
+    if name.startswith("midlayer."):
+        return "layers.0." + name[len("midlayer."):]
+    if name.startswith("deeper."):
+        index, rest = name[len("deeper."):].split(".", 1)
+        return f"layers.{int(index) + 1}.{rest}"
+    return name
 
 
 def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
@@ -212,22 +227,22 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
 
 def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dtype: torch.dtype | None = None,
                include_embed: bool = True, verifier: str | None = None, num_speculative_tokens: int = 3) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the EAGLE-3 layout (``midlayer.*``; vLLM/SGLang) or the
-    speculators layout (``layers.0.*``). Files are written to temporary names and renamed."""
+    """Write ``config.json`` + ``model.safetensors`` in the EAGLE-3 layout (``midlayer.*``; vLLM/SGLang; a deeper
+    draft ``layers.{i}.*``) or the speculators layout (``layers.{i}.*``). Files are written to temporary names
+    and renamed."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
     tensors = {}
+    layers_named = format == "speculators" or model.config.num_layers > 1
     for name, t in model.state_dict().items():
         if name == "embed_tokens.weight" and not include_embed:
             continue
         if t.is_floating_point() and dtype is not None:
             t = t.to(dtype)
-        if format == "speculators" and name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
-        tensors[name] = t.detach().cpu().contiguous()
+        tensors[_layout_name(name, layers_named)] = t.detach().cpu().contiguous()
     tmp = path / f".{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(path / WEIGHTS_FILE)

@@ -156,7 +156,8 @@ def _map_kv(cache, fn) -> None:
     from eagle3nb.draft import DraftCache
 
     if isinstance(cache, DraftCache):
-        cache.k, cache.v = fn(cache.k), fn(cache.v)
+        for layer in cache.layers():
+            layer.k, layer.v = fn(layer.k), fn(layer.v)
     else:
         for layer in cache.layers:
             layer.keys, layer.values = fn(layer.keys), fn(layer.values)
@@ -167,7 +168,8 @@ def _zip_kv(a, b, fn) -> None:
     from eagle3nb.draft import DraftCache
 
     if isinstance(a, DraftCache):
-        a.k, a.v = fn(a.k, b.k), fn(a.v, b.v)
+        for la, lb in zip(a.layers(), b.layers()):
+            la.k, la.v = fn(la.k, lb.k), fn(la.v, lb.v)
     else:
         for la, lb in zip(a.layers, b.layers):
             la.keys, la.values = fn(la.keys, lb.keys), fn(la.values, lb.values)
@@ -434,8 +436,8 @@ class SpecBatch:
         aux = aux.masked_fill(~mask.bool()[..., None], 0.0)  # padding's states may be NaN; the draft caches them
         first = [_pick(logits[i, -1], s.temperature, s.top_p, s.generator) for i, s in enumerate(sampling)]
         cfg, dtype = dec.draft.config, dec.draft.fc.weight.dtype
-        cache = DraftCache()
-        cache.k = cache.v = torch.zeros(B, cfg.num_key_value_heads, 0, cfg.head_dim, device=dec.device, dtype=dtype)
+        cache = DraftCache.empty(cfg.num_layers, torch.zeros(B, cfg.num_key_value_heads, 0, cfg.head_dim,
+                                                             device=dec.device, dtype=dtype))
         draft = PaddedKV(cache, mask[:, :-1])
         if ids.shape[1] > 1:
             dec.draft(dec.draft.fuse(aux[:, :-1]), ids[:, 1:], pos[:, :-1], cache=cache,

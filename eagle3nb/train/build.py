@@ -54,8 +54,8 @@ def fresh_shape(P, tc: dict[str, Any], hidden_size: int, where: str = "the targe
 
 
 def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
-    """A one-layer draft shaped like one of the target's layers (:func:`fresh_shape`), unless the params say
-    otherwise."""
+    """A draft (``num_layers`` decoder layers) shaped like one of the target's layers (:func:`fresh_shape`),
+    unless the params say otherwise."""
     tc = target_config(meta)
     H = meta["hidden_size"]
     shape = fresh_shape(P, tc, H, where=repr(meta.get("model_path")))
@@ -72,7 +72,8 @@ def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config
         mla = {**{k: tc.get(k) for k in MLA_KEYS}, "q_lora_rank": tc.get("q_lora_rank") or H}
     return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla,
                                         fc_norm=bool(getattr(P, "fc_norm", False)),
-                                        norm_output=bool(getattr(P, "norm_output", False)))
+                                        norm_output=bool(getattr(P, "norm_output", False)),
+                                        num_layers=int(getattr(P, "num_layers", 1)))
 
 
 def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
@@ -98,6 +99,11 @@ def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
     if asked:
         raise DraftMismatchError(f"{', '.join(asked)}: true shapes a fresh draft, but checkpoint {init} has none; "
                                  "set them to false to fine-tune it, or init_from: null to train an EAGLE-3.1 draft")
+    layers = int(getattr(P, "num_layers", 1))
+    if layers not in (1, model.config.num_layers):
+        raise DraftMismatchError(f"num_layers: {layers} shapes a fresh draft, but checkpoint {init} has "
+                                 f"{model.config.num_layers}; set num_layers: 1 (the checkpoint's own depth) to "
+                                 "fine-tune it, or init_from: null to train a deeper draft")
     notes: dict[str, Any] = {"init": str(init)}
     if not (torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)):
         ours = set(model.draft_to_target(torch.arange(model.config.draft_vocab_size)).tolist())

@@ -28,6 +28,10 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
     for key in ("fc_norm", "norm_output"):  # EAGLE-3.1's options, off in every run before they existed
         if not cfg[key]:
             del cfg[key]
+    # The recipes' choices at the value every run had before they existed, so older runs still resume.
+    for key, before in (("num_layers", 1),):
+        if cfg[key] == before:
+            del cfg[key]
     cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
     cfg["global_micro_batches"] = P.grad_accum * world

@@ -16,7 +16,7 @@ STAGE = "03_train"
 CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_decay", "warmup_ratio", "epochs",
               "max_steps", "max_length", "batch_tokens", "grad_clip", "seed", "holdout_fraction",
               "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "remap_vocab",
-              "autocast", "draft_attention", "fc_norm", "norm_output")
+              "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers")
 
 
 @register(STAGE)
@@ -79,6 +79,9 @@ class TrainParams(StageParams):
                                              "reads fc_norm from the draft's config.json)")
     norm_output: bool = Field(False, description="from scratch: EAGLE-3.1's post-norm state, not the pre-norm one, "
                                                  "fed back as the next draft step's feature (vLLM's norm_output key)")
+    num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
+                                                 "the first reads embedding + feature, the later ones only the "
+                                                 "residual stream; each costs one more layer per draft step")
     remap_vocab: bool = Field(False, description="fine-tuning with a checkpoint whose draft vocabulary differs from "
                                                  "the data's: carry its lm_head rows over for shared tokens (others "
                                                  "from the target's lm_head) instead of stopping")

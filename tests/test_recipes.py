@@ -1,0 +1,165 @@
+"""Issue 24's training recipes: deeper drafts (``num_layers``), the losses, Muon, and the best checkpoint by held-out
+acceptance. Each recipe is held to its definition (a formula computed here, vLLM's loader naming, decoding without
+a cache) and to training (a short run lowers its own loss)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_draft import MLA, T, inputs, tiny_draft
+
+from eagle3nb.draft import DraftCache, TTTCache
+from eagle3nb.draft_checkpoint import load_draft, save_draft
+
+from worlds import requires_vllm
+
+DEEP = {"llama": {"num_layers": 2}, "mla": {"num_layers": 3, "mla": MLA}}
+
+
+# ---- num_layers: vLLM's num_hidden_layers draft layers ----------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(DEEP))
+@torch.no_grad()
+def test_deeper_draft_decodes_with_its_caches_as_one_pass_and_ttt_as_decoding(variant):
+    """Every layer keeps its own K/V: cached decoding (and crop) equals one causal pass, and TTT step i at t
+    equals decoding i tokens ahead of t, layer by layer; a later layer reads H (not 2H) and changes the output."""
+    m = tiny_draft(**DEEP[variant])
+    aux, ids, pos = inputs(B=1)
+    g = m.fuse(aux)
+    _, full = m(g, ids, pos)
+    cache = DraftCache()
+    _, first = m(g[:, :5], ids[:, :5], pos[:, :5], cache)
+    steps = [m(g[:, t:t + 1], ids[:, t:t + 1], pos[:, t:t + 1], cache)[1] for t in range(5, T)]
+    assert [c.length for c in cache.layers()] == [T] * m.config.num_layers
+    torch.testing.assert_close(torch.cat([first, *steps], 1), full, rtol=1e-5, atol=1e-5)
+    cache.crop(7)
+    assert [c.length for c in cache.layers()] == [7] * m.config.num_layers
+    torch.testing.assert_close(m(g[:, 7:8], ids[:, 7:8], pos[:, 7:8], cache)[1], full[:, 7:8], rtol=1e-5, atol=1e-5)
+    ttt, hidden, out = TTTCache(), g, []
+    for i in range(3):
+        hidden, logits = m(hidden, torch.roll(ids, -i, 1), pos + i, ttt)
+        out.append(logits)
+    for t in (0, 4, T - 1):
+        dc = DraftCache()
+        h, logits = m(m.fuse(aux[:, :t + 1]), ids[:, :t + 1], pos[:, :t + 1], dc)
+        h = h[:, -1:]
+        for i in range(1, 3):
+            h, logits = m(h, torch.roll(ids, -i, 1)[:, t:t + 1], torch.tensor([[t + i]]), dc)
+            torch.testing.assert_close(logits, out[i][:, t:t + 1], rtol=1e-5, atol=1e-5)
+    attn = m.deeper[0].self_attn
+    first_proj = attn.q_proj if variant == "llama" else attn.kv_a_proj_with_mqa
+    assert first_proj.in_features == m.config.hidden_size
+    m.deeper[-1].mlp.down_proj.weight.zero_()
+    m.deeper[-1].self_attn.o_proj.weight.zero_()  # the last layer made an identity: other logits
+    assert not torch.allclose(m(g, ids, pos)[1], full, atol=1e-3)
+
+
+VLLM_NAMES = """
+import json, sys
+from vllm.model_executor.models.llama_eagle3 import LlamaModel
+out = {}
+for name in json.loads(sys.argv[1]):  # Eagle3LlamaForCausalLM.load_weights: model. prefix, then LlamaModel's mapper
+    if name == "t2d":
+        continue  # vLLM skips it
+    if name == "d2t" or name.startswith("lm_head"):
+        out[name] = [name.replace("d2t", "draft_id_to_target_id"), None]
+        continue
+    mapped, shard = LlamaModel.hf_to_vllm_mapper._map_name_with_shard(name)
+    out[name] = [mapped, shard]
+print("NAMES" + json.dumps(out))
+"""
+
+
+def vllm_module_names(num_layers: int) -> set[str]:
+    """The parameters vLLM 0.32's Eagle3LlamaForCausalLM registers (llama_eagle3.py): every layer fused q/k/v and
+    gate/up, layer 0 alone reads embedding + feature (its hidden_norm is the only one a forward uses)."""
+    names = {"fc.weight", "norm.weight", "embed_tokens.weight", "lm_head.weight", "draft_id_to_target_id"}
+    for i in range(num_layers):
+        names |= {f"layers.{i}.{p}.weight" for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                       "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
+    return names | {"layers.0.hidden_norm.weight"}
+
+
+@requires_vllm()
+def test_deeper_draft_export_maps_onto_vllms_layers_with_vllms_own_mapper(tmp_path):
+    """The 2-layer export's tensor names, run through vLLM 0.32's own weight mapper (its environment), land on
+    the parameters of vLLM's two draft layers, q/k/v and gate/up as the shards it stacks; 1-layer exports keep
+    ``midlayer.*``. The export reads back bit for bit, its config carries num_hidden_layers."""
+    from eagle3nb.serve.vllm import vllm_python
+
+    m = tiny_draft(num_layers=2)
+    save_draft(m, tmp_path / "deep")
+    names = sorted(load_file(tmp_path / "deep" / "model.safetensors"))
+    assert json.loads((tmp_path / "deep" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert not any(n.startswith("midlayer.") for n in names)
+    done = subprocess.run([str(vllm_python()), "-c", VLLM_NAMES, json.dumps(names)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    mapped = json.loads(done.stdout.split("NAMES", 1)[1])
+    assert {v[0] for v in mapped.values()} == vllm_module_names(2)
+    shards = {n: v[1] for n, v in mapped.items() if v[1] is not None}
+    assert shards == {f"layers.{i}.{mod}.{p}_proj.weight": s for i in range(2)
+                      for mod, p, s in [("self_attn", "q", "q"), ("self_attn", "k", "k"), ("self_attn", "v", "v"),
+                                        ("mlp", "gate", 0), ("mlp", "up", 1)]}
+    aux, ids, pos = inputs()
+    back = load_draft(tmp_path / "deep")
+    with torch.no_grad():
+        assert torch.equal(back(back.fuse(aux), ids, pos)[1], m(m.fuse(aux), ids, pos)[1])
+    save_draft(tiny_draft(), tmp_path / "one")
+    assert any(n.startswith("midlayer.") for n in load_file(tmp_path / "one" / "model.safetensors"))
+
+
+def smoke_draft(toy, num_layers: int):
+    """A seeded random draft of ``num_layers`` for the shipped smoke toy, on its embedding and lm_head."""
+    from eagle3nb.draft import Eagle3Config, Eagle3Draft
+
+    tc = json.loads((toy / "config.json").read_text())
+    tc = tc.get("text_config") or tc
+    cfg = Eagle3Config.from_llama_dict(tc, target_hidden_size=tc["hidden_size"], aux_layer_ids=[2, 4, 5],
+                                       num_layers=num_layers)
+    torch.manual_seed(0)
+    m = Eagle3Draft(cfg)
+    w = {}
+    for f in sorted(toy.glob("*.safetensors")):
+        w.update(load_file(f))
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(w["model.embed_tokens.weight"].float())
+        m.lm_head.weight.copy_(w.get("lm_head.weight", w["model.embed_tokens.weight"]).float())
+    m.set_vocab(torch.zeros(cfg.vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool))
+    return m.eval()
+
+
+@torch.inference_mode()
+def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smoke, tmp_path):
+    """Our decoder reads the 2-layer export back and decodes the target's own greedy tokens; rows that join a
+    batch (padding, merges, holes in every layer's cache) draft exactly the tokens they draft alone."""
+    from eagle3nb.data.prompts import load_prompts
+    from eagle3nb.data.stream import Template
+    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder, plain_generate
+
+    draft = load_draft(save_draft(smoke_draft(toy_smoke, 2), tmp_path / "draft"))
+    assert draft.config.num_layers == 2
+    tpl = Template(toy_smoke, True)
+    prompts = [tpl.prompt_ids(p["messages"]) for p in load_prompts("toy:heldout", 3)]
+    target = load_target(toy_smoke, "float32")
+    dec = SpecDecoder(target, draft, 3)
+    runs = [dec.generate(p, 12) for p in prompts]
+    assert [r.tokens for r in runs] == [plain_generate(target, p, 12) for p in prompts]
+    alone = [r.drafted_per_round for r in runs]
+    batch = SpecBatch(dec)
+    batch.add(prompts[:2], [Sampling()] * 2)
+    together: list[list[list[int]]] = [[], [], []]
+    for r in range(3):
+        if r == 1:
+            batch.add(prompts[2:], [Sampling()])
+        batch.round()
+        for row, i in enumerate([0, 1] if r == 0 else [0, 1, 2]):
+            together[i].append(batch.drafted[row])
+    assert [a[:3] for a in together[:2]] == [a[:3] for a in alone[:2]]
+    assert together[2][:2] == alone[2][:2]
