@@ -29,9 +29,11 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
         if not cfg[key]:
             del cfg[key]
     # The recipes' choices at the value every run had before they existed, so older runs still resume.
-    for key, before in (("num_layers", 1),):
+    for key, before in (("num_layers", 1), ("loss", "forward_kl")):
         if cfg[key] == before:
             del cfg[key]
+    if P.loss != "lk_lambda":
+        del cfg["lk_eta"]  # only lk_lambda reads it
     cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
     cfg["global_micro_batches"] = P.grad_accum * world

@@ -16,7 +16,7 @@ STAGE = "03_train"
 CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_decay", "warmup_ratio", "epochs",
               "max_steps", "max_length", "batch_tokens", "grad_clip", "seed", "holdout_fraction",
               "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "remap_vocab",
-              "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers")
+              "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers", "loss", "lk_eta")
 
 
 @register(STAGE)
@@ -82,6 +82,15 @@ class TrainParams(StageParams):
     num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
                                                  "the first reads embedding + feature, the later ones only the "
                                                  "residual stream; each costs one more layer per draft step")
+    loss: Literal["forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda"] = Field(
+        "forward_kl", description="the TTT loss per position against the target's distribution p (the draft's: q): "
+                                  "forward_kl (EAGLE-3's soft cross-entropy, KL(p||q) + H(p)), reverse_kl "
+                                  "KL(q||p), tv (total variation 1/2 sum|p-q| = 1 - acceptance), jsd "
+                                  "(Jensen-Shannon), lk_alpha (-log acceptance) or lk_lambda (lambda KL(p||q) + "
+                                  "(1-lambda)(1 - acceptance), lambda = exp(-lk_eta acceptance)): the LK losses "
+                                  "of arXiv 2602.23881, acceptance = sum min(p, q)")
+    lk_eta: float = Field(3.0, ge=0, description="loss lk_lambda: how fast the weight moves from KL to TV as the "
+                                                 "acceptance grows (the paper's best: 3)")
     remap_vocab: bool = Field(False, description="fine-tuning with a checkpoint whose draft vocabulary differs from "
                                                  "the data's: carry its lm_head rows over for shared tokens (others "
                                                  "from the target's lm_head) instead of stopping")

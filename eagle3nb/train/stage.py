@@ -292,7 +292,7 @@ class Trainer:
     @classmethod
     def on(cls, P: TrainParams, rank: int, world: int, device: torch.device, data, draft) -> "Trainer":
         draft.to(device)
-        objective = TTTObjective(draft, P.ttt_steps, P.step_decay)
+        objective = TTTObjective(draft, P.ttt_steps, P.step_decay, P.loss, P.lk_eta)
         model = _distributed(objective, device) if world > 1 else objective
         return cls(P, rank, world, device, data, draft, objective, model, DeviceTargets(data, device))
 

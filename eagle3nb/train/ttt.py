@@ -11,8 +11,10 @@ mask and the target's argmax is in the draft vocabulary, weighted step_decay**i.
 ``TTTObjective`` is that unroll, step by step. The vocabulary side ([B, T, Vd] per step) is most of the
 non-matmul work, so it runs as one fused function after it (``SoftCrossEntropy``): a single max (which also
 gives the argmax the accuracy needs), exp and sum, and a backward that turns the saved exponentials into the
-gradient in place. Shapes: B batch, T positions, H / H_t the draft's / target's hidden size, Vd the draft
-vocabulary.
+gradient in place. The other losses 03 offers (``loss``; :func:`divergence`: reverse KL, total variation,
+Jensen-Shannon, and the LK losses of arXiv 2602.23881 that aim at the acceptance rate sum_v min(p_v, q_v)
+itself) go through autograd instead. Shapes: B batch, T positions, H / H_t the draft's / target's hidden size,
+Vd the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -22,6 +24,40 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from eagle3nb.draft import Eagle3Draft, TTTCache
+
+# 03's ``loss`` choices; forward_kl is EAGLE-3's soft cross-entropy (KL(p||q) + H(p): the same gradient), fused.
+LOSSES = ("forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda")
+TINY = torch.finfo(torch.float32).tiny  # the floor under a log of a probability that may be 0 (compact storage)
+
+
+def divergence(loss: str, z: torch.Tensor, p: torch.Tensor, eta: float = 3.0) -> torch.Tensor:
+    """The per-position loss [B, T] of the draft's logits ``z`` [B, T, V] (float32) against the target's
+    distribution ``p`` [B, T, V] (rows of zeros: padding, finite and weighted 0), q = softmax(z):
+
+    reverse_kl KL(q||p) = sum q log(q/p); tv 1/2 sum |p - q| (= 1 - acceptance); jsd 1/2 KL(p||m) + 1/2 KL(q||m),
+    m = (p + q)/2; lk_alpha -log(acceptance); lk_lambda lambda KL(p||q) + (1 - lambda)(1 - acceptance), lambda =
+    exp(-eta sg[acceptance]): KL's strong gradient while the draft is far, TV's (acceptance itself) once close;
+    acceptance = sum min(p, q), what rejection sampling accepts. forward_kl here is KL(p||q) (the fused
+    ``SoftCrossEntropy`` trains on it plus the constant H(p))."""
+    logq = torch.log_softmax(z, dim=-1)  # shape: [B, T, V]
+    q = logq.exp()
+    if loss == "reverse_kl":
+        return (q * (logq - p.clamp_min(TINY).log())).sum(-1)  # shape: [B, T]
+    if loss == "tv":
+        return 0.5 * (p - q).abs().sum(-1)
+    if loss == "jsd":
+        logm = ((p + q) / 2).clamp_min(TINY).log()  # shape: [B, T, V]
+        return 0.5 * (torch.xlogy(p, p) - p * logm).sum(-1) + 0.5 * (q * (logq - logm)).sum(-1)
+    kl = (torch.xlogy(p, p) - p * logq).sum(-1)  # shape: [B, T]: KL(p||q)
+    if loss == "forward_kl":
+        return kl
+    accept = torch.minimum(p, q).sum(-1)  # shape: [B, T]
+    if loss == "lk_alpha":
+        return -accept.clamp_min(TINY).log()
+    if loss == "lk_lambda":
+        lam = torch.exp(-eta * accept.detach())
+        return lam * kl + (1 - lam) * (1 - accept)
+    raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
 
 
 def ahead(i: int, T: int) -> slice:
@@ -39,13 +75,16 @@ def with_target(i: int, T: int) -> int:
 class TTTObjective(nn.Module):
     """Wraps the draft so one ``forward`` = the whole unroll (one DDP call per micro-batch)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, loss: str = "forward_kl", eta: float = 3.0):
         super().__init__()
-        self.draft, self.steps, self.decay = draft, steps, decay
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        self.draft, self.steps, self.decay, self.loss, self.eta = draft, steps, decay, loss, eta
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: aux [B,T,3H], input_ids/loss_mask/target_argmax [B,T], target_probs [B,T,Vd].
-        Returns (weighted loss, stats [4, steps]: loss sum, loss positions, correct, acceptance positions)."""
+        Returns (weighted loss, stats [4, steps]: loss sum (of ``loss``), loss positions, correct, acceptance
+        positions)."""
         d = self.draft
         ids, argmax, probs = batch["input_ids"], batch["target_argmax"], batch["target_probs"]  # [B,T] [B,T] [B,T,Vd]
         B, T = ids.shape
@@ -75,8 +114,14 @@ class TTTObjective(nn.Module):
             weight = counted[:, :keep] * (self.decay ** i / n.clamp(min=1))  # shape: [B, keep]
             # a. the draft step: token t+1+i in, its feature out (fed back at step i+1)
             hidden, logits = d(hidden, ids[:, s], pos + i, cache)  # shape: [B, T, H], [B, T, Vd]
-            # b. soft cross-entropy against the target's distribution at t+1+i (over token t+2+i)
-            loss_i, ce, pred = SoftCrossEntropy.apply(logits, probs[:, 1 + i:], weight, keep)  # [] [B,keep] [B,keep]
+            # b. the loss against the target's distribution at t+1+i (over token t+2+i): soft cross-entropy fused,
+            #    another ``loss`` through autograd
+            if self.loss == "forward_kl":
+                loss_i, ce, pred = SoftCrossEntropy.apply(logits, probs[:, 1 + i:], weight, keep)  # [] [B,keep] x2
+            else:
+                z = logits[:, :keep].float()  # shape: [B, keep, Vd]
+                per = divergence(self.loss, z, probs[:, 1 + i:].float(), self.eta)  # shape: [B, keep]
+                loss_i, ce, pred = (per * weight).sum(), per.detach(), z.argmax(-1)
             loss = loss + loss_i
             # c. accuracy: the draft's greedy token is the target's
             correct = (d.draft_to_target(pred) == tgt_argmax[:, :keep]) & scored[:, :keep]  # shape: [B, keep]
