@@ -262,3 +262,34 @@ def test_a_short_ttt_run_lowers_each_loss(loss):
         opt.step()
     last = float(obj(batch)[0].detach())
     assert last < 0.8 * first, (first, last)
+
+
+# ---- the optimizer -------------------------------------------------------------------------------------------
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    from eagle3nb.params import from_dict
+    from eagle3nb.train.optim import build_optimizer
+
+    m = tiny_draft(num_layers=2).train()
+    opt, sched, params = build_optimizer(m, from_dict("03_train", {"optimizer": "muon"}), lambda step: 1.0)
+    muon = {id(p) for g in opt.parts["muon"].param_groups for p in g["params"]}
+    adamw = {id(p) for g in opt.parts["adamw"].param_groups for p in g["params"]}
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert {names[i] for i in muon} == {n for n, p in m.named_parameters() if p.ndim == 2 and p.requires_grad
+                                        and n != "lm_head.weight"}
+    assert "fc.weight" in {names[i] for i in muon} and "deeper.0.self_attn.q_proj.weight" in {names[i] for i in muon}
+    assert {names[i] for i in adamw} == {"lm_head.weight"} | {n for n, p in m.named_parameters() if p.ndim == 1}
+    assert muon | adamw == {id(p) for p in params} and not muon & adamw
+    assert "embed_tokens.weight" not in {names[i] for i in muon | adamw}  # the target's, frozen
+    assert sched.get_last_lr() == [from_dict("03_train", {}).lr]
+
+
+def test_muon_on_a_torch_without_it_is_one_line_naming_the_fix(monkeypatch):
+    from eagle3nb.params import ParamsError, from_dict
+
+    monkeypatch.delattr(torch.optim, "Muon", raising=False)  # what an older torch is
+    with pytest.raises(ParamsError, match=r"^parameter 'optimizer' .*torch\.optim\.Muon.*optimizer: adamw") as e:
+        from_dict("03_train", {"optimizer": "muon"})
+    assert "\n" not in str(e.value)
+    from_dict("03_train", {"optimizer": "adamw"})

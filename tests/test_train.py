@@ -183,15 +183,27 @@ def test_resume_after_kill9_follows_the_uninterrupted_curve(reference, data_dir,
 
 def test_resume_with_changed_settings_is_refused_and_resume_false_starts_over(reference, data_dir, tmp_path):
     """Continuing checkpoints under another lr would mix two runs in one curve: refused, naming the setting and
-    the ways out; ``resume: false`` drops the old checkpoints and trains from step 0 under the new settings."""
+    the ways out; ``resume: false`` drops the old checkpoints and trains from step 0 under the new settings (Muon
+    here, whose run then resumes exactly from a checkpoint: both optimizers' states restored)."""
     out = tmp_path / "out"
     shutil.copytree(reference, out)
     with pytest.raises(ResumeMismatch, match=r"other settings \(lr: checkpoint 0\.003, now 0\.001\).*resume: false"):
         run(params(data_dir, out, **RUN, lr=1e-3))
-    run(params(data_dir, out, **RUN, lr=1e-3, resume=False))
+    muon = dict(RUN, lr=1e-3, optimizer="muon", save_every=10)  # the new settings: Muon on the weight matrices
+    run(params(data_dir, out, **muon, resume=False))
     assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, 31))
     assert curve(out)[0] == curve(reference)[0] and curve(out)[1:] != curve(reference)[1:]  # from the start
     assert {torch.load(c, weights_only=False)["run_config"]["lr"] for c in checkpoints(out / "checkpoints")} == {1e-3}
+    # Muon and AdamW both resume exactly: from the step-20 checkpoint the last 10 steps come out bit for bit
+    blob = torch.load(checkpoints(out / "checkpoints")[-1], weights_only=False)
+    assert set(blob["optimizer"]) == {"muon", "adamw"} and blob["optimizer"]["muon"]["state"]
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    checkpoints(again / "checkpoints")[-1].unlink()
+    run(params(data_dir, again, **muon))
+    assert curve(again) == curve(out)
+    want, got = final_state(out), final_state(again)
+    assert all(torch.equal(want[k], got[k]) for k in want)
 
 
 def free_port() -> int:

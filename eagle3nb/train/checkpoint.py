@@ -29,7 +29,7 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
         if not cfg[key]:
             del cfg[key]
     # The recipes' choices at the value every run had before they existed, so older runs still resume.
-    for key, before in (("num_layers", 1), ("loss", "forward_kl")):
+    for key, before in (("num_layers", 1), ("loss", "forward_kl"), ("optimizer", "adamw")):
         if cfg[key] == before:
             del cfg[key]
     if P.loss != "lk_lambda":

@@ -16,7 +16,7 @@ STAGE = "03_train"
 CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_decay", "warmup_ratio", "epochs",
               "max_steps", "max_length", "batch_tokens", "grad_clip", "seed", "holdout_fraction",
               "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "remap_vocab",
-              "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers", "loss", "lk_eta")
+              "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers", "loss", "lk_eta", "optimizer")
 
 
 @register(STAGE)
@@ -91,6 +91,10 @@ class TrainParams(StageParams):
                                   "of arXiv 2602.23881, acceptance = sum min(p, q)")
     lk_eta: float = Field(3.0, ge=0, description="loss lk_lambda: how fast the weight moves from KL to TV as the "
                                                  "acceptance grows (the paper's best: 3)")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw, or muon (torch.optim.Muon) on the "
+                                                                     "hidden 2-D weight matrices with AdamW on the "
+                                                                     "rest (norms, lm_head); one lr for both "
+                                                                     "(Muon's update scaled to AdamW's RMS)")
     remap_vocab: bool = Field(False, description="fine-tuning with a checkpoint whose draft vocabulary differs from "
                                                  "the data's: carry its lm_head rows over for shared tokens (others "
                                                  "from the target's lm_head) instead of stopping")
@@ -136,6 +140,13 @@ class TrainParams(StageParams):
                 raise ParamsError(f"parameter 'device' in {src} is {self.device!r}, but torch sees "
                                   f"{torch.cuda.device_count()} GPU(s) here{build}: use device: auto (the GPU "
                                   f"where there is one, else cpu) or cpu")
+        if self.optimizer == "muon":
+            from eagle3nb.train.optim import MuonUnavailable, muon_class
+
+            try:
+                muon_class()
+            except MuonUnavailable as e:
+                raise ParamsError(f"parameter 'optimizer' in {src}: {e}") from None
         init = self.init_path
         if init is not None and not (init / "config.json").exists():
             raise ParamsError(f"parameter 'init_from' in {src}: {init} has no config.json; point it at a draft "

@@ -23,6 +23,7 @@ from eagle3nb.progress import Progress, one_writer, write_json_atomic
 from eagle3nb.train.build import build_draft
 from eagle3nb.train.checkpoint import checkpoints, load_checkpoint, run_config, save_checkpoint
 from eagle3nb.train.data import DeviceTargets, collate, layout
+from eagle3nb.train.optim import build_optimizer
 from eagle3nb.train.params import TrainParams
 from eagle3nb.train.report import read_metrics, save_figures
 from eagle3nb.train.sources import CACHE_DIR, open_data, source_costs
@@ -286,7 +287,7 @@ class Trainer:
     model: Any  # the objective, or its DDP wrapper
     targets: DeviceTargets
     params: list[torch.nn.Parameter] | None = None
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: Any = None  # torch.optim.AdamW, or optim.Optimizers (Muon + AdamW)
     scheduler: Any = None
 
     @classmethod
@@ -297,12 +298,11 @@ class Trainer:
         return cls(P, rank, world, device, data, draft, objective, model, DeviceTargets(data, device))
 
     def optimize(self, total: int, ckpt_dir: Path, config: dict[str, Any]) -> tuple[int, bool]:
-        """AdamW over the trainable parameters with warmup + cosine over ``total`` steps, loaded from the last
-        checkpoint when resuming. Returns (the step to start at, whether a checkpoint was found)."""
+        """AdamW over the trainable parameters (or Muon on the weight matrices and AdamW on the rest: ``optim``)
+        with warmup + cosine over ``total`` steps, loaded from the last checkpoint when resuming. Returns (the step
+        to start at, whether a checkpoint was found)."""
         P = self.P
-        self.params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=P.lr, weight_decay=P.weight_decay, betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(total, P.warmup_ratio))
+        self.optimizer, self.scheduler, self.params = build_optimizer(self.draft, P, lr_lambda(total, P.warmup_ratio))
         found = checkpoints(ckpt_dir) if P.resume else []
         start = load_checkpoint(found[-1], self.draft, self.optimizer, self.scheduler, config) if found else 0
         if self.world > 1:  # every rank must agree on the start
