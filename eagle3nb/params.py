@@ -17,15 +17,16 @@ import os
 import re
 import types
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from eagle3nb.errors import UserError, has_credential, install_notebook_handler
 from eagle3nb.families import AUTO, FAMILIES, Family, detect
 from eagle3nb.paths import outputs_root, project_root, resolve
 from eagle3nb.toy import resolve_model_path
+from eagle3nb.track import NONE, missing
 
 STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
 STAGE_MODULES = {
@@ -59,6 +60,25 @@ class StageParams(BaseModel):
     run_name: str = Field("demo", description="names the output folder outputs/<run_name>/")
     params_file: str | None = Field(None, description="the YAML these values came from (set by eagle3nb run; named in "
                                                       "errors)")
+    report_to: list[Literal["none", "tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        [NONE], description="trackers that get the stage's metrics and figures, one run per run_name "
+                            "(docs/tracking.md): none, or a list of tensorboard, mlflow, wandb, trackio")
+    tracking_uri: str | None = Field(None, description="MLflow's tracking URI; null = $MLFLOW_TRACKING_URI, else "
+                                                       "sqlite:///<run folder>/mlflow.db")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker(cls, v: Any) -> Any:
+        """``report_to: mlflow`` is the list of that one (how 03's single value was written before)."""
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _trackers_installed(self) -> "StageParams":
+        """A tracker's missing package is a one-line error before the stage starts, naming the pip install."""
+        problem = missing(self.report_to, self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @field_validator("api_key_env", check_fields=False)
     @classmethod

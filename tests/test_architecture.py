@@ -17,7 +17,7 @@ PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
 CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "draft", "draft_checkpoint", "spec",
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
-        "plan")
+        "plan", "track")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 TOP = ("serve", "doctor", "run", "cli", "__main__")
 # A stage reads what an earlier stage wrote through eagle3nb.data, never through that stage's package. The only
@@ -29,7 +29,7 @@ STAGE_IMPORTS = {
 # Third-party packages a module may import inside a function: heavy ones, kept off the CLI's start-up path.
 HEAVY = {"torch", "transformers", "safetensors", "fastapi", "uvicorn", "matplotlib", "pandas", "numpy", "openai",
          "httpx", "papermill", "nbformat", "nbconvert", "pyarrow", "datasets", "IPython", "ipywidgets", "tqdm",
-         "accelerate", "scipy", "jinja2", "tokenizers", "psutil"}
+         "accelerate", "scipy", "jinja2", "tokenizers", "psutil", "mlflow"}
 LIGHT_AT_START = {"tqdm", "psutil"}  # the runner's progress bars and process checks: milliseconds to import
 
 

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from eagle3nb import track
 from eagle3nb.accept.local import prompt_token_ids, run_local
 from eagle3nb.accept.misses import summary as miss_summary
 from eagle3nb.accept.offline import run_offline
@@ -44,6 +45,7 @@ def run(P: AcceptParams) -> dict[str, Any]:
         print(f"misses ({source}): {m['worst']}", flush=True)
     save_figures(P.stage_dir, metrics)
     write_metrics(P, metrics)
+    track.stage_done(P)
     return metrics
 
 

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3nb import track
 from eagle3nb.data.batching import pack_batches
 from eagle3nb.data.head import TargetHead, read_head_tensors, target_info, text_config
 from eagle3nb.data.reader import HEAD_FILE, INDEX_FILE
@@ -481,6 +482,7 @@ def _run(P: HiddenParams) -> dict:
     metrics = stage_metrics(P, plan, info, layer_ids, session, time.time() - t_start)
     write_json_atomic(stage_dir / "metrics.json", metrics)
     report.save_figures(stage_dir)
+    track.stage_done(P)
     print(f"done: {plan.total_tokens:,} tokens in {len(plan.shards)} shards, {metrics['shard_bytes'] / GB:.3f} GB "
           f"({metrics['bytes_per_token']:.0f} bytes/token), draft-vocab coverage {plan.vocab['coverage']:.1%}",
           flush=True)

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from eagle3nb import track
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.reasoning import extract, field, no_reasoning_fix
 from eagle3nb.data.samples import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
@@ -345,6 +346,7 @@ def _answer(P: SynthParams, prompts: list[dict], model_dir: Path, tpl: Template)
         progress.metrics.update({k: metrics[k] for k in ("counts", "ids_mismatch")})
         progress.close(state)
     report.save_figures(stage_dir)
+    track.stage_done(P)
     print(report.summary(metrics), flush=True)
     return metrics
 

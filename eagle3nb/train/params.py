@@ -102,8 +102,6 @@ class TrainParams(StageParams):
                                                                          "supports it (CUDA with bf16), off on CPU")
     device: str = Field("auto", description="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:N")
     resume: bool = Field(True, description="continue from the last checkpoint in output_dir (settings must match)")
-    report_to: Literal["none", "tensorboard"] = Field("none", description="also log to TensorBoard "
-                                                                          "(output_dir/tensorboard)")
     export_format: Literal["eagle3", "speculators", "both"] = Field(
         "eagle3", description="eagle3: output_dir/draft for vLLM/SGLang; speculators: output_dir/draft-speculators; "
                               "both")

@@ -20,6 +20,7 @@ from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.layers import to_sglang
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, one_writer, write_json_atomic
+from eagle3nb.track import Tracker
 from eagle3nb.train.build import build_draft
 from eagle3nb.train.checkpoint import checkpoints, load_checkpoint, run_config, save_checkpoint
 from eagle3nb.train.data import DeviceTargets, collate, layout
@@ -90,40 +91,22 @@ def lr_lambda(total: int, warmup_ratio: float) -> Callable[[int], float]:
 
 
 class Metrics:
-    """metrics.jsonl (one JSON object per line, ``kind`` train|eval) + optional TensorBoard. On resume the lines
-    after the checkpoint's step are dropped, so the file is the curve of one run."""
+    """metrics.jsonl (one JSON object per line, ``kind`` train|eval) + the trackers of ``report_to``. On resume the
+    lines after the checkpoint's step are dropped, so the file is the curve of one run."""
 
-    def __init__(self, out: Path, keep_until: int | None, tensorboard: bool):
+    def __init__(self, out: Path, keep_until: int | None, tracker: Tracker):
         self.path = out / "metrics.jsonl"
         rows = read_metrics(self.path) if keep_until is not None else []
         rows = [r for r in rows if r["step"] <= (keep_until or 0)]
         tmp = self.path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, self.path)
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ImportError("report_to: tensorboard needs the tensorboard package: pip install tensorboard "
-                                  "(or set report_to: none)") from None
-
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+        self.tracker = tracker
 
     def log(self, row: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(f"{row['kind']}/{k}", v, row["step"])
-                elif isinstance(v, list):
-                    for i, x in enumerate(v):
-                        self.tb.add_scalar(f"{row['kind']}/{k}_{i}", x, row["step"])
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        self.tracker.log_step(row)
 
 
 # ---- evaluation -----------------------------------------------------------------------------------
@@ -337,14 +320,15 @@ class Trainer:
 
 class Curve:
     """Where the run's rows go, from the first process only: ``metrics.jsonl`` (kept up to the resumed step; plus
-    TensorBoard on request), ``progress.json`` and the caller's ``callback``."""
+    the trackers of report_to), ``progress.json`` and the caller's ``callback``."""
 
     def __init__(self, P: TrainParams, rank: int, start: int, resumed: bool, total: int,
                  callback: Callable[[dict[str, Any]], None] | None):
         self.first = rank == 0
         self.callback = callback
+        self.tracker = Tracker(P) if self.first else None
         self.metrics = Metrics(P.stage_dir, keep_until=start if resumed else None,
-                               tensorboard=P.report_to == "tensorboard") if self.first else None
+                               tracker=self.tracker) if self.first else None
         self.progress = Progress(P.stage_dir, total=total, desc="03_train", unit="step", done=start) \
             if self.first else None
 
@@ -359,7 +343,6 @@ class Curve:
             self.progress.update(1, loss=round(row["loss"], 4), acc0=round(row["acc"][0], 3), lr=row["lr"])
 
     def close(self) -> None:
-        self.metrics.close()
         self.progress.close()
 
 
@@ -450,6 +433,7 @@ def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> d
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
     write_json_atomic(P.stage_dir / "metrics.json", result)
     save_figures(P.stage_dir)
+    curve.tracker.stage_done()
     return result
 
 
