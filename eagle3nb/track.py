@@ -150,7 +150,7 @@ class _MLflow:
         self.logged = run.data.metrics  # key -> latest value, so a re-run logs only what changed
         self.seen: dict[str, int] = {}  # key -> last step in its history, so a resumed curve does not repeat
         new = {k: v for k, v in params.items() if k not in run.data.params}  # MLflow params never change
-        self._batch(params=[(k, v[:6000]) for k, v in new.items()])
+        self._batch(params=[(k, v[:6000]) for k, v in new.items()])  # 6000: the longest value MLflow keeps
 
     def _batch(self, metrics: list[tuple[str, float, int]] = (), params: list[tuple[str, str]] = ()) -> None:
         from mlflow.entities import Metric, Param
