@@ -33,6 +33,7 @@ MARK_STYLE = {
     "hit": ("outline:1px solid #2ca02c;", "draft accepted"),
     "oov": ("box-shadow:inset 0 -4px 0 #1f77b4;", "target's next token outside the draft vocab (not trained)"),
     "cut": ("border-right:3px solid #000;", "cut here by max_length"),
+    "turn": ("border-left:3px solid #1f77b4;", "a turn starts (earlier turns: history, trained in their own samples)"),
 }
 LOSS_STYLE = "border-bottom:2px solid #333;"
 NO_LOSS_STYLE = "opacity:0.75;"
@@ -171,11 +172,30 @@ class HTML:
         return self.html
 
 
+ROWS_LISTED = 50  # per filter choice in a browser's sample list: a 10K-sample run's widget state stays small
+
+
+def _rows_table(hits: list[dict[str, Any]], total: int) -> str:
+    """The samples a browser's filters keep, as an HTML table (the first ``ROWS_LISTED``) under their count."""
+    more = f" (the first {ROWS_LISTED} listed)" if len(hits) > ROWS_LISTED else ""
+    body = "".join(f'<tr data-sample-id="{html.escape(str(r["id"]))}"><td>{html.escape(str(r["id"]))}</td>'
+                   f'<td>{r["length"]}</td><td>{html.escape(str(r.get("status") or ""))}</td>'
+                   f'<td>{html.escape(str(r.get("category") or ""))}</td>'
+                   f'<td>{html.escape(", ".join(r.get("flags", ())))}</td></tr>' for r in hits[:ROWS_LISTED])
+    return (f"<div>{len(hits)} of {total} samples match{more}</div><table class=\"tv-rows\"><thead><tr><th>id</th>"
+            f"<th>tokens</th><th>status</th><th>category</th><th>flags</th></tr></thead><tbody>{body}</tbody></table>")
+
+
 def browser(rows: list[dict[str, Any]], view: Any, flags: Sequence[str] = ()) -> Any:
     """An ipywidgets sample browser: pick a sample by id, status, category, minimum length or at random among
     the flagged ones, and see ``view(id, show_ids) -> html`` for it. ``rows`` holds one summary per sample
     (``id``, ``length`` and any of ``status``, ``category``, ``flags`` (list of names from ``flags``)). Returns
-    the widget (a VBox; ``.children[-1]`` is the HTML of the sample shown)."""
+    the widget (a VBox; ``.children[3]`` lists the matching samples, ``.children[-1]`` is the HTML of the sample
+    shown).
+
+    The list is precomputed for every (category, flagged) choice and switched by links in the page itself
+    (``jsdlink`` of the dropdowns' index to ``Stack``s), so those two filters keep working in a rendered report,
+    where no kernel runs; status and length refilter through the kernel."""
     import ipywidgets as w
 
     def choices(key: str) -> list[str]:
@@ -189,23 +209,31 @@ def browser(rows: list[dict[str, Any]], view: Any, flags: Sequence[str] = ()) ->
     pick = w.Dropdown(description="sample", layout=w.Layout(width="420px"))
     lucky = w.Button(description="random flagged", tooltip="a random sample among the flagged ones (filters apply)")
     show_ids = w.Checkbox(False, description="show ids")
-    count = w.HTML()
+    # shape: tables.children[category index].children[flag index] -> the list under that choice
+    tables = w.Stack([w.Stack([w.HTML() for _ in flag.options], selected_index=0) for _ in category.options],
+                     selected_index=0)
+    w.jsdlink((category, "index"), (tables, "selected_index"))
+    for inner in tables.children:
+        w.jsdlink((flag, "index"), (inner, "selected_index"))
     out = w.HTML()
 
-    def matching() -> list[dict[str, Any]]:
+    def matching(cat: str, flagged: str) -> list[dict[str, Any]]:
         return [r for r in rows
                 if (status.value == "(any)" or str(r.get("status")) == status.value)
-                and (category.value == "(any)" or str(r.get("category")) == category.value)
-                and (flag.value == "(any)" or flag.value in r.get("flags", ()))
+                and (cat == "(any)" or str(r.get("category")) == cat)
+                and (flagged == "(any)" or flagged in r.get("flags", ()))
                 and r["length"] >= min_len.value]
 
     def label(r: dict[str, Any]) -> str:
-        extra = ", ".join(str(x) for x in (r.get("status"), r.get("category"), *r.get("flags", ())) if x)
+        extra = ", ".join(str(x) for x in (r.get("status"), r.get("category"), r.get("turn"), *r.get("flags", ()))
+                          if x)
         return f"{r['id']}  ({r['length']} tok{', ' + extra if extra else ''})"
 
     def refilter(_: Any = None) -> None:
-        hits = matching()
-        count.value = f"{len(hits)} of {len(rows)} samples match"
+        for cat, inner in zip(category.options, tables.children):
+            for flagged, cell in zip(flag.options, inner.children):
+                cell.value = _rows_table(matching(cat, flagged), len(rows))
+        hits = matching(category.value, flag.value)
         keep = pick.value
         pick.options = [(label(r), r["id"]) for r in hits]
         ids = [r["id"] for r in hits]
@@ -216,7 +244,7 @@ def browser(rows: list[dict[str, Any]], view: Any, flags: Sequence[str] = ()) ->
         out.value = view(pick.value, show_ids.value) if pick.value is not None else "<i>no sample matches</i>"
 
     def random_flagged(_: Any) -> None:
-        hits = [r for r in matching() if r.get("flags")]
+        hits = [r for r in matching(category.value, flag.value) if r.get("flags")]
         if hits:
             pick.value = random.choice(hits)["id"]
         else:
@@ -239,4 +267,4 @@ def browser(rows: list[dict[str, Any]], view: Any, flags: Sequence[str] = ()) ->
                 bundle.update({"text/plain": note, "text/html": f"<p><i>{note}</i></p>"})
             return bundle
 
-    return Browser([w.HBox([status, category, flag]), w.HBox([min_len, count]), w.HBox([pick, lucky, show_ids]), out])
+    return Browser([w.HBox([status, category, flag]), w.HBox([min_len]), w.HBox([pick, lucky, show_ids]), tables, out])

@@ -219,6 +219,26 @@ def test_d2t_t2d_that_disagree_fail(healthy, tmp_path):
 
 # -- 6. data health -------------------------------------------------------------------------------------------------
 
+def test_data_health_counts_turns_and_flags_untrained_dataset_turns(healthy, tmp_path):
+    """Records of multi-turn conversations answered with multi_turn: last (each the conversation's third turn, its
+    first two the dataset's text): the check counts the turns and says most assistant turns train nothing."""
+    from eagle3nb.data.samples import read_records
+
+    rows = list(read_records(healthy["out"] / "01_synth"))
+    for r in rows:
+        r["turn"] = r["turns"] = 3
+    synth = tmp_path / "synth"
+    synth.mkdir()
+    (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = variant(healthy, tmp_path / "run", **{"02_hidden_states": {"synth_dir": synth}})
+    r = by_name(run_checks(run, "02"))["data_health"]
+    ok = sum(x["status"] == "ok" for x in rows)
+    assert r.details["turns"]["dataset_turns_untrained"] == 2 * ok and r.details["turns"]["later_turn_ok"] == ok
+    assert r.status in (WARN, FAIL) and f"multi_turn: last trains {ok} of {3 * ok} assistant turns" in r.line(), r
+    healthy_r = by_name(run_checks(healthy["run"], "02"))["data_health"]
+    assert healthy_r.details["turns"]["dataset_turns_untrained"] == 0 and "multi_turn" not in healthy_r.fix
+
+
 def test_reasoning_wrappers_lost_and_truncations_fail_data_health(healthy, toy_smoke, tmp_path):
     from eagle3nb.data.samples import read_records
     from eagle3nb.data.stream import Template

@@ -18,6 +18,7 @@ import torch
 from eagle3nb.serve.vllm import start_vllm
 from eagle3nb.vllm_config import TESTED_VERSION
 
+from conversations import check_turns, mt_bench
 from worlds import requires_vllm
 
 pytestmark = requires_vllm()
@@ -110,6 +111,20 @@ def test_records_from_real_vllm_equal_our_template_rendering(vllm, toy_smoke, tm
         # vLLM's kimi_k2 parser split the reasoning out; the stream still holds both think tokens, once each
         assert r["reasoning"] and completion[0] == start and completion.count(end) == 1, r["id"]
         assert completion[-1] == tpl.end_id
+
+
+def test_every_turn_through_real_vllm_is_the_stream_it_read(vllm, toy_smoke, tmp_path):
+    """01's multi_turn: every against vLLM: MT-Bench's two turns, the second after the target's own first answer
+    (vLLM reads it back through its reasoning field), each turn's ids equal to our rendering of the conversation
+    so far."""
+    from eagle3nb.data.samples import load_samples
+    from eagle3nb.data.stream import Template
+    from eagle3nb.synth.stage import run
+
+    prompts = mt_bench(tmp_path / "question.jsonl", 3)
+    run(synth_params(tmp_path, vllm["plain"].url, toy_smoke, prompts=str(prompts), multi_turn="every",
+                     max_completion_tokens=48))
+    check_turns(load_samples(tmp_path / "01", statuses=None), Template(toy_smoke, True), 3)
 
 
 def test_doctor_passes_with_the_parser_and_fails_without_it(vllm, toy_smoke, tmp_path):

@@ -19,6 +19,7 @@ from eagle3nb.accept.misses import POSITIONS, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.split import split_holdout
+from eagle3nb.data.turns import parse_turn
 from eagle3nb.draft import TTTCache
 from eagle3nb.errors import InputError
 from eagle3nb.families import segment_ids, specials
@@ -213,12 +214,22 @@ def heldout_indices(P: AcceptParams, data) -> tuple[list[int], str]:
     return idx, how
 
 
+TURN_LABELS = ("first turn", "later turns")
+
+
+def turn_label(sample_id: str) -> str | None:
+    """Which turn group a per-turn sample is in; None for a sample that is a whole one-answer conversation."""
+    parsed = parse_turn(sample_id)
+    return None if parsed is None else TURN_LABELS[parsed[1] > 1]
+
+
 def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0,
                        think_ids: tuple[int | None, int | None] = (None, None), indices: Sequence[int] | None = None,
                        stage_dir: Path | None = None, keep_positions: bool = False) -> dict[str, Any]:
     """Acceptance of ``draft`` on the held-out hidden states ``data`` (an ``eagle3nb.hidden.HiddenStates``):
-    greedy, at ``temperature`` (when > 0), by segment (reasoning / answer), by prompt category and by context
-    length (the drafted token's index in the sequence, ``by_context``). With ``keep_positions`` the result also
+    greedy, at ``temperature`` (when > 0), by segment (reasoning / answer), by prompt category, by turn (``by_turn``:
+    first and later turns of per-turn samples, 01's ``multi_turn: every``) and by context length (the drafted
+    token's index in the sequence, ``by_context``). With ``keep_positions`` the result also
     holds ``positions``: per sample its ids, loss mask and, per token, how many of ``k`` drafted tokens from
     there were accepted, with the draft's guess and the target's token where the first was rejected (what
     ``eagle3nb.accept.misses`` shows)."""
@@ -230,8 +241,8 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
                          "set data_dir, or raise 03_train's holdout_fraction")
     head = data.lm_head().float().to(draft.fc.weight.device) if temperature > 0 else None
     prog = Progress(stage_dir, len(indices), "offline acceptance", "samples") if stage_dir else None
-    parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": [], "rounds": [],
-                              "position": []}
+    parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": [], "turn": [],
+                              "rounds": [], "position": []}
     positions: list[dict[str, Any]] = []
     skipped = 0
     with torch.inference_mode():
@@ -250,6 +261,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
                 seg = [2 if m else 0 for m in mask]
             parts["segment"].append(torch.tensor(seg[2:] + [0]))  # segment of the first drafted token t+2
             parts["category"] += [item.get("category")] * (len(ids) - 1)
+            parts["turn"] += [turn_label(item["id"])] * (len(ids) - 1)
             parts["position"].append(torch.arange(2, len(ids) + 1))  # index of the first drafted token t+2
             positions.append(position_record(item, r, k))
             for key in ("greedy", "sampled", "valid"):
@@ -292,6 +304,9 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
     if any(c is not None for c in cats):
         names = sorted({c for c in cats if c is not None})
         result["by_category"] = {c: block(torch.tensor([x == c for x in cats])) for c in names}
+    turns = parts["turn"]
+    if any(t is not None for t in turns):
+        result["by_turn"] = {t: block(torch.tensor([x == t for x in turns])) for t in TURN_LABELS if t in turns}
     edges = context_edges(position[valid[0]])
     bucket = torch.bucketize(position, torch.tensor(edges, dtype=position.dtype), right=True)
     result["context_edges"] = edges

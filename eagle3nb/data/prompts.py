@@ -1,9 +1,12 @@
 """Prompt sets in the formats people have: JSONL or parquet rows with OpenAI ``messages``, ShareGPT
 ``conversations`` (``from``/``value``) or ``prompt`` text, and local Hugging Face ``datasets`` folders.
 
-Every row becomes ``{"id", "messages", "category"}``; the messages end at the last user turn (an answer a
-dataset already carries is dropped: the target writes its own). Rows without an ``id`` get a stable one
-from their content, so a resume finds them again even if the file is re-ordered.
+Every row becomes ``{"id", "messages", "conversation", "tools", "category"}``: ``messages`` end at the last user
+turn (an answer a dataset already carries is dropped: the target writes its own), ``conversation`` is the whole
+conversation as the dataset has it (01's ``multi_turn: every`` answers each of its turns, ``eagle3nb.data.turns``),
+``tools`` the row's OpenAI tool definitions (or None). MT-Bench's rows (``turns``: the user's turns, each answered
+by the target) load as they ship. Rows without an ``id`` get a stable one from their content, so a resume finds
+them again even if the file is re-ordered.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ ROLES = {"system", "user", "assistant", "tool"}
 # A dataset's own row id, under the names the public sets use (HumanEval: task_id, MT-Bench: question_id).
 ID_KEYS = ("id", "task_id", "question_id")
 FORMATS_HINT = ("each row needs 'messages' (OpenAI style [{role, content}]), 'conversations' "
-                "(ShareGPT [{from, value}]) or 'prompt' (text)")
+                "(ShareGPT [{from, value}]), 'turns' (MT-Bench: the user's turns) or 'prompt' (text)")
 
 
 class PromptsError(StageError, ValueError):
@@ -49,11 +52,23 @@ def _text(content: Any) -> Any:
     return content
 
 
-def to_messages(row: dict, where: str) -> list[dict]:
-    """OpenAI-style messages of one row, ending with a user turn."""
+def _message(m: Any) -> Any:
+    """One OpenAI message with the fields a chat template reads (an assistant's tool calls, a tool result's id)."""
+    if not isinstance(m, dict):
+        return m
+    out = {"role": m.get("role"), "content": _text(m.get("content"))}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    if out["role"] == "assistant" and out["content"] is None and out.get("tool_calls"):
+        out["content"] = ""
+    return out
+
+
+def conversation(row: dict, where: str) -> list[dict]:
+    """The OpenAI-style messages of one row, as the dataset has them (its assistant turns included)."""
     if row.get("messages") is not None:
-        raw = _plain(row["messages"])
-        msgs = [{"role": m.get("role"), "content": _text(m.get("content"))} if isinstance(m, dict) else m for m in raw]
+        msgs = [_message(m) for m in _plain(row["messages"])]
     elif row.get("conversations") is not None:
         msgs = []
         for m in _plain(row["conversations"]):
@@ -64,6 +79,11 @@ def to_messages(row: dict, where: str) -> list[dict]:
                 raise PromptsError(f"{where}: unknown ShareGPT speaker {m['from']!r}; use one of "
                                    f"{sorted(SHAREGPT_ROLES)}")
             msgs.append({"role": role, "content": m.get("value")})
+    elif isinstance(_plain(row.get("turns")), list):
+        turns = _plain(row["turns"])
+        if not turns or not all(isinstance(t, str) for t in turns):
+            raise PromptsError(f"{where}: 'turns' must be a list of the user's messages (text), as MT-Bench ships")
+        msgs = [{"role": "user", "content": t} for t in turns]
     elif row.get("prompt") is not None:
         msgs = [{"role": "user", "content": row["prompt"]}]
     else:
@@ -71,10 +91,16 @@ def to_messages(row: dict, where: str) -> list[dict]:
     for m in msgs:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise PromptsError(f"{where}: bad message {m!r}; each needs a role in {sorted(ROLES)} and text content")
-    while msgs and msgs[-1]["role"] == "assistant":
-        msgs.pop()
-    if not msgs or msgs[-1]["role"] != "user":
+    if not any(m["role"] == "user" for m in msgs):
         raise PromptsError(f"{where}: the conversation has no user turn to answer; drop the row or add one")
+    return msgs
+
+
+def to_messages(row: dict, where: str) -> list[dict]:
+    """OpenAI-style messages of one row up to its last user turn (what the target answers once)."""
+    msgs = conversation(row, where)
+    while msgs[-1]["role"] != "user":
+        msgs.pop()
     return msgs
 
 
@@ -177,7 +203,7 @@ def prompt_id(messages: list[dict]) -> str:
 
 def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
     """The first ``max_samples`` prompts of ``value`` (a path or ``toy:train`` / ``toy:heldout``) as
-    ``{"id", "messages", "category"}``; raises PromptsError for bad rows or duplicate ids."""
+    ``{"id", "messages", "conversation", "tools", "category"}``; raises PromptsError for bad rows or duplicate ids."""
     if not str(value).strip():
         raise PromptsError("prompts is empty; set it to a JSONL / JSON / parquet file, a datasets folder or toy:train")
     if value.startswith("toy:"):
@@ -193,6 +219,7 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
     for row, where in _rows(path):
         if max_samples is not None and len(out) >= max_samples:
             break
+        full = conversation(row, where)
         messages = to_messages(row, where)
         given = next((row[k] for k in ID_KEYS if row.get(k) is not None), None)
         pid = str(given) if given is not None else prompt_id(messages)
@@ -203,7 +230,11 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
             continue
         seen[pid] = where
         category = row.get("category")
-        out.append({"id": pid, "messages": messages, "category": None if category is None else str(category)})
+        tools = _plain(row.get("tools"))
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise PromptsError(f"{where}: 'tools' must be a list of OpenAI tool definitions ({{type, function}})")
+        out.append({"id": pid, "messages": messages, "conversation": full, "tools": tools or None,
+                    "category": None if category is None else str(category)})
     if not out:
         raise PromptsError(f"prompts {path} holds no rows")
     if duplicates:

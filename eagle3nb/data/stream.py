@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.data.turns import answer_message, template_messages
 from eagle3nb.families import AUTO, Family, detect, specials
 from eagle3nb.hf import RemoteCodeRequired, from_pretrained
 from eagle3nb.params import StageError
@@ -50,9 +51,11 @@ class Template:
         self.end_text, self.end_id = sp.end, sp.end_id
         self.think_ids = sp.think_ids
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.kwargs)
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The conversation as the engine renders it (tool-call arguments as objects, ``template_messages``)."""
+        more = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **self.kwargs, **more)
 
     def encode(self, text: str) -> list[int]:
         """Ids of already-rendered text, as an OpenAI server tokenizes a chat prompt (no extra BOS)."""
@@ -62,16 +65,16 @@ class Template:
         """Text with every special token visible (the think wrappers and turn markers)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=True))
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
     def completion_text(self, messages: list[dict], reasoning: str | None, content: str | None,
-                        truncated: bool) -> str:
+                        truncated: bool, tools: list[dict] | None = None, tool_calls: list[dict] | None = None) -> str:
         """The assistant's part of the rendered conversation: what follows the generation prompt, up to and
         including the end-of-turn token (dropped when the answer was truncated: it was never generated)."""
-        prompt = self.render(messages, add_generation_prompt=True)
-        turn = {"role": "assistant", "content": content or "", "reasoning_content": reasoning}
-        full = self.render([*messages, turn], add_generation_prompt=False)
+        prompt = self.render(messages, add_generation_prompt=True, tools=tools)
+        turn = answer_message(reasoning, content, tool_calls)
+        full = self.render([*messages, turn], add_generation_prompt=False, tools=tools)
         if not full.startswith(prompt):
             raise StreamError("the chat template renders the conversation differently from its generation prompt, "
                               "so the assistant's tokens cannot be located; the server must return token ids "
@@ -88,7 +91,8 @@ class Template:
 
 
 def build(tpl: Template | None, messages: list[dict], reasoning: str | None, content: str | None,
-          finish_reason: str | None, prompt_ids: list[int] | None, completion_ids: list[int] | None) -> dict[str, Any]:
+          finish_reason: str | None, prompt_ids: list[int] | None, completion_ids: list[int] | None,
+          tools: list[dict] | None = None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
     """``input_ids``, ``loss_mask``, ``token_source`` (server | template) and ``ids_match`` (bool, or None when
     only one source exists) for one answered prompt."""
     truncated = finish_reason == "length"
@@ -103,8 +107,8 @@ def build(tpl: Template | None, messages: list[dict], reasoning: str | None, con
     template = None
     if tpl is not None:
         try:
-            template = (tpl.prompt_ids(messages),
-                        tpl.encode(tpl.completion_text(messages, reasoning, content, truncated)))
+            template = (tpl.prompt_ids(messages, tools),
+                        tpl.encode(tpl.completion_text(messages, reasoning, content, truncated, tools, tool_calls)))
         except StreamError:
             if server is None:
                 raise

@@ -528,6 +528,22 @@ def check_data_health(ctx: Context) -> CheckResult:
         problems.append((WARN, f"{kinds['text']}/{len(ok)} ok samples: the chat template renders other text than "
                                f"the server generated", "run the token_stream check against the server; the data "
                                                         "keeps the server's ids"))
+    later = [s for s in ok if (s.get("turn") or 1) > 1]
+    details["turns"] = turns = {
+        "multi_turn": P1.multi_turn,
+        "conversations": len({s.get("conversation_id", s["id"]) for s in samples}),
+        "first_turn_ok": len(ok) - len(later), "later_turn_ok": len(later),
+        "later_ids_mismatch": _mismatch_kinds(ctx, [s for s in later if s.get("ids_match") is False])["text"],
+        "dataset_turns_untrained": sum((s.get("turn") or 1) - 1 for s in ok) if P1.multi_turn == "last" else 0}
+    if turns["later_ids_mismatch"]:
+        problems.append((WARN, f"{turns['later_ids_mismatch']}/{len(later)} later turns: the template renders the "
+                               f"history other than the server did", "the data keeps the server's ids; run the "
+                                                                     "token_stream check on a multi-turn prompt"))
+    answered = turns["dataset_turns_untrained"] + len(ok)
+    if answered and turns["dataset_turns_untrained"] > answered / 2:
+        problems.append((WARN, f"multi_turn: last trains {len(ok)} of {answered} assistant turns (the rest are the "
+                               f"dataset's text, never the target's)",
+                         "set multi_turn: every in 01_synth: each turn answered on-policy becomes a sample"))
     think, think_text = ctx.template.think_ids[0], ctx.template.specials.think_start
     thinking = [s for s in ok if s.get("thinking")] if think is not None else []
     no_wrap = sum(1 for s in thinking if think not in [t for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
@@ -552,7 +568,8 @@ def check_data_health(ctx: Context) -> CheckResult:
     measured = (f"{n} samples: {status['ok']} ok, {status['truncated']} truncated, {status['no_reasoning']} "
                 f"no_reasoning, {status['error']} error; length p50 {p['p50']} p99 {p['p99']} max {p['max']} "
                 f"vs max_length {max_length}; server ids != template: {kinds['text']} text, {kinds['split']} token "
-                f"split only, {kinds['unclosed']} reasoning never closed; duplicates {len(dups)}")
+                f"split only, {kinds['unclosed']} reasoning never closed; duplicates {len(dups)}; turns: "
+                f"{turns['first_turn_ok']} first, {turns['later_turn_ok']} later ok ({turns['multi_turn']})")
     return _result("data_health", problems, measured, details)
 
 
@@ -568,7 +585,8 @@ def _mismatch_kinds(ctx: Context, samples: list[dict]) -> dict[str, int]:
             out["unclosed"] += 1
             continue
         try:
-            ours = build(tpl, s["messages"], s["reasoning"], s["content"], s["finish_reason"], None, None)
+            ours = build(tpl, s["messages"], s["reasoning"], s["content"], s["finish_reason"], None, None,
+                         tools=s.get("tools"), tool_calls=s.get("tool_calls"))
         except StreamError:
             out["text"] += 1
             continue

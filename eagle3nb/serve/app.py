@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from eagle3nb import __version__
+from eagle3nb.data.turns import template_messages
 from eagle3nb.families import Family, detect
 from eagle3nb.serve.engine import Engine, Request, SamplingParams, Update
 from eagle3nb.serve.errors import APIError
@@ -70,6 +71,7 @@ class ChatBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class CompletionBody(_Body):
@@ -176,10 +178,11 @@ class Server:
         return {f: reasoning for f in self.fields}
 
     def chat_prompt(self, body: ChatBody) -> list[int]:
-        messages = [_flatten_content(m) for m in body.messages]
+        messages = template_messages([_flatten_content(m) for m in body.messages])
+        more = {"tools": body.tools} if body.tools else {}
         try:
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False, **(body.chat_template_kwargs or {}))
+                                               return_dict=False, **(body.chat_template_kwargs or {}), **more)
         except Exception as e:  # a template error is the request's fault (bad roles, missing fields)
             raise APIError(400, f"could not render the chat template for these messages: {e}", param="messages")
         return list(ids)

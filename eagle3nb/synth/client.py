@@ -197,15 +197,17 @@ def describe(exc: BaseException) -> str:
 
 async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int, temperature: float, top_p: float,
                seed: int, template_kwargs: dict[str, Any], return_token_ids: bool = True,
-               vocab_size: int | None = None) -> Any:
+               vocab_size: int | None = None, tools: list[dict] | None = None) -> Any:
     """One chat completion, asking for the token ids too (vLLM/SGLang ``return_token_ids``); with ``vocab_size``
-    (the target tokenizer's) every field 01 stores is checked (``check_answer``)."""
+    (the target tokenizer's) every field 01 stores is checked (``check_answer``); ``tools``: the conversation's
+    tool definitions, rendered by the server through the template's tool format."""
     extra: dict[str, Any] = {"chat_template_kwargs": template_kwargs}
     if return_token_ids:
         extra["return_token_ids"] = True
+    more = {"tools": tools} if tools else {}
     resp = await ep.client.chat.completions.create(
         model=ep.model, messages=messages, max_completion_tokens=max_completion_tokens, temperature=temperature,
-        top_p=top_p, seed=seed, extra_body=extra)
+        top_p=top_p, seed=seed, extra_body=extra, **more)
     if not getattr(resp, "choices", None) or getattr(resp.choices[0], "message", None) is None:
         raise MalformedResponse(f"no choices[0].message in the answer: {str(resp)[:200]}")
     return check_answer(resp, vocab_size) if vocab_size is not None else resp

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from eagle3nb.params import ParamsError, TargetParams, register
@@ -25,6 +27,9 @@ class SynthParams(TargetParams):
     prompts: str = Field("toy:train", description="JSONL / parquet file or HF datasets folder of prompts, or toy:train "
                                                   "/ toy:heldout")
     max_samples: int | None = Field(300, ge=1, description="number of prompts to answer (the first ones); null = all")
+    multi_turn: Literal["last", "every"] = Field(
+        "last", description="last: answer each conversation's last user turn after the dataset's history; every: "
+                            "answer every turn, each after the target's own earlier answers (one sample per turn)")
     max_completion_tokens: int = Field(256, ge=1, description="token budget per answer, reasoning included")
     concurrency: int = Field(16, ge=1, description="requests in flight at all times while work remains")
     vllm_url: str | list[str] = Field("embedded", description="server URL (http://host:8000, /v1 added when missing), "
@@ -71,6 +76,8 @@ class SynthParams(TargetParams):
         """The data-affecting settings, as stored in run_config.json."""
         values = {k: getattr(self, k) for k in DATA_KEYS}
         values["thinking_kwarg"] = self.target_family.thinking_kwarg(self.thinking_kwarg)  # auto, resolved
+        if self.multi_turn != "last":  # recorded only when set, so earlier runs' configs stay equal
+            values["multi_turn"] = self.multi_turn
         return values
 
     def check_paths(self) -> None:

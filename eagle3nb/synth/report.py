@@ -10,11 +10,20 @@ import re
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from eagle3nb.data.samples import STATUSES, latest, sample_files
+from eagle3nb.data.turns import template_messages
 from eagle3nb.figures import save_figures as save_all
-from eagle3nb.tokenview import HTML, browser, fields_table, pieces_for, render_tokens, roles_for, special_ids
+from eagle3nb.tokenview import (
+    HTML,
+    browser,
+    fields_table,
+    pieces_for,
+    render_tokens,
+    roles_for,
+    special_ids,
+)
 
 # What makes a sample worth a look, worst first (``static_samples`` shows the first one present).
 FLAGS = ("ids_mismatch", "no_reasoning", "truncated", "error")
@@ -27,6 +36,12 @@ def summary(m: dict[str, Any]) -> str:
     s = m["session"]
     lines = [f"01_synth: {m['samples']} samples: " + ", ".join(f"{k} {v}" for k, v in c.items())
              + (f"; {m['missing']} prompts not answered yet (re-run to resume)" if m["missing"] else "")]
+    for why, n in (m.get("turns_cut") or {}).items():
+        lines.append(f"  {n} turns not asked: {why} (their conversations end there)")
+    t = m.get("turns") or {}
+    if m.get("multi_turn") == "last" and t.get("in_prompts", 0) > 2 * t.get("conversations", 0):
+        lines.append(f"  multi_turn: last trains {t['answered_ok']} of the prompts' {t['in_prompts']} assistant turns "
+                     f"(the rest is the dataset's text, untrained); multi_turn: every answers them all on-policy")
     if m["errors"]:
         lines.append("  errors: " + ", ".join(f"{k} x{v}" for k, v in m["errors"].items()))
     if s["samples"]:
@@ -140,7 +155,12 @@ def sample_rows(stage_dir: str | Path) -> list[dict[str, Any]]:
     ``flags``, in id order."""
     recs = latest(Path(stage_dir), light=True)
     return [{"id": r["id"], "status": r["status"], "category": r.get("category"), "length": _length(r),
-             "flags": flags(r)} for _, r in sorted(recs.items())]
+             "turn": _turn_label(r), "flags": flags(r)} for _, r in sorted(recs.items())]
+
+
+def _turn_label(rec: dict[str, Any]) -> str | None:
+    """``turn k/n`` for a record of a multi-turn conversation, None for a one-turn prompt."""
+    return f"turn {rec.get('turn')}/{rec['turns']}" if (rec.get("turns") or 1) > 1 else None
 
 
 class SampleStore:
@@ -169,15 +189,39 @@ class SampleStore:
             return json.loads(f.readline())
 
 
+def turn_starts(tokenizer: Any, messages: Sequence[dict], n_prompt: int) -> dict[int, int]:
+    """{token position: turn number} where each user message of a multi-turn sample's prompt starts: the length of
+    the chat template's rendering of the messages before it (positions past the prompt, where a template does not
+    render history as a prefix, are left out)."""
+    out: dict[int, int] = {}
+    turn = 0
+    for j, m in enumerate(messages):
+        if m.get("role") != "user":
+            continue
+        turn += 1
+        if j:
+            n = len(tokenizer.apply_chat_template(template_messages(list(messages[:j])), tokenize=True,
+                                                  return_dict=False))
+            if n < n_prompt:
+                out[n] = turn
+    return out
+
+
 def sample_html(rec: dict[str, Any], tokenizer: Any, show_ids: bool = False) -> str:
     """One record: its tokens coloured by role with the loss mask underlined (hover: id and text), beside its
     fields (status, finish_reason, the reasoning and content the server returned, ...)."""
     ids, mask = rec.get("input_ids") or [], rec.get("loss_mask") or []
     think, end = special_ids(tokenizer)
+    turn = _turn_label(rec)
     head = (f"<b>{rec['id']}</b> — {rec.get('status')}, {len(ids)} tokens, category {rec.get('category')}"
+            + (f" — {turn}: only this turn's answer is trained, earlier turns are its history" if turn else "")
             + (f" — <b>flagged: {', '.join(flags(rec))}</b>" if flags(rec) else ""))
-    tokens = (render_tokens(pieces_for(tokenizer, ids), ids, roles_for(ids, mask, think, end), loss_mask=mask,
-                            show_ids=show_ids) if ids else f"<i>no tokens ({rec.get('error') or 'no answer'})</i>")
+    starts = turn_starts(tokenizer, rec.get("messages") or [], mask.count(0)) if turn and ids else {}
+    marks = [("turn" if i in starts else None) for i in range(len(ids))] if starts else None
+    titles = [(f"turn {starts[i]} starts" if i in starts else None) for i in range(len(ids))] if starts else None
+    tokens = (render_tokens(pieces_for(tokenizer, ids), ids, roles_for(ids, mask, think, end), marks, titles,
+                            loss_mask=mask, show_ids=show_ids)
+              if ids else f"<i>no tokens ({rec.get('error') or 'no answer'})</i>")
     fields = fields_table({k: v for k, v in rec.items() if k not in ("input_ids", "loss_mask")})
     return (f'<div class="tv-sample" data-sample-id="{rec["id"]}" style="margin:8px 0 16px">'
             f'<div style="margin-bottom:4px">{head}</div>'

@@ -1,7 +1,10 @@
 """Stage 01 (``notebooks/01_synth.ipynb``, ``python -m eagle3nb.synth params/<run>/``): prompts in, one JSON
-line per answered prompt out, exactly once per id; ``run(P)`` also writes ``metrics.json`` and the figures.
+line per answered prompt out (per answered turn with ``multi_turn: every``), exactly once per id; ``run(P)`` also
+writes ``metrics.json`` and the figures.
 
-``concurrency`` workers each keep one request in flight while prompts remain (no waves); answers go
+``concurrency`` workers each keep one request in flight while prompts remain (no waves): a worker takes a
+conversation and asks its turns in order, each after the target's own earlier answers, so turns of one
+conversation are sequential and conversations run side by side. Answers go
 through a queue to a writer thread that builds the token stream, appends and fsyncs, so a slow disk or
 tokenizer never idles a request slot. The event loop runs on its own thread, which makes the same call
 work in a script, under papermill and inside JupyterLab's running loop; the calling thread turns Ctrl-C
@@ -24,6 +27,7 @@ from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.reasoning import extract, field, no_reasoning_fix
 from eagle3nb.data.samples import HEAVY, STATUSES, SampleWriter, check_run_config, exclusive, latest
 from eagle3nb.data.stream import StreamError, Template, build, naive_text
+from eagle3nb.data.turns import answer_message, calls_of, replay, turn_id, turn_inputs
 from eagle3nb.errors import scrub
 from eagle3nb.families import segment_ids
 from eagle3nb.launch import start_server
@@ -56,6 +60,50 @@ def needs_request(last: dict | None, retry_errors: bool) -> bool:
     if last is None:
         return True
     return last["status"] not in DONE_STATUSES and retry_errors
+
+
+def answer_status(thinking: bool, finish_reason: str | None, reasoning: str | None) -> str:
+    """A stored answer's status from its finish reason (and, with thinking on, whether reasoning came back)."""
+    if finish_reason == "length":
+        return "truncated"
+    if finish_reason != "stop":
+        return "error"
+    return "no_reasoning" if thinking and not reasoning else "ok"
+
+
+CUT_NOT_OK = "an earlier turn is not ok"
+CUT_NO_CALL = "the dataset replays tool results the target did not call for"
+
+
+def plan_conversation(item: dict, every: bool, done: dict[str, dict], retry_errors: bool) -> tuple[dict | None,
+                                                                                                     str | None, int]:
+    """(the job still to ask or None, why the conversation stops early or None, turns it loses) for one prompt.
+    A job is ``{"item", "inputs", "start", "history", "calls"}``: ask turns ``start..`` of ``inputs``, the first
+    after ``history`` (the earlier turns, each followed by the target's answer from ``done``); ``calls`` are the
+    target's tool calls of the turn before ``start``."""
+    if not every:
+        job = {"item": item, "inputs": [item["messages"]], "start": 1, "history": [], "calls": None}
+        return (job if needs_request(done.get(item["id"]), retry_errors) else None), None, 0
+    inputs = turn_inputs(item["conversation"])
+    history: list[dict] = []
+    calls = None
+    for k in range(1, len(inputs) + 1):
+        new = replay(inputs[k - 1], calls)
+        if new is None:
+            return None, CUT_NO_CALL, len(inputs) - k + 1
+        rec = done.get(turn_id(item["id"], k))
+        if needs_request(rec, retry_errors):
+            return {"item": item, "inputs": inputs, "start": k, "history": history, "calls": calls}, None, 0
+        if rec["status"] != "ok":
+            return None, CUT_NOT_OK, len(inputs) - k
+        calls = rec.get("tool_calls")
+        history = [*history, *new, answer_message(rec["reasoning"], rec["content"], calls)]
+    return None, None, 0
+
+
+def planned_ids(item: dict, every: bool) -> list[str]:
+    return [turn_id(item["id"], k) for k in range(1, len(turn_inputs(item["conversation"])) + 1)] if every \
+        else [item["id"]]
 
 
 @contextlib.contextmanager
@@ -140,20 +188,37 @@ class Session:
         return ep
 
     async def worker(self, results: asyncio.Queue) -> None:
-        P = self.P
-        kwargs = self.tpl.kwargs
         while not self.halt.is_set() and self.next_index < len(self.todo):
-            item = self.todo[self.next_index]
+            job = self.todo[self.next_index]
             self.next_index += 1
             if self.next_index == len(self.todo):
                 self.in_flight.work_ran_out()
-            t0 = time.time()
-            seed = request_seed(P.seed, item["id"])
+            if not await self.converse(job, results):
+                return
 
-            def call(ep: Endpoint, item=item, seed=seed):
-                return chat(ep, item["messages"], max_completion_tokens=P.max_completion_tokens,
-                            temperature=P.temperature, top_p=P.top_p, seed=seed, template_kwargs=kwargs,
-                            return_token_ids=P.return_token_ids, vocab_size=len(self.tpl.tokenizer))
+    async def converse(self, job: dict, results: asyncio.Queue) -> bool:
+        """Ask a job's turns in order, each after the target's own answers to the earlier ones; a turn that is
+        not ``ok`` ends the conversation (what follows would answer a history the target did not write).
+        False when the run must stop."""
+        P, item = self.P, job["item"]
+        every = P.multi_turn == "every"
+        history, calls, n = job["history"], job["calls"], len(job["inputs"])
+        for k in range(job["start"], n + 1):
+            new = replay(job["inputs"][k - 1], calls)
+            if new is None or self.halt.is_set():
+                return True
+            req = {**item, "id": turn_id(item["id"], k) if every else item["id"], "conversation_id": item["id"],
+                   "messages": [*history, *new],
+                   "turn": k if every else len(turn_inputs(item["conversation"])),
+                   "turns": n if every else len(turn_inputs(item["conversation"]))}
+            t0 = time.time()
+            seed = request_seed(P.seed, req["id"])
+
+            def call(ep: Endpoint, req=req, seed=seed):
+                return chat(ep, req["messages"], max_completion_tokens=P.max_completion_tokens,
+                            temperature=P.temperature, top_p=P.top_p, seed=seed, template_kwargs=self.tpl.kwargs,
+                            return_token_ids=P.return_token_ids, vocab_size=len(self.tpl.tokenizer),
+                            tools=item.get("tools"))
 
             try:
                 resp, attempts, err = await with_retries(
@@ -161,39 +226,48 @@ class Session:
                     endpoint_for_attempt=self.next_endpoint)
             except FatalServerError as e:
                 self.stop(e)
-                return
+                return False
             self.early_check(resp, err)
-            await results.put((item, resp, attempts, err, time.time() - t0))
+            await results.put((req, resp, attempts, err, time.time() - t0))
+            if resp is None:
+                return True
+            reasoning, content, _ = extract(resp.choices[0].message, self.tpl.family.think_tags)
+            if answer_status(P.thinking, resp.choices[0].finish_reason, reasoning) != "ok":
+                return True
+            calls = calls_of(resp.choices[0].message)
+            history = [*req["messages"], answer_message(reasoning, content, calls)]
+        return True
 
     def record(self, item: dict, resp: Any, attempts: int, err: str | None, latency: float) -> dict:
         """The JSON line for one prompt (docs/ARCHITECTURE.md "01_synth output")."""
         P = self.P
         rec: dict[str, Any] = {"id": item["id"], "status": "error", "messages": item["messages"], "reasoning": None,
-                               "content": None, "finish_reason": None, "input_ids": [], "loss_mask": [],
-                               "thinking": P.thinking, "category": item.get("category"), "token_source": None,
-                               "ids_match": None, "usage": None, "latency_s": round(latency, 4), "error": err}
+                               "content": None, "tool_calls": None, "finish_reason": None, "input_ids": [],
+                               "loss_mask": [], "thinking": P.thinking, "category": item.get("category"),
+                               "conversation_id": item["conversation_id"], "turn": item["turn"], "turns": item["turns"],
+                               "token_source": None, "ids_match": None, "usage": None,
+                               "latency_s": round(latency, 4), "error": err}
+        if item.get("tools"):
+            rec["tools"] = item["tools"]
         if resp is not None:
             choice = resp.choices[0]
             reasoning, content, _ = extract(choice.message, self.tpl.family.think_tags)
             finish = choice.finish_reason
-            rec.update(reasoning=reasoning, content=content, finish_reason=finish,
+            calls = calls_of(choice.message)
+            rec.update(reasoning=reasoning, content=content, tool_calls=calls, finish_reason=finish,
                        usage=resp.usage.model_dump() if resp.usage else None)
             try:
                 stream = build(self.tpl, item["messages"], reasoning, content, finish,
-                               field(resp, "prompt_token_ids"), field(choice, "token_ids"))
+                               field(resp, "prompt_token_ids"), field(choice, "token_ids"), tools=item.get("tools"),
+                               tool_calls=calls)
             except StreamError as e:
                 self.stop(e)
                 rec["error"] = f"StreamError: {e}"
             else:
                 rec.update(stream)
-                if finish == "length":
-                    rec["status"] = "truncated"
-                elif finish != "stop":
+                rec["status"] = answer_status(P.thinking, finish, reasoning)
+                if rec["status"] == "error":
                     rec["error"] = f"unexpected finish_reason {finish!r}"
-                elif P.thinking and not reasoning:
-                    rec["status"] = "no_reasoning"
-                else:
-                    rec["status"] = "ok"
         rec["tokens"] = token_counts(self.tpl, rec["input_ids"], rec["loss_mask"])
         rec["attempts"] = attempts
         rec["finished_at"] = round(time.time(), 3)
@@ -254,7 +328,8 @@ class Session:
         config = {**P.data_config(), "served_model_name": self.endpoints[0].model}
         check_run_config(P.stage_dir, config, P.force)
         print(f"01_synth: asking {', '.join(e.url for e in self.endpoints)} (model {self.endpoints[0].model!r}), "
-              f"{P.concurrency} in flight, {len(self.todo)} prompts to answer", flush=True)
+              f"{P.concurrency} in flight, {len(self.todo)} {'conversations' if P.multi_turn == 'every' else 'prompts'}"
+              f" to answer", flush=True)
         results: asyncio.Queue = asyncio.Queue()
         self.writer = SampleWriter(P.stage_dir)
         self.t0 = time.time()
@@ -294,6 +369,12 @@ def run(P: SynthParams) -> dict[str, Any]:
     KeyboardInterrupt after a clean stop on Ctrl-C / SIGTERM."""
     stage_dir = P.stage_dir
     prompts = load_prompts(P.prompts, P.max_samples)
+    if P.multi_turn == "last":
+        answers = (sum(m["role"] == "assistant" for m in p["messages"]) for p in prompts)
+        unanswered = next((p["id"] for p, n in zip(prompts, answers) if len(turn_inputs(p["messages"])) > n + 1), None)
+        if unanswered is not None:
+            raise SynthError(f"prompt {unanswered!r} has user turns without an answer between them (MT-Bench's shape); "
+                             f"set multi_turn: every so the target answers each turn after its own earlier answers")
     model_dir = P.model_dir
     tpl = Template(model_dir, P.thinking, P.thinking_kwarg, P.trust_remote_code, P.target_family)
     P.api_key()  # a missing key variable is an error before anything starts
@@ -309,11 +390,15 @@ def _answer(P: SynthParams, prompts: list[dict], model_dir: Path, tpl: Template)
     """The run proper, with the output folder to ourselves: resume point, session, metrics."""
     stage_dir = P.stage_dir
     torn: list[str] = []
-    done = latest(stage_dir, light=True, torn=torn)
-    todo = [p for p in prompts if needs_request(done.get(p["id"]), P.retry_errors)]
-    print(f"01_synth: {len(prompts)} prompts, {len(prompts) - len(todo)} already answered in {stage_dir}"
+    every = P.multi_turn == "every"
+    done = history_records(stage_dir, every, torn)
+    todo = [job for p in prompts if (job := plan_conversation(p, every, done, P.retry_errors)[0]) is not None]
+    planned = [i for p in prompts for i in planned_ids(p, every)]
+    answered = sum(not needs_request(done.get(i), P.retry_errors) for i in planned)
+    print(f"01_synth: {len(prompts)} prompts" + (f" ({len(planned)} turns)" if every else "")
+          + f", {answered} already answered in {stage_dir}"
           + (f" (torn last line skipped: {', '.join(torn)})" if torn else ""), flush=True)
-    progress = Progress(stage_dir, total=len(prompts), desc=STAGE, unit="sample", done=len(prompts) - len(todo))
+    progress = Progress(stage_dir, total=len(planned), desc=STAGE, unit="turn" if every else "sample", done=answered)
     session = Session(P, tpl, todo, progress)
     interrupted, state = False, "done"
     try:
@@ -351,6 +436,16 @@ def _answer(P: SynthParams, prompts: list[dict], model_dir: Path, tpl: Template)
     return metrics
 
 
+def history_records(stage_dir: Path, every: bool, torn: list[str] | None = None) -> dict[str, dict]:
+    """The latest record per id, light; with ``multi_turn: every`` the answers are kept too: a conversation half
+    done resumes at its next turn after the target's own earlier answers."""
+    if not Path(stage_dir).exists():
+        return {}
+    if every:
+        return latest(stage_dir, torn=torn, drop=("messages", "input_ids", "loss_mask"))
+    return latest(stage_dir, light=True, torn=torn)
+
+
 def _percentiles(values: list[float]) -> dict[str, float] | None:
     import numpy as np
 
@@ -365,7 +460,14 @@ def collect_metrics(stage_dir: Path, prompts: list[dict], session: Session, torn
     """``metrics.json``: counts by status, tokens, token-id mismatches and latency over every sample in
     ``stage_dir`` (latest record per id; every sample that is not ``ok`` is counted with its reason), plus
     this session's throughput."""
-    recs = latest(stage_dir, light=True) if Path(stage_dir).exists() else {}
+    every = session.P.multi_turn == "every"
+    recs = history_records(stage_dir, every)
+    cut: Counter = Counter()
+    for p in prompts:
+        _, why, lost = plan_conversation(p, every, recs, retry_errors=False)
+        if why:
+            cut[why] += lost
+    planned = [i for p in prompts for i in planned_ids(p, every)]
     counts = Counter(r["status"] for r in recs.values())
     ok = [r for r in recs.values() if r["status"] == "ok"]
     tokens = {k: sum(r["tokens"][k] for r in ok) for k in ("prompt", "reasoning", "content")}
@@ -380,7 +482,10 @@ def collect_metrics(stage_dir: Path, prompts: list[dict], session: Session, torn
     return {
         "samples": len(recs),
         "prompts": len(prompts),
-        "missing": sum(p["id"] not in recs for p in prompts),
+        "multi_turn": session.P.multi_turn,
+        "turns": turn_metrics(prompts, recs),
+        "turns_cut": dict(cut),
+        "missing": sum(i not in recs for i in planned) - sum(cut.values()),
         "counts": {s: counts.get(s, 0) for s in STATUSES},
         "tokens_ok": tokens,
         "mean_tokens_ok": {k: (v / len(ok) if ok else 0.0) for k, v in tokens.items()},
@@ -401,6 +506,17 @@ def collect_metrics(stage_dir: Path, prompts: list[dict], session: Session, torn
         },
         "torn_lines": torn,
     }
+
+
+def turn_metrics(prompts: list[dict], recs: dict[str, dict]) -> dict[str, Any]:
+    """How many turns the conversations hold and how many the training data answers: with ``last``, every turn
+    but the last is the dataset's own text and trains nothing."""
+    in_data = sum(len(turn_inputs(p["conversation"])) for p in prompts)
+    ok = [r for r in recs.values() if r["status"] == "ok"]
+    return {"conversations": len(prompts), "in_prompts": in_data, "multi_turn_conversations":
+            sum(len(turn_inputs(p["conversation"])) > 1 for p in prompts),
+            "answered_ok": len(ok), "first_ok": sum(r.get("turn", 1) == 1 for r in ok),
+            "untrained": in_data - len(ok)}
 
 
 def probe(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
