@@ -172,3 +172,35 @@ def test_stage_reuses_finished_steps_until_the_drafts_content_changes(world, toy
     again = run_offline(P, load_draft(draft_dir, embed_tokens=world["data"].embed_tokens()), tok)
     assert "reusing" not in capsys.readouterr().out
     assert again["acceptance_length"] < first["acceptance_length"], (again, first)
+
+
+class TurnIds:
+    """The world's held-out states with per-turn ids (sample i: conversation i // 2, turn i % 2 + 1), as 01's
+    multi_turn: every names them; everything else read from the states themselves."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.data[i], "id": f"conv{i // 2}/turn-{i % 2 + 1}"}
+
+    def __getattr__(self, name: str):
+        return getattr(self.data, name)
+
+
+def test_offline_acceptance_by_turn_is_each_turn_groups_own_measure(world):
+    """04's by_turn: first and later turns each measured as if alone (the same samples with their own ids)."""
+    from eagle3nb.accept.offline import offline_acceptance
+
+    data, draft = world["data"], world["draft"]
+    n = min(len(data), 8)
+    both = offline_acceptance(draft, TurnIds(data), 3, 3, indices=range(n))
+    assert set(both["by_turn"]) == {"first turn", "later turns"}
+    for name, idx in (("first turn", range(0, n, 2)), ("later turns", range(1, n, 2))):
+        alone = offline_acceptance(draft, data, 3, 3, indices=idx)["greedy"]
+        got = both["by_turn"][name]["greedy"]
+        assert got["positions"] == alone["positions"] and got["per_position"] == pytest.approx(alone["per_position"])
+    assert "by_turn" not in offline_acceptance(draft, data, 3, 3, indices=range(n))  # one-answer samples
