@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 import subprocess
 
 import pytest
@@ -293,3 +294,81 @@ def test_muon_on_a_torch_without_it_is_one_line_naming_the_fix(monkeypatch):
         from_dict("03_train", {"optimizer": "muon"})
     assert "\n" not in str(e.value)
     from_dict("03_train", {"optimizer": "adamw"})
+
+
+# ---- the best checkpoint by held-out acceptance -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hidden(tmp_path_factory, toy_smoke):
+    from train_data import make_hidden_states
+    from worlds import SEED
+
+    return make_hidden_states(tmp_path_factory.mktemp("hidden"), toy_smoke, n=24, draft_vocab_size=96, seed=SEED)
+
+
+def train_params(data_dir, out, **over):
+    from eagle3nb.params import from_dict
+
+    from worlds import SEED
+
+    return from_dict("03_train", {
+        "run_name": "test", "data_dir": str(data_dir), "output_dir": str(out), "ttt_steps": 3, "max_length": 256,
+        "batch_tokens": 400, "holdout_fraction": 0.25, "seed": SEED, "max_steps": 12, "lr": 5e-3, "eval_every": 3,
+        "save_every": 3, "keep_checkpoints": 10, **over})
+
+
+def test_draft_is_the_best_heldout_evaluation_kept_through_a_resume_and_its_positions_plotted(hidden, tmp_path):
+    """A 2-layer lk_lambda draft under Muon (the recipes through 03 itself): draft/ holds the weights of the
+    evaluation with the highest held-out acceptance length (the later on a tie), metrics.json names its step; a
+    run resumed from a checkpoint before the end picks the same one and exports the same bytes; 04 reads the
+    deeper draft back; fine-tuning it with a destructive lr leaves draft/ at the start's weights (the best);
+    acceptance_by_position.png draws every draft position over the evaluations."""
+    from eagle3nb.accept.offline import offline_acceptance
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.train.checkpoint import checkpoints
+    from eagle3nb.train.report import POSITIONS_FIGURE, plot_positions, read_metrics
+    from eagle3nb.train.stage import run
+
+    out = tmp_path / "out"
+    P = train_params(hidden, out, num_layers=2, loss="lk_lambda", optimizer="muon")
+    result = run(P)
+    evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 3, 6, 9, 12]
+    top = max(r["acceptance_length"] for r in evals)
+    want = [r for r in evals if r["acceptance_length"] == top][-1]
+    best = json.loads((out / "metrics.json").read_text())["best"]
+    assert best == {"step": want["step"], "acceptance_length": top, "acc": want["acc"], "last_step": 12}
+    assert result["best"] == best and best["step"] > 0 and evals[0]["acceptance_length"] < top
+    at = torch.load(out / "checkpoints" / f"step-{best['step']:07d}.pt", weights_only=False)["model"]
+    exported = load_draft(out / "draft").state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in at.items())
+    assert torch.equal(load_file(out / "draft" / "model.safetensors")["layers.1.mlp.down_proj.weight"],
+                       at["deeper.0.mlp.down_proj.weight"])
+    # resumed from the checkpoint at 6: the evaluations after it are redone, the same best is exported
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    for c in checkpoints(again / "checkpoints"):
+        if int(c.stem.split("-")[1]) > 6:
+            c.unlink()
+    run(train_params(hidden, again, num_layers=2, loss="lk_lambda", optimizer="muon"))
+    assert json.loads((again / "metrics.json").read_text())["best"] == best
+    assert (again / "draft" / "model.safetensors").read_bytes() == (out / "draft" / "model.safetensors").read_bytes()
+    # 04 reads the deeper draft back
+    data = HiddenStates(hidden)
+    draft = load_draft(out / "draft", embed_tokens=data.embed_tokens())
+    assert draft.config.num_layers == 2
+    assert offline_acceptance(draft, data, k=3, max_k=3, indices=[0])["acceptance_length"] >= 1.0
+    # fine-tuned with a destructive lr: the start (the checkpoint's quality) stays the best, and draft/ is it
+    ruined = tmp_path / "ruined"
+    ft = run(train_params(hidden, ruined, init_from=str(out / "draft"), lr=1.0, max_steps=3, eval_every=1))
+    taus = [r["acceptance_length"] for r in read_metrics(ruined) if r["kind"] == "eval"]
+    assert ft["best"]["step"] == 0 and max(taus[1:]) < taus[0] - 0.1, taus
+    back = load_draft(ruined / "draft").state_dict()
+    assert all(torch.equal(back[k], v) for k, v in exported.items())
+    last = torch.load(checkpoints(ruined / "checkpoints")[-1], weights_only=False)["model"]
+    assert not torch.equal(last["fc.weight"], exported["fc.weight"])
+    assert (out / POSITIONS_FIGURE).stat().st_size > 0
+    ax = plot_positions(out, best["step"]).axes[0]
+    assert len(ax.lines) == 3 + 1 and list(ax.lines[-1].get_xdata()) == [best["step"]] * 2
+    assert [list(line.get_ydata()) for line in ax.lines[:3]] == [[r["acc"][i] for r in evals] for i in range(3)]

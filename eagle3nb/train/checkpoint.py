@@ -44,15 +44,17 @@ def checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(ckpt_dir.glob("step-*.pt"))
 
 
-def save_checkpoint(path: Path, draft, optimizer, scheduler, step: int, config: dict[str, Any]) -> None:
-    """Model (without the frozen embedding), optimizer, scheduler, RNG states and the data position (the
-    step: the schedule is a function of it). Written to a temporary name and renamed."""
+def save_checkpoint(path: Path, draft, optimizer, scheduler, step: int, config: dict[str, Any],
+                    best: dict[str, Any] | None = None) -> None:
+    """Model (without the frozen embedding), optimizer, scheduler, RNG states, the data position (the
+    step: the schedule is a function of it) and ``best``, the best held-out evaluation so far with its weights
+    (``model`` None when they are this step's). Written to a temporary name and renamed."""
     state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
     blob = {
         "step": step, "model": state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        "run_config": config,
+        "run_config": config, "best": best,
     }
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     torch.save(blob, tmp)
@@ -61,7 +63,8 @@ def save_checkpoint(path: Path, draft, optimizer, scheduler, step: int, config: 
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, Any]) -> int:
+def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, Any]) -> tuple[int, dict | None]:
+    """Restore everything ``save_checkpoint`` wrote: (the step, the best evaluation so far or None)."""
     blob = torch.load(path, map_location="cpu", weights_only=False)
     changed = {k: (blob["run_config"].get(k), v) for k, v in config.items() if blob["run_config"].get(k) != v}
     if changed:
@@ -77,4 +80,4 @@ def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, A
     np.random.set_state(rng["numpy"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return int(blob["step"])
+    return int(blob["step"]), blob.get("best")

@@ -1,5 +1,7 @@
 """03's report, from what ``stage.run`` wrote (metrics.jsonl): the loss curve and the held-out simulated
-acceptance length, live (``LivePlot``) or after (``plot_metrics``, ``training.png``), and the before/after table."""
+acceptance length, live (``LivePlot``) or after (``plot_metrics``, ``training.png``), held-out acceptance by draft
+position over training with the best evaluation (``plot_positions``, ``acceptance_by_position.png``), and the
+before/after table."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 FIGURE = "training.png"
 DATA_FIGURE = "data_curve.png"
+POSITIONS_FIGURE = "acceptance_by_position.png"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -43,7 +46,7 @@ def plot_metrics(rows: list[dict[str, Any]] | str | Path, fig=None):
     ax1, ax2, ax3 = fig.subplots(1, 3)
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
     ax1.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out")
-    ax1.set(xlabel="step", ylabel="TTT loss (weighted soft CE)", title="loss")
+    ax1.set(xlabel="step", ylabel="TTT loss (weighted over the steps)", title="loss")
     ax1.legend()
     ax2.plot([r["step"] for r in evals], [r["acceptance_length"] for r in evals], "o-", color="C2")
     ax2.set(xlabel="step", ylabel="tokens per verify step", title="held-out simulated acceptance length")
@@ -54,6 +57,39 @@ def plot_metrics(rows: list[dict[str, Any]] | str | Path, fig=None):
     ax3.set(xlabel="draft step i", ylabel="accuracy", title="held-out accuracy per TTT step")
     fig.tight_layout()
     return fig
+
+
+def plot_positions(rows: list[dict[str, Any]] | str | Path, best_step: int | None = None, fig=None):
+    """Held-out acceptance at each draft position (the draft's token i accepted, given tokens < i were) at every
+    evaluation, and the evaluation whose weights ``draft/`` holds (``best_step``; metrics.json ``best``): where the
+    deep positions stop improving while the first still climbs, or an evaluation after the best one got worse."""
+    if not isinstance(rows, list):
+        rows = read_metrics(Path(rows))
+    evals = [r for r in rows if r["kind"] == "eval"]
+    if fig is None:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(6.5, 4))
+    fig.clear()
+    ax = fig.subplots()
+    steps = [r["step"] for r in evals]
+    for i in range(len(evals[0]["acc"]) if evals else 0):
+        ax.plot(steps, [r["acc"][i] for r in evals], "o-", ms=3, color=f"C{i % 10}", label=f"position {i + 1}")
+    if best_step is not None:
+        ax.axvline(best_step, color="gray", ls="--", lw=1, label=f"best (step {best_step}): draft/")
+    ax.set_ylim(0, 1)
+    ax.set(xlabel="step", ylabel="held-out acceptance (given the earlier positions)",
+           title="held-out acceptance by draft position")
+    if evals:
+        ax.legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def best_step(stage_dir: str | Path) -> int | None:
+    """The step of the evaluation ``draft/`` holds (metrics.json ``best``; None before run wrote it)."""
+    path = Path(stage_dir) / "metrics.json"
+    return (json.loads(path.read_text()).get("best") or {}).get("step") if path.exists() else None
 
 
 def data_curve(rows: list[dict[str, Any]] | str | Path, train_samples: int | None = None) -> dict[str, Any]:
@@ -118,9 +154,9 @@ def plot_data_curve(rows: list[dict[str, Any]] | str | Path, train_samples: int 
 
 
 def save_figures(stage_dir: str | Path) -> list[Path]:
-    """Write ``training.png`` (``plot_metrics``) and ``data_curve.png`` (``plot_data_curve``) into the stage
-    folder; ``run`` calls it at the end, so a headless run has them. Drawn on bare Figures: nothing is shown and
-    pyplot's state is untouched."""
+    """Write ``training.png`` (``plot_metrics``), ``data_curve.png`` (``plot_data_curve``) and
+    ``acceptance_by_position.png`` (``plot_positions``) into the stage folder; ``run`` calls it at the end, so a
+    headless run has them. Drawn on bare Figures: nothing is shown and pyplot's state is untouched."""
     from matplotlib.figure import Figure
 
     stage_dir = Path(stage_dir)
@@ -129,7 +165,9 @@ def save_figures(stage_dir: str | Path) -> list[Path]:
     fig.savefig(path, dpi=120)
     curve = stage_dir / DATA_FIGURE
     plot_data_curve(stage_dir, train_samples(stage_dir), Figure(figsize=(6.5, 4))).savefig(curve, dpi=120)
-    return [path, curve]
+    positions = stage_dir / POSITIONS_FIGURE
+    plot_positions(stage_dir, best_step(stage_dir), Figure(figsize=(6.5, 4))).savefig(positions, dpi=120)
+    return [path, curve, positions]
 
 
 def train_samples(stage_dir: str | Path) -> int | None:

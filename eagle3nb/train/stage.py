@@ -9,7 +9,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -211,9 +211,10 @@ def print_rank0(rank: int, line: str) -> None:
         print(line, flush=True)
 
 
-def _checkpoint(ckpt_dir: Path, step: int, keep: int, draft, optimizer, scheduler, config: dict[str, Any]) -> None:
-    """Save the step's checkpoint and drop all but the last ``keep``."""
-    save_checkpoint(ckpt_dir / f"step-{step:07d}.pt", draft, optimizer, scheduler, step, config)
+def _checkpoint(ckpt_dir: Path, step: int, keep: int, tr: "Trainer", config: dict[str, Any]) -> None:
+    """Save the step's checkpoint (with the best evaluation so far) and drop all but the last ``keep``."""
+    save_checkpoint(ckpt_dir / f"step-{step:07d}.pt", tr.draft, tr.optimizer, tr.scheduler, step, config,
+                    tr.best.saved(step))
     for old in checkpoints(ckpt_dir)[:-keep]:
         old.unlink()
 
@@ -255,6 +256,46 @@ class Layout:
         return [[i] for i in self.held_idx]
 
 
+def _weights(draft) -> dict[str, torch.Tensor]:
+    """A CPU copy of the draft's weights, the frozen embedding left out."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+
+
+@dataclass
+class Best:
+    """The best held-out evaluation so far (simulated acceptance length; a tie goes to the later, more trained,
+    weights) and the draft's weights at it: what ``draft/`` exports. Kept by the first process, saved in every
+    checkpoint, so a resumed run picks among all its evaluations; the last weights stay in checkpoints/."""
+
+    step: int | None = None
+    acceptance_length: float = -math.inf
+    acc: list[float] | None = None
+    state: dict[str, torch.Tensor] | None = None
+
+    def offer(self, step: int, ev: dict[str, Any], draft) -> None:
+        if ev["acceptance_length"] >= self.acceptance_length:
+            self.step, self.acceptance_length, self.acc = step, ev["acceptance_length"], list(ev["acc"])
+            self.state = _weights(draft)
+
+    def saved(self, step: int) -> dict[str, Any] | None:
+        """What a checkpoint at ``step`` holds (the weights only when they are not that step's own)."""
+        if self.step is None:
+            return None
+        return {**self.summary(), "model": None if self.step == step else self.state}
+
+    @classmethod
+    def restored(cls, saved: dict[str, Any] | None, draft) -> "Best":
+        """From a checkpoint's ``best`` (None: a fresh run, or a checkpoint from before it was kept), the draft
+        holding that checkpoint's weights."""
+        if saved is None:
+            return cls()
+        state = saved["model"] if saved["model"] is not None else _weights(draft)
+        return cls(saved["step"], saved["acceptance_length"], saved["acc"], state)
+
+    def summary(self) -> dict[str, Any]:
+        return {"step": self.step, "acceptance_length": self.acceptance_length, "acc": self.acc}
+
+
 @dataclass
 class Trainer:
     """The draft under training on this process: the TTT objective (DDP-wrapped under torchrun), the data and its
@@ -272,6 +313,7 @@ class Trainer:
     params: list[torch.nn.Parameter] | None = None
     optimizer: Any = None  # torch.optim.AdamW, or optim.Optimizers (Muon + AdamW)
     scheduler: Any = None
+    best: Best = field(default_factory=Best)
 
     @classmethod
     def on(cls, P: TrainParams, rank: int, world: int, device: torch.device, data, draft) -> "Trainer":
@@ -287,7 +329,9 @@ class Trainer:
         P = self.P
         self.optimizer, self.scheduler, self.params = build_optimizer(self.draft, P, lr_lambda(total, P.warmup_ratio))
         found = checkpoints(ckpt_dir) if P.resume else []
-        start = load_checkpoint(found[-1], self.draft, self.optimizer, self.scheduler, config) if found else 0
+        start, saved = load_checkpoint(found[-1], self.draft, self.optimizer, self.scheduler, config) if found \
+            else (0, None)
+        self.best = Best.restored(saved, self.draft)
         if self.world > 1:  # every rank must agree on the start
             start = int(_all_reduce(torch.tensor([start if self.rank == 0 else 0], device=self.device),
                                     self.world).item())
@@ -348,11 +392,15 @@ class Curve:
 
 def train(tr: Trainer, lay: Layout, start: int, curve: Curve, ckpt_dir: Path, config: dict[str, Any]) -> None:
     """Optimizer steps ``start`` .. the last: a train row per step, a held-out evaluation before the first step,
-    every ``eval_every`` steps and at the end, a checkpoint every ``save_every`` steps and at the end."""
+    every ``eval_every`` steps and at the end (each offered to ``tr.best``), a checkpoint every ``save_every`` steps
+    and at the end."""
     P, rank, world, total = tr.P, tr.rank, tr.world, lay.total
     seen = data_seen(lay.plan, lay.lengths, P.max_length)
     if start == 0:
-        curve.log({"kind": "eval", "step": 0, **seen[0], **tr.evaluate(lay.held_batches)})
+        ev = tr.evaluate(lay.held_batches)
+        curve.log({"kind": "eval", "step": 0, **seen[0], **ev})
+        if rank == 0:
+            tr.best.offer(0, ev, tr.draft)
     tokens, t0 = 0, time.time()
     for step in range(start, total):
         epoch, global_mbs = lay.plan[step]
@@ -367,10 +415,12 @@ def train(tr: Trainer, lay: Layout, start: int, curve: Curve, ckpt_dir: Path, co
         if (P.eval_every and (step + 1) % P.eval_every == 0) or done:
             ev = tr.evaluate(lay.held_batches)
             curve.log({"kind": "eval", "step": step + 1, **seen[step + 1], **ev})
+            if rank == 0:
+                tr.best.offer(step + 1, ev, tr.draft)
             print_rank0(rank, f"[03_train] step {step + 1}/{total} held-out acc {[round(a, 3) for a in ev['acc']]} "
                               f"acceptance length {ev['acceptance_length']:.3f}")
         if rank == 0 and ((step + 1) % P.save_every == 0 or done):
-            _checkpoint(ckpt_dir, step + 1, P.keep_checkpoints, tr.draft, tr.optimizer, tr.scheduler, config)
+            _checkpoint(ckpt_dir, step + 1, P.keep_checkpoints, tr, config)
 
 
 def run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -430,6 +480,9 @@ def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> d
               "truncated_samples": truncated, "leftover_micro_batches": lay.dropped,
               "longest_train_sequence": max((min(lay.lengths[i], P.max_length) for i in lay.train_idx), default=0),
               **_curve_summary(read_metrics(P.stage_dir)), **notes, **source_metrics(P, data, world)}
+    if tr.best.state is not None:  # draft/ is the best evaluation's weights; the last stay in checkpoints/
+        draft.load_state_dict({**tr.best.state, "embed_tokens.weight": draft.embed_tokens.weight})
+        result["best"] = {**tr.best.summary(), "last_step": lay.total}
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
     write_json_atomic(P.stage_dir / "metrics.json", result)
     save_figures(P.stage_dir)
