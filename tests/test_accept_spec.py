@@ -204,3 +204,32 @@ def test_offline_acceptance_by_turn_is_each_turn_groups_own_measure(world):
         got = both["by_turn"][name]["greedy"]
         assert got["positions"] == alone["positions"] and got["per_position"] == pytest.approx(alone["per_position"])
     assert "by_turn" not in offline_acceptance(draft, data, 3, 3, indices=range(n))  # one-answer samples
+
+
+def test_benchmark_sets_answer_later_turns_on_policy(world):
+    """04's per-dataset rows on MT-Bench and HumanEval as their packages ship them: every MT-Bench question in two
+    turns, the second decoded after the target's own first answer (rebuilt here turn by turn from the
+    decoder's output), the counters split by turn and category adding up to the set's."""
+    from eagle3nb.accept.bench import answer_of, decode_set
+    from eagle3nb.data.prompts import load_prompts
+    from eagle3nb.spec import SpecCounters, SpecDecoder
+
+    target, draft, tpl, eos = world["target"], world["draft"], world["tpl"], world["eos"]
+    dec = SpecDecoder(target, draft, 3)
+    mt = load_prompts("mt-bench", 2)
+    got = decode_set(dec, tpl, mt, 12, eos, None)
+    expected = SpecCounters(3)
+    for i, row in enumerate(mt):
+        first = [{"role": "user", "content": row["conversation"][0]["content"]}]
+        one = dec.generate(tpl.prompt_ids(first), 12, 0.0, eos, torch.Generator().manual_seed(i))
+        second = [*first, answer_of(tpl, one.tokens), {"role": "user", "content": row["conversation"][1]["content"]}]
+        two = dec.generate(tpl.prompt_ids(second), 12, 0.0, eos, torch.Generator().manual_seed(i))
+        assert answer_of(tpl, one.tokens)["content"] in tpl.decode(tpl.prompt_ids(second))
+        expected.merge(one.counters)
+        expected.merge(two.counters)
+    assert (got["prompts"], got["turns"]) == (2, 4) and got["acceptance_length"] == expected.summary()[
+        "acceptance_length"] and got["drafts"] == expected.drafts
+    assert sum(s["drafts"] for s in got["by_turn"].values()) == got["drafts"] == \
+        sum(s["drafts"] for s in got["by_category"].values())
+    he = decode_set(dec, tpl, load_prompts("humaneval", 2), 12, eos, None)
+    assert (he["turns"], list(he["by_turn"])) == (2, ["first turn"]) and he["by_category"] == {}

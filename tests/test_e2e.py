@@ -97,6 +97,12 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
             assert 0.0 <= r["acceptance_rate"] <= 1.0 and len(r["per_position"]) == P["k"], r
         else:
             assert r["acceptance_length"] is None and r["speedup"] == 1.0, r
+    # per-dataset rows for the public sets the params name, as the report's table shows them
+    sets = acc["benchmarks"]["datasets"]
+    assert list(sets) == P["benchmarks"] and sets["mt-bench"]["turns"] == 2 * P["benchmark_prompts"]
+    assert all(d["acceptance_length"] >= 1.0 and len(d["per_position"]) == P["k"] for d in sets.values())
+    html = (out / "04_acceptance.html").read_text()
+    assert all(f"<td>{name}</td>" in html for name in P["benchmarks"]), "the per-dataset table is in the report"
     for fig in FIGURES_04:
         assert (out / "04_acceptance" / f"{fig}.png").read_bytes().startswith(b"\x89PNG"), fig
     # executed notebooks keep their plots

