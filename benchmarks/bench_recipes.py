@@ -7,7 +7,7 @@ samples 03 held out: acceptance length at k=3, greedy (T=0) and sampled (T=1: th
 rejection sampling, sum min(p, q)), with the spread over the seeds, and 03's training tokens/s. A recipe "beats"
 the baseline only when its mean is above the baseline's by more than both half ranges (over the seeds) together.
 
-    python benchmarks/bench_recipes.py                      # every recipe, 3 seeds (~15 minutes on 2 cores)
+    python benchmarks/bench_recipes.py                      # every recipe, 3 seeds (~8 minutes on 2 shared cores)
     python benchmarks/bench_recipes.py --seeds 1 --only baseline,muon
 
 Not measured here (docs/recipes.md says why): local decoding and the real vLLM's counters per recipe, and the
@@ -95,10 +95,10 @@ def main() -> None:
         _, held = split_holdout([s["id"] for s in data.meta["samples"]], TRAIN["holdout_fraction"])
         print(f"data: {len(data)} samples of the toy's greedy answers ({len(held)} held out), "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
-        rows: dict[str, dict[str, list[float]]] = {}
-        for name in names:
-            row = rows.setdefault(name, {"t0": [], "t1": [], "tps": []})
-            for seed in range(args.seeds):
+        rows: dict[str, dict[str, list[float]]] = {name: {"t0": [], "t1": [], "tps": []} for name in names}
+        for seed in range(args.seeds):  # seeds outside, recipes inside: a machine's load drifts over all recipes
+            for name in names:
+                row = rows[name]
                 out = root / "runs" / name / str(seed)
                 metrics = run(from_dict("03_train", {**TRAIN, **RECIPES[name], "data_dir": str(data_dir),
                                                      "output_dir": str(out), "seed": seed, "max_steps": args.steps}))
