@@ -34,6 +34,7 @@ from eagle3nb.errors import UserError
 from eagle3nb.params import STAGES, ParamsError, from_dict, injectable, run_params
 from eagle3nb.paths import outputs_root, project_root
 from eagle3nb.progress import read_progress, write_json_atomic
+from eagle3nb.render import render
 
 STATUS_FILE = "status.json"
 LOG_FILE = "run.log"
@@ -404,18 +405,16 @@ def _execute(p: Plan, stage: str, nb_out: Path, log: logging.Logger) -> dict[str
 
 
 def _render_html(nb_path: Path, html_path: Path, log: logging.Logger) -> str | None:
-    """The executed notebook as a report: markdown and outputs, no input cells."""
+    """The executed notebook as a report: markdown and outputs, no input cells, its widgets working offline."""
     if not nb_path.exists():
         return None
-    from nbconvert import HTMLExporter
-
     try:
-        body, _ = HTMLExporter(exclude_input=True, exclude_input_prompt=True,
-                               exclude_output_prompt=True).from_filename(str(nb_path))
+        note = render(nb_path, html_path)
     except Exception as e:
         log.warning(f"could not render {_rel(nb_path)} to HTML ({type(e).__name__}: {e}); the notebook is intact")
         return None
-    html_path.write_text(body, encoding="utf-8")
+    if note:
+        log.warning(f"{_rel(html_path)}: {note}")
     return str(html_path)
 
 

