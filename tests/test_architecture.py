@@ -25,6 +25,9 @@ TOP = ("serve", "doctor", "run", "render", "cli", "__main__")
 STAGE_IMPORTS = {
     ("eagle3nb.train.sources", "eagle3nb.hidden.online"):
         "03's online and hybrid data sources are 02's extraction run per micro-batch (OnlineStates), not a copy of it",
+    ("eagle3nb.hidden.vllm_backend", "eagle3nb.synth.client"):
+        "02's extraction requests go through 01's endpoints and retry policy (with_retries, classify), not a second "
+        "retry loop",
 }
 # Third-party packages a module may import inside a function: heavy ones, kept off the CLI's start-up path.
 HEAVY = {"torch", "transformers", "safetensors", "fastapi", "uvicorn", "matplotlib", "pandas", "numpy", "openai",

@@ -55,13 +55,10 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(Path(__file__).parents[1])}
 
 
-def kill_after(folder: Path, out: Path, step: int) -> int:
-    """Start ``python -m eagle3nb.train folder`` and kill -9 it once checkpoint ``step`` exists in ``out``;
-    returns the last checkpoint's step."""
+def wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int) -> None:
+    """Return once checkpoint ``step`` (or a later one) exists in ``out``, while 03's process ``proc`` still runs."""
     from eagle3nb.train.checkpoint import checkpoints
 
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.train", str(folder)], env=child_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         done = checkpoints(out / "checkpoints")
@@ -69,6 +66,16 @@ def kill_after(folder: Path, out: Path, step: int) -> int:
             break
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be killed"
+
+
+def kill_after(folder: Path, out: Path, step: int) -> int:
+    """Start ``python -m eagle3nb.train folder`` and kill -9 it once checkpoint ``step`` exists in ``out``;
+    returns the last checkpoint's step."""
+    from eagle3nb.train.checkpoint import checkpoints
+
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.train", str(folder)], env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_checkpoint(proc, out, step)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return int(checkpoints(out / "checkpoints")[-1].stem.split("-")[1])

@@ -11,9 +11,16 @@ would write them, so 04 and a later 02 find them.
 With ``cache_dir`` (03's ``hybrid`` source) the target runs over each sample alone, every computed sample is
 stored in 02's ``storage`` as it goes and every item, the first time included, is what that storage gives back
 (encode -> decode), so training on the cache in later epochs is training on the same numbers. The cache is 02's
-shard format (``write_shard``, atomic) listed in ``cache.json`` with each shard's size and sha256; on opening, a
-shard that fails ``check_shard`` or is missing from the list (killed between the file and the list) is deleted
-and its samples are computed again.
+shard format (``write_shard``, atomic) listed with each shard's size and sha256; on opening, a shard that fails
+``check_shard`` or is missing from the lists (killed between the file and the list) is deleted and its samples
+are computed again.
+
+Several processes (03 under torchrun, ``share=(rank, world)``) share one cache without locks, which network file
+systems break: each shard is created once, by a hard link from its writer's temporary file to a name no other
+shard has (a taken name fails the link, so the writer takes the next), and each process lists its own shards in
+its own file (``cache.json`` for process 0, ``cache-rank<r>.json`` for the others), rewritten by atomic rename.
+A process that misses a sample reads the other lists again before computing it. On opening, process 0 alone
+checks and merges every list into ``cache.json`` while the others wait (``barrier``).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from eagle3nb.data.head import TargetHead, read_head_tensors, target_info
 from eagle3nb.data.reader import FIELDS, HEAD_FILE, HiddenStates
@@ -38,6 +45,7 @@ from eagle3nb.hidden.stage import (
     prepare_samples,
     write_head,
 )
+from eagle3nb.hidden.vllm_backend import assigned_urls
 from eagle3nb.layers import to_sglang
 from eagle3nb.progress import write_json_atomic
 from eagle3nb.toy import resolve_model_path
@@ -49,15 +57,23 @@ CACHE_FILE = "cache.json"
 FORMAT = "eagle3nb-online-v1"
 
 
+def listing_name(rank: int) -> str:
+    """The file that lists process ``rank``'s shards of the hybrid cache."""
+    return CACHE_FILE if rank == 0 else f"cache-rank{rank}.json"
+
+
 class OnlineStates(HiddenStates):
     """01's samples as 02 would store them, computed by the target on demand (see the module docstring).
 
     ``max_length`` cuts what the target runs over (03 never reads further); ``cache_dir`` + ``cache_key`` turn on
     the hybrid cache (a cache made under another key is discarded); ``verify_sha256`` re-hashes cached shards
-    when opening; ``write_files`` writes the draft vocabulary and head into 02's folder (one process of several)."""
+    when opening; ``write_files`` writes the draft vocabulary and head into 02's folder (one process of several);
+    ``share`` = (rank, world) of 03's processes: this one keeps its share of the servers busy and lists its own
+    cache shards; ``barrier`` waits for every process (torch.distributed's, under torchrun)."""
 
     def __init__(self, HP: HiddenParams, *, max_length: int | None = None, cache_dir: Path | None = None,
-                 cache_key: dict | None = None, verify_sha256: bool = True, write_files: bool = True):
+                 cache_key: dict | None = None, verify_sha256: bool = True, write_files: bool = True,
+                 share: tuple[int, int] = (0, 1), barrier: Callable[[], None] | None = None):
         import torch
 
         self.HP = HP
@@ -104,13 +120,22 @@ class OnlineStates(HiddenStates):
         self.target_tokens, self.target_s = 0, 0.0
         self._source = None
         self._target_head: TargetHead | None = None
+        self.rank, self.world = share
         self.cache_dir = cache_dir
         self.cache: dict[str, tuple[str, int]] = {}
-        self.cache_shards: list[dict] = []
+        self.cache_shards: list[dict] = []  # every shard this process knows of, its own and the others'
+        self._own: list[dict] = []  # the shards its own list holds
+        self._seen: dict[str, tuple[int, int]] = {}  # another process's list -> (mtime_ns, size) when last read
         self.redone: list[str] = []
         if cache_dir is not None:
-            self._open_cache(dict(cache_key or {}, hidden=_config(HP, info, self.layer_ids, samples),
-                                  max_length=max_length), verify_sha256)
+            key = dict(cache_key or {}, hidden=_config(HP, info, self.layer_ids, samples), max_length=max_length)
+            if self.rank == 0:
+                self._open_cache(key, verify_sha256)
+            if barrier is not None:
+                barrier()  # process 0 has checked and merged the cache: the others read it now
+            if self.rank != 0:
+                self._cache_key = key
+                self._read_others()
 
     # ---------------------------------------------------------------- the target
 
@@ -129,7 +154,8 @@ class OnlineStates(HiddenStates):
         """02's backend, started on first use: the target loaded here, or the vLLM server's client."""
         if self._source is None:
             HP = self.HP
-            self._source = (VllmSource(HP, self.info, self.layer_ids, self.head()) if HP.backend == "vllm"
+            self._source = (VllmSource(HP, self.info, self.layer_ids, self.head(),
+                                       home=assigned_urls(HP.urls, self.rank, self.world)) if HP.backend == "vllm"
                             else TransformersSource(HP, self.model_dir, self.info, self.layer_ids))
         return self._source
 
@@ -164,6 +190,9 @@ class OnlineStates(HiddenStates):
     def items(self, indices: list[int]) -> list[dict]:
         """The samples ``indices`` as ``HiddenStates[i]`` gives them; the ones not cached are computed together."""
         missing = [i for i in dict.fromkeys(indices) if self.samples[i]["id"] not in self.cache]
+        if missing and self.cache_dir is not None and self.world > 1:
+            self._read_others()  # another process may have computed them in an earlier step
+            missing = [i for i in missing if self.samples[i]["id"] not in self.cache]
         got: dict[int, dict] = {}
         if missing:
             computed = self._compute(missing)
@@ -204,38 +233,85 @@ class OnlineStates(HiddenStates):
     # ---------------------------------------------------------------- the hybrid cache
 
     def _open_cache(self, key: dict, verify_sha256: bool) -> None:
+        """Process 0, before the others read it: every list merged into ``cache.json`` (all discarded when made
+        under another key), each listed shard checked, and shards no list names deleted."""
         d = self.cache_dir
         d.mkdir(parents=True, exist_ok=True)
-        for tmp in d.glob(".shard-*.tmp"):
+        for tmp in [*d.glob(".shard-*"), *d.glob(".cache*.tmp*")]:
             tmp.unlink()
-        path = d / CACHE_FILE
-        old = json.loads(path.read_text()) if path.exists() else {"key": key, "shards": []}
-        if old.get("key") != json.loads(json.dumps(key)):
+        lists = [json.loads(f.read_text()) for f in sorted(d.glob("cache*.json"))]
+        want = json.loads(json.dumps(key))
+        if any(old.get("key") != want for old in lists):
             print(f"hybrid cache {d}: made with other settings, discarded", flush=True)
-            old = {"key": key, "shards": []}
-        for sh in old["shards"]:
+            lists = []
+        for sh in (sh for old in lists for sh in old["shards"]):
             try:
                 check_shard(d / sh["file"], sh["bytes"], sh["sha256"] if verify_sha256 else None)
             except ShardError as e:
                 print(f"hybrid cache: redoing {sh['file']} ({e})", flush=True)
                 self.redone.append(sh["file"])
                 continue
-            self.cache_shards.append(sh)
-        listed = {sh["file"] for sh in self.cache_shards}
+            self._own.append(sh)
+        listed = {sh["file"] for sh in self._own}
         for f in d.glob("shard-*.safetensors"):
             if f.name not in listed:  # damaged, or written by a run killed before it listed the file
                 if f.name not in self.redone:
                     self.redone.append(f.name)
                 f.unlink()
-        for sh in self.cache_shards:
-            for j, sid in enumerate(sh["samples"]):
-                self.cache[sid] = (sh["file"], j)
+        for f in d.glob("cache-rank*.json"):
+            f.unlink()  # their shards are in cache.json now
+        for sh in self._own:
+            self._know(sh)
         self._cache_key = key
         self._save_cache()
 
+    def _know(self, sh: dict) -> None:
+        self.cache_shards.append(sh)
+        for j, sid in enumerate(sh["samples"]):
+            self.cache[sid] = (sh["file"], j)
+
+    def _read_others(self) -> None:
+        """The shards the other processes listed since this one last looked (a list is read again only when its
+        size or mtime changed)."""
+        known = {sh["file"] for sh in self.cache_shards}
+        for f in [self.cache_dir / CACHE_FILE, *sorted(self.cache_dir.glob("cache-rank*.json"))]:
+            if f.name == listing_name(self.rank):
+                continue
+            try:
+                st = f.stat()
+                if self._seen.get(f.name) == (st.st_mtime_ns, st.st_size):
+                    continue
+                listed = json.loads(f.read_text())
+            except FileNotFoundError:
+                continue
+            self._seen[f.name] = (st.st_mtime_ns, st.st_size)
+            for sh in listed["shards"]:
+                if sh["file"] not in known:
+                    known.add(sh["file"])
+                    self._know(sh)
+
     def _save_cache(self) -> None:
-        write_json_atomic(self.cache_dir / CACHE_FILE, {"format": FORMAT, "storage": self.storage,
-                                                        "key": self._cache_key, "shards": self.cache_shards})
+        write_json_atomic(self.cache_dir / listing_name(self.rank),
+                          {"format": FORMAT, "storage": self.storage, "key": self._cache_key,
+                           "shards": self._own})
+
+    def _claim(self, part: Path) -> str:
+        """Give the finished file ``part`` a shard name no other shard has, by a hard link (atomic, and it fails
+        where the name exists, on network file systems too): this process's names first (rank, rank + world,
+        ...), the next one when another writer took it."""
+        used = {sh["file"] for sh in self.cache_shards}
+        n = self.rank
+        while True:
+            name = shard_name(n)
+            n += self.world
+            if name in used:
+                continue
+            try:
+                os.link(part, self.cache_dir / name)
+            except FileExistsError:
+                continue
+            part.unlink()
+            return name
 
     def _store(self, indices: list[int], computed: list) -> dict[int, dict]:
         """Encode the computed samples in the storage, write them as one shard, and return what it gives back."""
@@ -248,14 +324,13 @@ class OnlineStates(HiddenStates):
             tensors[f"{j}.loss_mask"] = torch.tensor(s["loss_mask"], dtype=torch.uint8)
             tensors.update({f"{j}.{k}": v.contiguous() for k, v in enc.items()})
             items[i] = self._item(s, decode(enc, self.storage))
-        used = {sh["file"] for sh in self.cache_shards}
-        name = next(shard_name(n) for n in range(len(used) + 1) if shard_name(n) not in used)
-        written = write_shard(self.cache_dir / name, tensors)
-        self.cache_shards.append({**written, "samples": [self.samples[i]["id"] for i in indices],
-                                  "num_tokens": sum(len(c[0]["input_ids"]) for c in computed)})
+        part = self.cache_dir / f".shard-part-r{self.rank}.safetensors"
+        written = write_shard(part, tensors)
+        sh = {**written, "file": self._claim(part), "samples": [self.samples[i]["id"] for i in indices],
+              "num_tokens": sum(len(c[0]["input_ids"]) for c in computed)}
+        self._own.append(sh)
+        self._know(sh)
         self._save_cache()
-        for j, i in enumerate(indices):
-            self.cache[self.samples[i]["id"]] = (name, j)
         return items
 
     def _cached(self, i: int) -> dict:
@@ -274,4 +349,7 @@ class OnlineStates(HiddenStates):
         return self._item(s, decode(raw, self.storage))
 
     def cache_bytes(self) -> int:
+        """Bytes of every shard in the cache, the other processes' included."""
+        if self.world > 1:
+            self._read_others()
         return sum(sh["bytes"] for sh in self.cache_shards)

@@ -47,13 +47,19 @@ class HiddenParams(TargetParams):
                                                                                  "vllm: drive a vLLM server started "
                                                                                  "with extract_hidden_states (see the "
                                                                                  "notebook)")
-    vllm_url: str | None = Field(None, description="backend vllm: the server (http://host:8000); it must write its "
-                                                   "files where this machine can read them")
+    vllm_url: str | list[str] | None = Field(None, description="backend vllm: the server (http://host:8000), or a "
+                                                              "list of servers kept busy together (a failed "
+                                                              "request is sent again on another); each must write "
+                                                              "its files where this machine can read them")
     vllm_model: str | None = Field(None, description="backend vllm: served model name; null = ask /v1/models")
     api_key_env: str | None = Field(None, description="backend vllm: NAME of the environment variable holding the API "
                                                       "key (never the key)")
-    concurrency: int = Field(8, ge=1, description="backend vllm: requests in flight")
+    concurrency: int = Field(8, ge=1, description="backend vllm: requests in flight per server")
     request_timeout_s: float = Field(600.0, gt=0, description="backend vllm: seconds before a request is retried")
+    max_retries: int = Field(6, ge=0, description="backend vllm: retries per request (on another server where "
+                                                  "there is one) on refused connections, timeouts and 5xx")
+    retry_backoff_s: float = Field(1.0, gt=0, description="backend vllm: first retry delay in seconds; doubles per "
+                                                          "retry (with jitter, capped at 60 s)")
     draft_vocab_size: int = Field(256, ge=1, description="draft vocabulary size: the most frequent target ids over "
                                                          "loss-masked tokens (32000 for big models)")
     statuses: list[str] = Field(["ok"], description="01_synth sample statuses to use (ok, truncated, no_reasoning, "
@@ -79,9 +85,17 @@ class HiddenParams(TargetParams):
         if self.backend == "vllm" and not self.vllm_url:
             raise ValueError("backend 'vllm' needs vllm_url (http://host:8000 of a server started with "
                              "extract_hidden_states; the notebook shows the command line)")
-        if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
-            raise ValueError(f"vllm_url {self.vllm_url!r} is not a URL: use http://host:port")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"vllm_url {url!r} is not a URL: use http://host:port, or a list of them")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"vllm_url lists a server twice ({self.urls}): give each server once")
         return self
+
+    @property
+    def urls(self) -> list[str]:
+        """``vllm_url`` as a list (empty without one)."""
+        return [self.vllm_url] if isinstance(self.vllm_url, str) else list(self.vllm_url or [])
 
     @property
     def synth_path(self) -> Path:

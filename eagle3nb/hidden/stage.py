@@ -242,12 +242,15 @@ class TransformersSource:
 
 
 class VllmSource:
-    """A vLLM server (or the embedded one) started with extract_hidden_states; see ``vllm_backend``."""
+    """vLLM servers (or embedded ones) started with extract_hidden_states; see ``vllm_backend``. ``home``: the
+    servers this process keeps busy (03's share under torchrun), the others take only its retries."""
 
-    def __init__(self, P: HiddenParams, info: dict, layer_ids: list[int], head: TargetHead):
-        self.client = VllmClient(P.vllm_url, P.api_key(), P.vllm_model, num_states=len(layer_ids) + 1,
+    def __init__(self, P: HiddenParams, info: dict, layer_ids: list[int], head: TargetHead,
+                 home: list[str] | None = None):
+        self.client = VllmClient(P.urls, P.api_key(), P.vllm_model, num_states=len(layer_ids) + 1,
                                  hidden_size=info["hidden_size"], timeout_s=P.request_timeout_s,
-                                 concurrency=P.concurrency)
+                                 concurrency=P.concurrency, max_retries=P.max_retries, backoff_s=P.retry_backoff_s,
+                                 home=home)
         self.head = head
         self.checked = self.mismatched = 0
 
@@ -366,15 +369,16 @@ def shard_tensors(P: HiddenParams, source, shard_samples: list[dict], head: Targ
     return tensors
 
 
-def extract(P: HiddenParams, plan: Plan, source_for, head: TargetHead) -> dict[str, float]:
+def extract(P: HiddenParams, plan: Plan, source_for, head: TargetHead) -> dict:
     """Compute every shard not on disk, in order, and write it atomically while the next one computes (one writer
     thread); ``plan.json`` marks each shard done once its file is whole. ``source_for()`` makes the backend (only
-    when there is work). Returns this session's compute: ``{"tokens", "seconds"}``."""
+    when there is work). Returns this session's compute: ``{"tokens", "seconds"}`` (the vllm backend adds
+    ``samples_per_server``)."""
     stage_dir = P.stage_dir
     todo = [s for s in plan.shards if not s.get("done")]
     total = plan.total_tokens
     progress = Progress(stage_dir, total=total, desc=STAGE, unit="tok", done=total - plan.remaining_tokens)
-    session = {"tokens": 0, "seconds": 0.0}
+    session: dict = {"tokens": 0, "seconds": 0.0}
     if todo:
         source = source_for()
         print(f"{len(todo)} of {len(plan.shards)} shards to compute ({plan.resume['resumed_shards']} already on disk)",
@@ -399,6 +403,8 @@ def extract(P: HiddenParams, plan: Plan, source_for, head: TargetHead) -> dict[s
             if pending:
                 finish(pending)
         writer.shutdown()
+        if isinstance(source, VllmSource):
+            session["samples_per_server"] = dict(source.client.served)
     progress.close()
     return session
 
@@ -420,7 +426,7 @@ def write_index(P: HiddenParams, plan: Plan, model_dir: Path, info: dict, layer_
     write_json_atomic(P.stage_dir / INDEX_FILE, index)
 
 
-def stage_metrics(P: HiddenParams, plan: Plan, info: dict, layer_ids: list[int], session: dict[str, float],
+def stage_metrics(P: HiddenParams, plan: Plan, info: dict, layer_ids: list[int], session: dict,
                   elapsed_s: float) -> dict:
     """``metrics.json``: sizes, throughput, draft-vocabulary coverage, what was resumed and what was left out."""
     stage_dir, shards, vocab = P.stage_dir, plan.shards, plan.vocab
@@ -440,6 +446,7 @@ def stage_metrics(P: HiddenParams, plan: Plan, info: dict, layer_ids: list[int],
         "distinct_loss_tokens": vocab["distinct_loss_tokens"],
         "storage": P.storage, "backend": P.backend, "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
         "shards": len(shards), **plan.resume, **plan.sample_report, "elapsed_s": elapsed_s,
+        "samples_per_server": session.get("samples_per_server"),
     }
 
 

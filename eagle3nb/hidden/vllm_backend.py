@@ -10,18 +10,33 @@ For each sample we send ``/v1/completions`` with the token ids as the prompt, ``
 exclusive flock on ``<file>.lock``. We wait on that lock, read the file, check its ids equal the ids sent
 (and the ids the server echoed), and delete both files. Id ``L`` is the last layer's output *before* the
 final norm; we apply the target's norm, so the stored final state matches the transformers backend.
+
+``vllm_url`` may list several servers: :class:`VllmClient` keeps each one busy and sends a failed request again
+on another (``docs/scale.md``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from eagle3nb.params import StageError
+from eagle3nb.synth.client import (
+    Endpoint,
+    FatalServerError,
+    GaveUp,
+    base_url,
+    classify,
+    list_models,
+    make_client,
+    retried,
+    run_sync,
+    with_retries,
+)
 from eagle3nb.vllm_config import connector_config, extract_spec
 
 if TYPE_CHECKING:
@@ -85,34 +100,72 @@ def remove_connector_file(path: str) -> None:
             pass
 
 
+RECHECK_S = 30.0  # a server that failed is given requests again after this long (a restarted one rejoins)
+
+
+def assigned_urls(urls: list[str], rank: int, world: int) -> list[str]:
+    """The servers whose request slots process ``rank`` of ``world`` fills: ``urls[rank::world]`` when there are
+    enough for every process, else one each, shared round-robin. The others still take its retries."""
+    return urls[rank::world] if len(urls) >= world else [urls[rank % len(urls)]]
+
+
 class VllmClient:
-    """Sends the extraction requests (``concurrency`` in flight) and returns each sample's tensors in order."""
+    """Sends the extraction requests to one or more servers and returns each sample's tensors in order.
 
-    def __init__(self, url: str, api_key: str = "EMPTY", model: str | None = None, num_states: int = 4,
-                 hidden_size: int | None = None, timeout_s: float = 600.0, concurrency: int = 8, max_retries: int = 3):
-        import openai
+    Each server in ``home`` (default: all) has ``concurrency`` requests in flight, so a faster one takes more of
+    the work; a request that fails transiently (refused connection, timeout, 5xx) is sent again on another server
+    under 01's retry policy (``eagle3nb.synth.client.with_retries``), and the server that failed gets no new
+    requests for ``RECHECK_S`` seconds. What a server answers is checked against the contract and never retried:
+    a contract error is the same on every server."""
 
-        base = url.rstrip("/")
-        self.base_url = base if base.endswith("/v1") else base + "/v1"
-        self.client = openai.OpenAI(base_url=self.base_url, api_key=api_key, timeout=timeout_s, max_retries=max_retries)
-        self.model = model or self._served_model()
+    def __init__(self, urls: str | list[str], api_key: str = "EMPTY", model: str | None = None, num_states: int = 4,
+                 hidden_size: int | None = None, timeout_s: float = 600.0, concurrency: int = 8,
+                 max_retries: int = 6, backoff_s: float = 1.0, home: list[str] | None = None):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        self.home = list(home) if home else list(self.urls)
+        self.api_key, self.timeout_s, self.concurrency = api_key, timeout_s, concurrency
+        self.max_retries, self.backoff_s = max_retries, backoff_s
         self.num_states, self.hidden_size = num_states, hidden_size
-        self.timeout_s, self.concurrency = timeout_s, concurrency
+        self.down: dict[str, float] = {}  # url -> when a request to it last failed
+        self.served: dict[str, int] = {}  # url -> samples it answered
+        self.model = run_sync(lambda: self._served_model(model))
 
-    def _served_model(self) -> str:
-        try:
-            models = self.client.models.list().data
-        except Exception as e:  # connection refused, auth, ...: say where and what to do
-            raise VllmBackendError(f"cannot list models at {self.base_url} ({type(e).__name__}: {e}); start the server "
-                                   "with the command in the notebook, or fix vllm_url / api_key_env") from None
-        if not models:
-            raise VllmBackendError(f"{self.base_url} serves no model")
-        return models[0].id
+    def _endpoints(self, model: str) -> list[Endpoint]:
+        """A client per server, for one event loop (``map`` runs each call on a fresh one)."""
+        return [Endpoint(u, make_client(u, self.api_key, self.timeout_s, self.concurrency), model) for u in self.urls]
 
-    def fetch(self, ids: list[int], sample_id: str = "") -> tuple["torch.Tensor", int | None]:
+    async def _served_model(self, model: str | None) -> str:
+        """The served model name (``model``, else the first server's), checked on every server that answers: one
+        serving another model stops the run; one that does not answer is said and left for later (a run resumed
+        while a server is down goes on with the others); none answering stops the run."""
+        names, errors = [], []
+        for ep in self._endpoints(""):
+            try:
+                listed = await retried(list_models, ep, max_retries=min(self.max_retries, 2),
+                                       backoff_s=self.backoff_s)
+            except (GaveUp, FatalServerError) as e:
+                errors.append(f"cannot list models at {base_url(ep.url)} ({e})")
+                self.down[ep.url] = time.monotonic()
+                continue
+            finally:
+                await ep.client.close()
+            name = model or (names[0] if names else listed[0] if listed else None)
+            if name not in listed:
+                raise VllmBackendError(f"{base_url(ep.url)} serves {listed}, not {name!r}: every server in vllm_url "
+                                       "must serve the target (fix vllm_model or the list)")
+            names.append(name)
+        if not names:
+            raise VllmBackendError(f"{'; '.join(errors)}: start the server with the command in the notebook, or fix "
+                                   "vllm_url / api_key_env")
+        for line in errors:
+            print(f"02's extraction: {line}; going on with the other servers, asking it again in {RECHECK_S:.0f} s",
+                  flush=True)
+        return names[0]
+
+    async def _fetch(self, ep: Endpoint, ids: list[int], sample_id: str) -> tuple["torch.Tensor", int | None]:
         """One sample -> (hidden_states [T, n, H] as the server stored them, the server's greedy next token)."""
-        res = self.client.completions.create(model=self.model, prompt=ids, max_tokens=1, temperature=0.0,
-                                             extra_body={"return_token_ids": True})
+        res = await ep.client.completions.create(model=ep.model, prompt=ids, max_tokens=1, temperature=0.0,
+                                                 extra_body={"return_token_ids": True})
         choice = res.choices[0] if res.choices else None
         echoed = getattr(choice, "prompt_token_ids", None)
         if echoed is None:
@@ -120,8 +173,8 @@ class VllmClient:
                                    "return_token_ids (vLLM >= 0.10.2)")
         if list(echoed) != list(ids):
             raise VllmBackendError(f"sample {sample_id}: the server tokenized the prompt differently ({len(echoed)} "
-                                   f"ids "
-                                   f"back for {len(ids)} sent); send token ids to /v1/completions of a vLLM server")
+                                   f"ids back for {len(ids)} sent); send token ids to /v1/completions of a vLLM "
+                                   "server")
         params = getattr(res, "kv_transfer_params", None) or {}
         path = params.get("hidden_states_path")
         if not path:
@@ -129,7 +182,7 @@ class VllmClient:
                                    "start vLLM with the extract_hidden_states --speculative-config and the "
                                    "ExampleHiddenStatesConnector --kv-transfer-config (the notebook shows both)")
         try:
-            data = read_connector_file(path, self.timeout_s)
+            data = await asyncio.to_thread(read_connector_file, path, self.timeout_s)
         finally:
             remove_connector_file(path)
         got = data["token_ids"].tolist()
@@ -150,11 +203,81 @@ class VllmClient:
         out_ids = getattr(choice, "token_ids", None)
         return hs, (int(out_ids[0]) if out_ids else None)
 
-    def map(self, items: Iterable[tuple[str, list[int]]]) -> Iterator[tuple["torch.Tensor", int | None]]:
-        """``fetch`` over ``(sample_id, ids)`` pairs with ``concurrency`` requests in flight, results in order."""
-        items = list(items)
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            futures = [pool.submit(self.fetch, ids, sid) for sid, ids in items]
-            for f in futures:
-                yield f.result()
+    def _picker(self, eps: list[Endpoint], home: Endpoint) -> Callable[[], Endpoint]:
+        """Each attempt's server for one request: its worker's server first, then one not tried yet that is up
+        (this process's own servers before the others), then the one that failed longest ago."""
+        tried: list[str] = []
+        order = sorted(eps, key=lambda e: e.url not in self.home)
 
+        def pick() -> Endpoint:
+            fresh = [e for e in order if e.url not in tried]
+            up = [e for e in fresh if e.url not in self.down]
+            if not tried and home.url not in self.down:
+                ep = home
+            elif up or fresh:
+                ep = (up or fresh)[0]
+            else:
+                ep = min(eps, key=lambda e: self.down.get(e.url, 0.0))
+            tried.append(ep.url)
+            return ep
+
+        return pick
+
+    async def _map(self, items: list[tuple[str, list[int]]]) -> list[tuple["torch.Tensor", int | None]]:
+        now = time.monotonic()
+        self.down = {u: t for u, t in self.down.items() if now - t < RECHECK_S}
+        eps = self._endpoints(self.model)
+        homes = ([e for e in eps if e.url in self.home and e.url not in self.down]
+                 or [e for e in eps if e.url not in self.down] or [e for e in eps if e.url in self.home])
+        results: list = [None] * len(items)
+        todo = iter(range(len(items)))
+
+        async def call(ep: Endpoint, pos: int):
+            sid, ids = items[pos]
+            try:
+                return await self._fetch(ep, ids, sid), ep.url
+            except VllmBackendError as e:  # the server answered against the contract: no retry, raised below
+                return e
+            except Exception as e:
+                if classify(e) == "retry":
+                    self.down[ep.url] = time.monotonic()
+                raise
+
+        errors: list[BaseException] = []  # the first one is raised once every request in flight has finished
+
+        async def worker(home: Endpoint) -> None:
+            while not errors and (pos := next(todo, None)) is not None:
+                res, _, err = await with_retries(lambda ep, pos=pos: call(ep, pos),
+                                                 max_retries=self.max_retries, backoff_s=self.backoff_s,
+                                                 endpoint_for_attempt=self._picker(eps, home))
+                if isinstance(res, VllmBackendError):
+                    raise res
+                if err is not None:
+                    raise VllmBackendError(f"sample {items[pos][0]}: no extraction server answered ({err}); start "
+                                           f"the servers in vllm_url ({', '.join(self.urls)}) or remove the dead "
+                                           "ones, then run again (finished work is kept)")
+                results[pos] = res[0]
+                self.served[res[1]] = self.served.get(res[1], 0) + 1
+                if home.url in self.down and any(e.url not in self.down for e in homes):
+                    return  # its server failed: the slots of the servers still up take the rest
+
+        async def guarded(home: Endpoint) -> None:
+            try:
+                await worker(home)
+            except Exception as e:  # noqa: BLE001 - kept, and raised below
+                errors.append(e)
+
+        try:
+            # interleaved: the first requests go one to each server
+            await asyncio.gather(*(guarded(home) for _ in range(self.concurrency) for home in homes))
+        finally:
+            for ep in eps:
+                await ep.client.close()
+        if errors:
+            raise errors[0]
+        return results
+
+    def map(self, items: Iterable[tuple[str, list[int]]]) -> Iterator[tuple["torch.Tensor", int | None]]:
+        """The samples ``(sample_id, ids)`` over the servers (see the class docstring), results in order."""
+        items = list(items)
+        yield from (run_sync(lambda: self._map(items)) if items else [])

@@ -105,19 +105,25 @@ async def list_models(ep: Endpoint) -> list[str]:
     return [m.id for m in data]
 
 
+def make_client(url: str, api_key: str, timeout_s: float, concurrency: int) -> Any:
+    """An ``openai.AsyncOpenAI`` for ``url`` with room for ``concurrency`` requests in flight and no retries of
+    its own (``with_retries`` owns the policy, and the endpoint of each attempt)."""
+    import httpx
+    import openai
+
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=concurrency + 8,
+                                                              max_keepalive_connections=concurrency + 8))
+    return openai.AsyncOpenAI(base_url=base_url(url), api_key=api_key, max_retries=0, timeout=timeout_s,
+                              http_client=http)
+
+
 async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_name: str | None,
                   concurrency: int, *, max_retries: int, backoff_s: float) -> list[Endpoint]:
     """A client per URL, each checked by asking ``/models`` (which also names the model when not given), with
     the run's retry policy: a loaded server's passing 503 is no reason to stop."""
-    import httpx
-    import openai
-
     out = []
     for url in urls:
-        http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=concurrency + 8,
-                                                                  max_keepalive_connections=concurrency + 8))
-        client = openai.AsyncOpenAI(base_url=base_url(url), api_key=api_key, max_retries=0, timeout=timeout_s,
-                                    http_client=http)
+        client = make_client(url, api_key, timeout_s, concurrency)
         try:
             models = await retried(list_models, Endpoint(url, client, ""), max_retries=max_retries,
                                    backoff_s=backoff_s)

@@ -4,7 +4,9 @@
 (:class:`eagle3nb.hidden.online.OnlineStates`), set up by 02's parameters of the same run: ``online`` stores
 nothing and runs the target over every micro-batch of every epoch (and over the held-out samples at each
 evaluation); ``hybrid`` runs it once per sample and keeps the result in 02's storage in ``output_dir/hidden_cache``.
-The three give 03 the same samples in the same order, so the split and the micro-batches are the same.
+The three give 03 the same samples in the same order, so the split and the micro-batches are the same. Under
+torchrun (online and hybrid need 02's backend vllm there) each process asks its share of 02's ``vllm_url``
+servers for its own micro-batches, and the processes share one hybrid cache (``docs/scale.md``).
 
 :func:`source_costs` says before training what each costs: disk, target forward tokens, and the target's time
 at a measured extraction throughput (02's ``metrics.json``, else a short measurement here, else unknown).
@@ -94,16 +96,20 @@ def open_data(P: TrainParams, world: int = 1) -> HiddenStates:
         verify_shards(data, P.stage_dir / VERIFIED_DIR, int(os.environ.get("RANK", "0")), world)
         return data
     HP = hidden_params(P)
-    if world > 1 and P.data_source == "hybrid":
-        raise SourceError("data_source hybrid runs in one process (its cache is written by one writer): train with "
-                          "one process, or use data_source online (with backend vllm) or stored")
     if world > 1 and HP.backend != "vllm":
-        raise SourceError("data_source online under torchrun needs 02's backend vllm (one extraction server for "
-                          "every process); with the transformers backend every process would load the target")
+        raise SourceError(f"data_source {P.data_source} under torchrun needs 02's backend vllm (extraction servers "
+                          "the processes share: vllm_url, one or a list); with the transformers backend every "
+                          "process would load the target")
     key = {k: getattr(P, k) for k in SCHEDULE_KEYS}
+    rank = int(os.environ.get("RANK", "0"))
+    barrier = None
+    if world > 1:
+        import torch.distributed as dist
+
+        barrier = dist.barrier
     return OnlineStates(HP, max_length=P.max_length, cache_key={**key, "processes": world},
                         cache_dir=P.stage_dir / CACHE_DIR if P.data_source == "hybrid" else None,
-                        write_files=int(os.environ.get("RANK", "0")) == 0)
+                        write_files=rank == 0, share=(rank, world), barrier=barrier)
 
 
 def extraction_throughput(P: TrainParams, data: HiddenStates | None = None, measure: bool = True
