@@ -52,12 +52,24 @@ vllm: $(VLLM_STAMP)
 tokenizers: $(STAMP)
 	EAGLE3NB_CACHE="$${EAGLE3NB_CACHE:-$(CURDIR)/.cache}" $(BIN)/eagle3nb toy tokenizers
 
+## Headless Chromium and its driver for the browser tests (tests/test_browser.py: JupyterLab driven as a user does,
+## the reports offline): Debian's chromium and chromium-driver, installed where missing and this is root with apt-get.
+## Elsewhere it only says so and those tests skip with the reason (under CI they fail instead).
+chromium:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "make chromium: chromium/chromedriver missing and this is not root with apt-get; the browser tests skip"; \
+		exit 0; fi; \
+	echo "make chromium: installing Debian's chromium and chromium-driver (apt-get)"; \
+	(apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver \
+		>/dev/null) || echo "make chromium: apt-get could not install them; the browser tests skip"
+
 ## Run the whole pipeline on the embedded default (params/demo/) into outputs/demo/.
 demo: $(STAMP)
 	$(BIN)/eagle3nb run params/$(RUN)/
 
 ## The whole test suite (CI runs exactly this): the lint, then every test, the real vLLM's included.
-test: $(STAMP) $(VLLM_STAMP) tokenizers
+test: $(STAMP) $(VLLM_STAMP) tokenizers chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
