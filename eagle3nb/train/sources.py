@@ -109,7 +109,8 @@ def open_data(P: TrainParams, world: int = 1) -> HiddenStates:
         barrier = dist.barrier
     return OnlineStates(HP, max_length=P.max_length, cache_key={**key, "processes": world},
                         cache_dir=P.stage_dir / CACHE_DIR if P.data_source == "hybrid" else None,
-                        write_files=rank == 0, share=(rank, world), barrier=barrier)
+                        verify_sha256=HP.verify_sha256, write_files=rank == 0, share=(rank, world),
+                        barrier=barrier)
 
 
 def extraction_throughput(P: TrainParams, data: HiddenStates | None = None, measure: bool = True
