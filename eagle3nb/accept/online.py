@@ -1,6 +1,10 @@
 """04's online benchmark: load OpenAI-compatible endpoints at several concurrency levels and read the server's own
 speculative-decoding counters from ``/metrics`` (docs/DESIGN-FACTS.md "vLLM speculative-decoding metrics").
 
+It sweeps concurrency and draft length k as SpecForge's and speculators' benchmarks do: a server's k is fixed at
+its start (vLLM's ``num_speculative_tokens``), so the k sweep is over servers, each declaring its k (an endpoint's
+``k``, or the embedded mode's ``ks``, which starts one speculative server per k); every row carries its k.
+
 Throughput and latency come from the client side (real ``openai`` client over HTTP); acceptance comes from
 the server side, as the delta of vLLM's counters between before and after each load level. SGLang exposes
 only windowed gauges (``sglang:spec_accept_length``/``spec_accept_rate``), read after the level.
@@ -118,9 +122,12 @@ def first_model(base_url: str, api_key: str) -> str:
 
 def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_levels: Sequence[int],
                    max_tokens: int, temperature: float = 0.0, api_key: str = "EMPTY", model: str | None = None,
-                   metrics: str | None = None, warmup: int = 2, extra_body: dict | None = None) -> list[dict[str, Any]]:
+                   metrics: str | None = None, warmup: int = 2, extra_body: dict | None = None,
+                   k: int | None = None) -> list[dict[str, Any]]:
     """One row per concurrency level: output tokens/s, latency percentiles and the server's acceptance.
-    ``extra_body`` goes with every request (e.g. ``chat_template_kwargs`` for the thinking switch)."""
+    ``extra_body`` goes with every request (e.g. ``chat_template_kwargs`` for the thinking switch). ``k`` is the
+    draft length the server was started with; null = the number of draft positions its counters show (none for
+    a server without a draft). A declared k that its counters contradict is an InputError before the level's load."""
     model = model or first_model(base_url, api_key)
     murl = metrics or metrics_url(base_url)
     if warmup:
@@ -128,11 +135,12 @@ def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_l
     rows = []
     for c in concurrency_levels:
         before = spec_counters(scrape(murl))
+        row_k = served_k(label, k, before)
         res = _run(_load_level(base_url, model, prompts, c, max_tokens, temperature, api_key, extra_body))
         acc = spec_delta(before, spec_counters(scrape(murl)))
         lat, n_tok = res["latencies"], sum(res["tokens"])
         row = {
-            "endpoint": label, "concurrency": c, "requests": len(prompts), "errors": len(res["errors"]),
+            "endpoint": label, "k": row_k, "concurrency": c, "requests": len(prompts), "errors": len(res["errors"]),
             "output_tokens": n_tok, "duration_s": res["wall_s"],
             "output_tokens_per_s": n_tok / res["wall_s"] if res["wall_s"] > 0 else 0.0,
             "requests_per_s": len(lat) / res["wall_s"] if res["wall_s"] > 0 else 0.0,
@@ -144,10 +152,26 @@ def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_l
         if res["errors"]:
             row["first_error"] = res["errors"][0]
             print(f"[bench {label} c={c}] {len(res['errors'])} request(s) failed, first: {res['errors'][0]}")
-        print(f"[bench {label} c={c}] {row['output_tokens_per_s']:.1f} tok/s, p50 {row['latency_p50_s']:.2f}s, "
-              f"acceptance length {row['acceptance_length']}", flush=True)
+        print(f"[bench {label} k={row_k} c={c}] {row['output_tokens_per_s']:.1f} tok/s, "
+              f"p50 {row['latency_p50_s']:.2f}s, acceptance length {row['acceptance_length']}", flush=True)
         rows.append(row)
     return rows
+
+
+def served_k(label: str, declared: int | None, counters: dict[str, Any]) -> int | None:
+    """The k of a row: the declared one, checked against the draft positions the server counts (vLLM keeps one
+    counter per position, so their number is its num_speculative_tokens), else that number; None = no draft."""
+    counted = len(counters.get("per_pos") or []) or None
+    if declared is not None and counted is not None and counted != declared:
+        raise InputError(f"endpoint {label} declares k={declared} but its /metrics counts {counted} draft positions "
+                         f"(the server runs num_speculative_tokens={counted}); set its k to {counted} in endpoints")
+    return declared if declared is not None else counted
+
+
+def at_k(rows: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The rows served at draft length ``k``, plus those with no k (the baseline, servers with no counters): what
+    compares with the offline numbers and the prediction made for that k."""
+    return [r for r in rows if r.get("k") in (None, k)]
 
 
 def add_speedup(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
@@ -176,26 +200,30 @@ def probe_endpoints(P: AcceptParams) -> None:
 
 
 def run_online(P: AcceptParams) -> list[dict[str, Any]]:
-    """Benchmark every endpoint (embedded: the target served plainly, then with the draft), with speedups."""
+    """Benchmark every endpoint (embedded: the target served plainly, then with the draft at each of ``ks``), one
+    row per (endpoint, k, concurrency), with speedups over the baseline at the same concurrency."""
     rows = load_prompts(P.prompts, P.num_prompts)
     extra = {"chat_template_kwargs": P.target_family.template_kwargs(P.thinking, P.thinking_kwarg)}
     kw = dict(prompts=rows, concurrency_levels=P.concurrency_levels, max_tokens=P.max_tokens,
               temperature=P.temperature, extra_body=extra)
-    config = {"draft": fingerprint(P.draft_path), "model": P.model_path, "k": P.k, "prompts": P.prompts,
+    config = {"draft": fingerprint(P.draft_path), "model": P.model_path, "prompts": P.prompts,
               "num_prompts": P.num_prompts, "levels": P.concurrency_levels, "max_tokens": P.max_tokens,
               "temperature": P.temperature, "thinking": P.thinking}
     out: list[dict[str, Any]] = []
     if P.endpoints == "embedded":
         model_dir = P.model_dir
-        for label, draft in (("baseline", None), ("eagle3", P.draft_path)):
-            def work(draft=draft, label=label) -> list[dict[str, Any]]:
-                with start_server(model_dir, draft_dir=draft, num_speculative_tokens=P.k) as h:
-                    return bench_endpoint(label, h.base_url, api_key="EMPTY", **kw)
-            out += cached_rows(P.stage_dir / f"online-{label}.json", {**config, "label": label}, work)
+        # the baseline once (it has no k), then one speculative server per k: a server's k is fixed at its start
+        servers = [("baseline", None, None, "online-baseline.json")] + \
+            [("eagle3", P.draft_path, k, f"online-eagle3-k{k}.json") for k in P.sweep_ks]
+        for label, draft, k, name in servers:
+            def work(draft=draft, label=label, k=k) -> list[dict[str, Any]]:
+                with start_server(model_dir, draft_dir=draft, num_speculative_tokens=k or P.k) as h:
+                    return bench_endpoint(label, h.base_url, api_key="EMPTY", k=k, **kw)
+            out += cached_rows(P.stage_dir / name, {**config, "label": label, "k": k}, work)
     else:
         key = P.api_key()
         for e in P.endpoints:
             def work(e=e) -> list[dict[str, Any]]:
-                return bench_endpoint(e.label, e.url, api_key=key, model=e.model, metrics=e.metrics_url, **kw)
-            out += cached_rows(P.stage_dir / f"online-{e.label}.json", {**config, "url": e.url}, work)
+                return bench_endpoint(e.label, e.url, api_key=key, model=e.model, metrics=e.metrics_url, k=e.k, **kw)
+            out += cached_rows(P.stage_dir / f"online-{e.label}.json", {**config, "url": e.url, "k": e.k}, work)
     return add_speedup(out, baseline_label(P))

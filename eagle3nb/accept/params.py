@@ -23,6 +23,9 @@ class Endpoint(BaseModel):
     url: str = Field(description="base URL, http://host:8000 (/v1 added when missing)")
     model: str | None = Field(None, description="served model name; null = ask /v1/models")
     metrics_url: str | None = Field(None, description="Prometheus page; null = <host>/metrics")
+    k: int | None = Field(None, ge=1, le=16, description="draft length the server was started with (vLLM "
+                                                         "num_speculative_tokens), the k of its rows in the sweep; "
+                                                         "null = as many as its /metrics counts (none: no draft)")
 
     @field_validator("url")
     @classmethod
@@ -55,6 +58,9 @@ class AcceptParams(TargetParams):
                                                                                     "the target without and with the "
                                                                                     "draft) or a list of {label, url}; "
                                                                                     "the first is the speedup baseline")
+    ks: list[int] | None = Field(None, description="embedded: draft lengths k to sweep, one speculative server started "
+                                                   "per k (a server's k is fixed at its start); null = [k]. Listed "
+                                                   "endpoints declare their own k instead")
     concurrency_levels: list[int] = Field([1, 4], description="concurrent requests per benchmark level")
     num_prompts: int = Field(16, ge=1, description="requests per concurrency level")
     benchmarks: list[str] = Field([], description="public prompt sets (mt-bench, humaneval, sharegpt) or files decoded "
@@ -88,7 +94,18 @@ class AcceptParams(TargetParams):
             raise ValueError(f"max_k ({self.max_k}) must be >= k ({self.k}): the tau(k) curve must include k")
         if isinstance(self.endpoints, list) and len({e.label for e in self.endpoints}) != len(self.endpoints):
             raise ValueError("endpoint labels must be unique")
+        if self.ks is not None:
+            if self.endpoints != "embedded":
+                raise ValueError("ks sweeps the embedded server; for listed endpoints give each its k (one server per "
+                                 "k: vLLM's num_speculative_tokens is fixed at its start)")
+            if not self.ks or any(not 1 <= k <= 16 for k in self.ks) or len(set(self.ks)) != len(self.ks):
+                raise ValueError(f"ks {self.ks}: give distinct draft lengths, each 1..16")
         return self
+
+    @property
+    def sweep_ks(self) -> list[int]:
+        """The draft lengths the embedded benchmark serves: ``ks``, else just ``k``."""
+        return self.ks or [self.k]
 
     @property
     def draft_path(self) -> Path:

@@ -7,13 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.accept.online import at_k
 from eagle3nb.accept.predict import speedup_by_k
 from eagle3nb.figures import save_figures as save_all
 from eagle3nb.formulas import tau_iid
 
 # The PNGs ``save_figures`` writes (offline_vs_local only when the local check ran).
-FIGURES = ["offline_vs_local", "tau_vs_k", "throughput_vs_concurrency", "speedup_vs_concurrency", "alpha_per_position",
-           "predicted_vs_measured_speedup", "acceptance_by_context"]
+FIGURES = ["offline_vs_local", "tau_vs_k", "throughput_vs_concurrency", "speedup_vs_concurrency",
+           "acceptance_vs_concurrency", "speedup_vs_k", "alpha_per_position", "predicted_vs_measured_speedup",
+           "acceptance_by_context"]
 
 
 # ----------------------------------------------------------------------------------------- tables
@@ -89,10 +91,11 @@ def context_table(metrics: dict[str, Any]):
 
 
 def online_table(rows: list[dict[str, Any]]):
-    """The benchmark rows as a table (per-position lists left out)."""
+    """The benchmark rows as a table, one per (endpoint, k, concurrency) as the server sweep measured them
+    (per-position lists left out; k empty for the baseline)."""
     import pandas as pd
 
-    cols = ["endpoint", "concurrency", "output_tokens_per_s", "speedup", "acceptance_rate", "acceptance_length",
+    cols = ["endpoint", "k", "concurrency", "output_tokens_per_s", "speedup", "acceptance_rate", "acceptance_length",
             "latency_p50_s", "latency_p90_s", "latency_p99_s", "requests", "errors"]
     return pd.DataFrame([{c: r.get(c) for c in cols} for r in rows])
 
@@ -112,7 +115,7 @@ def acceptance_by_source(metrics: dict[str, Any]):
         rows.append({"source": "local decoding (measured)", "acceptance_length": loc["acceptance_length"],
                      **{f"alpha_{i + 1}": a for i, a in enumerate(loc["per_position"][:k])}})
     seen = set()
-    for r in metrics.get("online") or []:
+    for r in at_k(metrics.get("online") or [], k):
         if r.get("acceptance_length") is None or r["endpoint"] in seen:
             continue
         seen.add(r["endpoint"])
@@ -141,7 +144,7 @@ def plot_alpha(metrics: dict[str, Any]):
         series.append(("local decoding (greedy)", metrics["local"]["per_position"], "D--"))
     for r in metrics.get("online") or []:
         if r.get("per_position"):
-            series.append((f"{r['endpoint']} c={r['concurrency']}", r["per_position"], "x:"))
+            series.append((f"{series_label(r)} c={r['concurrency']}", r["per_position"], "x:"))
     for label, ys, style in series:
         ax.plot(range(1, len(ys) + 1), ys, style, label=label)
     ax.set_ylim(0, 1.02)
@@ -221,7 +224,7 @@ def plot_predicted_vs_measured(metrics: dict[str, Any]):
     pts = []
     if metrics.get("local") and metrics["local"].get("speedup") is not None:
         pts.append(("local", metrics["local"]["speedup"]))
-    for r in metrics.get("online") or []:
+    for r in at_k(metrics.get("online") or [], metrics["prediction"]["k"]):
         if r.get("speedup") is not None and r["endpoint"] != metrics.get("online_baseline"):
             pts.append((f"{r['endpoint']} c={r['concurrency']}", r["speedup"]))
     for label, y in pts:
@@ -271,13 +274,26 @@ def plot_context(metrics: dict[str, Any]):
     return fig
 
 
+def series_label(row: dict[str, Any]) -> str:
+    """A benchmark row's line in the plots: its endpoint, and its draft length where it has one."""
+    return row["endpoint"] if row.get("k") is None else f"{row['endpoint']} k={row['k']}"
+
+
+def by_series(rows: list[dict[str, Any]], y: str) -> dict[str, list[tuple[int, float]]]:
+    """``{series label: [(concurrency, row[y]), ...]}`` sorted by concurrency, rows without ``y`` left out."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.get(y) is not None:
+            out.setdefault(series_label(r), []).append((r["concurrency"], r[y]))
+    return {label: sorted(pts) for label, pts in out.items()}
+
+
 def plot_throughput(rows: list[dict[str, Any]]):
-    """Output tokens/s vs concurrency, one line per endpoint."""
+    """Output tokens/s vs concurrency, one line per endpoint and k."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["endpoint"] for r in rows):
-        pts = sorted((r["concurrency"], r["output_tokens_per_s"]) for r in rows if r["endpoint"] == label)
+    for label, pts in by_series(rows, "output_tokens_per_s").items():
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
@@ -293,8 +309,7 @@ def plot_speedup(rows: list[dict[str, Any]], predicted: float | None = None):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["endpoint"] for r in rows if r.get("speedup") is not None):
-        pts = sorted((r["concurrency"], r["speedup"]) for r in rows if r["endpoint"] == label)
+    for label, pts in by_series(rows, "speedup").items():
         ax.plot(*zip(*pts), marker="o", label=f"{label} (measured)")
     ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speedup")
     if predicted is not None:
@@ -308,6 +323,55 @@ def plot_speedup(rows: list[dict[str, Any]], predicted: float | None = None):
     return fig
 
 
+def plot_acceptance(rows: list[dict[str, Any]]):
+    """The server's acceptance length and rate (its own counters) vs concurrency, one line per endpoint and k;
+    None when no server reported spec-decode counters. Length is bounded by k + 1, so longer k sits higher."""
+    import matplotlib.pyplot as plt
+
+    lengths, rates = by_series(rows, "acceptance_length"), by_series(rows, "acceptance_rate")
+    if not lengths:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, pts in lengths.items():
+        ax1.plot(*zip(*pts), marker="o", label=label)
+    for label, pts in rates.items():
+        ax2.plot(*zip(*pts), marker="o", label=label)
+    for ax, what in ((ax1, "acceptance length (tokens per target step)"),
+                     (ax2, "acceptance rate (accepted / drafted)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(what)
+        ax.legend(fontsize=8)
+    ax2.set_ylim(0, 1.02)
+    fig.suptitle("Server acceptance vs concurrency")
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup_vs_k(rows: list[dict[str, Any]], baseline: str | None = None):
+    """Measured speedup over the baseline vs draft length k, one line per concurrency level (each k is its own
+    server); None when no row has both a k and a speedup."""
+    import matplotlib.pyplot as plt
+
+    pts: dict[int, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.get("k") is not None and r.get("speedup") is not None and r["endpoint"] != baseline:
+            pts.setdefault(r["concurrency"], []).append((r["k"], r["speedup"]))
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c, line in sorted(pts.items()):
+        ax.plot(*zip(*sorted(line)), marker="o", label=f"concurrency {c}")
+    ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speedup")
+    ax.set_xticks(sorted({k for line in pts.values() for k, _ in line}))
+    ax.set_xlabel("draft length k (num_speculative_tokens)")
+    ax.set_ylabel("speedup over baseline")
+    ax.set_title("Speedup vs k")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def figures(metrics: dict[str, Any]) -> dict[str, Any]:
     """Every figure of the stage by PNG name (matplotlib figures), in ``FIGURES`` order."""
     makers = {
@@ -316,6 +380,8 @@ def figures(metrics: dict[str, Any]) -> dict[str, Any]:
         "throughput_vs_concurrency": lambda: plot_throughput(metrics.get("online") or []),
         "speedup_vs_concurrency": lambda: plot_speedup(metrics.get("online") or [],
                                                        (metrics.get("prediction") or {}).get("speedup")),
+        "acceptance_vs_concurrency": lambda: plot_acceptance(metrics.get("online") or []),
+        "speedup_vs_k": lambda: plot_speedup_vs_k(metrics.get("online") or [], metrics.get("online_baseline")),
         "alpha_per_position": lambda: plot_alpha(metrics),
         "predicted_vs_measured_speedup": lambda: plot_predicted_vs_measured(metrics),
         "acceptance_by_context": lambda: plot_context(metrics) if metrics["offline"].get("by_context") else None,

@@ -2,7 +2,8 @@
 call. It loads the target and the draft, measures acceptance offline on held-out hidden states, decodes locally
 (lossless check and costs), predicts the speedup, benchmarks the endpoints, and writes ``metrics.json`` and
 every figure into the stage folder. Each step's result is reused when a re-run finds it finished
-(``offline.json``, ``local.json``, ``online-<label>.json``)."""
+(``offline.json``, ``local.json``, ``online-<label>.json``; the embedded sweep's ``online-baseline.json`` and
+``online-eagle3-k<k>.json``, one per served k)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from eagle3nb.accept.online import at_k
+from eagle3nb.accept.report import series_label
+
 PUBLIC_KIMI = "public Kimi-K2.5 drafters reach tau 3.0-3.5 at k=3 (alpha ~0.85)"
 
 
@@ -38,7 +41,7 @@ def likely_causes(metrics: dict[str, Any], checkup_causes: Sequence[str] | None 
                           "training stream likely lost or mangled the reasoning (doctor: thinking, token_stream)")
     if alpha1 is not None and alpha1 < 0.5:
         causes.append("too little or unrepresentative training data for this draft (doctor: data_health)")
-    online = [r for r in metrics.get("online") or [] if r.get("acceptance_length")]
+    online = [r for r in at_k(metrics.get("online") or [], off.get("k")) if r.get("acceptance_length")]
     if online and off:
         served = sum(r["acceptance_length"] for r in online) / len(online)
         if served < off["acceptance_length"] - 0.5:
@@ -102,7 +105,7 @@ def verdict(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None
         what = ("faster" if s >= 1.05 else "no gain" if s >= 0.95 else "slower")
         acc = (f", server acceptance length {r['acceptance_length']:.2f}" if r.get("acceptance_length")
                else ", no spec-decode metrics from the server")
-        rows.append((f"Throughput at concurrency {r['concurrency']} ({r['endpoint']})",
+        rows.append((f"Throughput at concurrency {r['concurrency']} ({series_label(r)})",
                      f"{s:.2f}x the baseline ({r['output_tokens_per_s']:.1f} tok/s): {what}{acc}."))
     causes = likely_causes(metrics, checkup_causes)
     low = off and (off["per_position"][0] < 0.4 or any(
