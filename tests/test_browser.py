@@ -250,8 +250,9 @@ def lab(stage_copy, tmp_path_factory):
     tracker = state / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
     tracker.parent.mkdir(parents=True)
     tracker.write_text('{"autoStartDefaultKernel": true}')  # the notebook's own kernel, no "Select Kernel" dialog
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(state / "config"), "JUPYTER_RUNTIME_DIR": str(state / "runtime"),
-           "JUPYTERLAB_SETTINGS_DIR": str(state / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces")}
+    dirs = {"JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data", "JUPYTER_RUNTIME_DIR": "runtime",
+            "JUPYTERLAB_SETTINGS_DIR": "settings", "JUPYTERLAB_WORKSPACES_DIR": "workspaces", "IPYTHONDIR": "ipython"}
+    env = {**os.environ, **{var: str(state / sub) for var, sub in dirs.items()}}  # nothing written under ~
     port = free_port()
     log = open(state / "lab.log", "w")
     proc = subprocess.Popen(
