@@ -57,6 +57,7 @@ class Family:
     mla: bool  # multi-head latent attention (config.json has kv_lora_rank)
     markers: tuple[str, ...] = ()  # chat-template strings that identify the family (all must be present)
     harmony_channels: tuple[str, str] | None = None  # harmony: (reasoning channel, answer channel)
+    vllm_tool_parser: str | None = None  # vLLM --tool-call-parser (vllm/tool_parsers/__init__.py's registry)
 
     @property
     def think_tags(self) -> tuple[str, str] | None:
@@ -96,34 +97,36 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # implements SupportsEagle3). The toy targets copy its template on a Llama model, so markers decide.
     Family("kimi", ("kimi_k2", "kimi_k25", "deepseek_v3"), "think_tags", kimi.THINK_START, kimi.THINK_END,
            Switch("thinking"), kimi.IM_END, "kimi_k2", "kimi_k2", True, True, True,
-           markers=(kimi.IM_ASSISTANT, kimi.IM_END)),
+           markers=(kimi.IM_ASSISTANT, kimi.IM_END), vllm_tool_parser="kimi_k2"),
     # DeepSeek-R1 (deepseek-ai/DeepSeek-R1 chat template: <｜Assistant｜>, always thinks, the generation
     # prompt opens <think>; vLLM deepseek_r1_reasoning_parser.py; SGLang deepseek-r1).
     Family("deepseek_r1", ("deepseek_v3",), "think_tags", "<think>", "</think>", None, "<｜end▁of▁sentence｜>",
-           "deepseek_r1", "deepseek-r1", True, True, True, markers=("<｜Assistant｜>",)),
+           "deepseek_r1", "deepseek-r1", True, True, True, markers=("<｜Assistant｜>",),
+           vllm_tool_parser="deepseek_v3"),
     # DeepSeek-V3.1 / V3.2 hybrid (its chat template reads `thinking`; vLLM deepseek_v3_reasoning_parser.py
     # delegates to the R1 parser when chat_template_kwargs thinking is true; SGLang deepseek-v3).
     Family("deepseek_v3", ("deepseek_v3",), "think_tags", "<think>", "</think>", Switch("thinking"),
            "<｜end▁of▁sentence｜>", "deepseek_v3", "deepseek-v3", True, True, True,
-           markers=("<｜Assistant｜>", "thinking")),
+           markers=("<｜Assistant｜>", "thinking"), vllm_tool_parser="deepseek_v31"),
     # Qwen3 (Qwen/Qwen3-8B tokenizer_config.json: <|im_start|>/<|im_end|>, `enable_thinking`; vLLM
     # qwen3_engine_reasoning_parser.py; Qwen3ForCausalLM and Qwen3MoeForCausalLM implement SupportsEagle3).
     Family("qwen3", ("qwen3", "qwen3_moe"), "think_tags", "<think>", "</think>", Switch("enable_thinking"),
-           "<|im_end|>", "qwen3", "qwen3", True, True, False, markers=("<|im_start|>", "<think>")),
+           "<|im_end|>", "qwen3", "qwen3", True, True, False, markers=("<|im_start|>", "<think>"),
+           vllm_tool_parser="hermes"),
     # GLM-4.5 (zai-org/GLM-4.5 chat template: [gMASK]<sop>, <|assistant|>, `enable_thinking`, turns end at the
     # next role token, eos <|user|>; vLLM registers glm45 -> glm47_moe_reasoning_parser.py; vLLM 0.32's
     # Glm4MoeForCausalLM (glm4_moe.py) lacks SupportsEagle3, SGLang serves GLM drafts).
     Family("glm45", ("glm4_moe",), "think_tags", "<think>", "</think>", Switch("enable_thinking"), "<|user|>",
-           "glm45", "glm45", False, True, False, markers=("[gMASK]",)),
+           "glm45", "glm45", False, True, False, markers=("[gMASK]",), vllm_tool_parser="glm45"),
     # gpt-oss (openai/gpt-oss-20b chat template, the Harmony format: <|channel|>analysis for the reasoning,
     # <|channel|>final for the answer, `reasoning_effort` low|medium|high, never off, turns end <|return|>;
     # vLLM gptoss_reasoning_parser.py; GptOssForCausalLM implements SupportsEagle3).
     Family("gpt_oss", ("gpt_oss",), "harmony", None, None, Switch("reasoning_effort", "medium", None),
            "<|return|>", "openai_gptoss", "gpt-oss", True, True, False, markers=("<|channel|>",),
-           harmony_channels=("analysis", "final")),
+           harmony_channels=("analysis", "final"), vllm_tool_parser="openai"),
     # Llama 3 (meta-llama/Llama-3.1-8B-Instruct chat template: <|start_header_id|>, <|eot_id|>): no reasoning.
     Family("llama", ("llama",), "none", None, None, None, "<|eot_id|>", None, None, True, True, False,
-           markers=("<|start_header_id|>",)),
+           markers=("<|start_header_id|>",), vllm_tool_parser="llama3_json"),
 )}
 
 # Template markers are tried in this order: the more specific first (DeepSeek-V3.1 before R1).

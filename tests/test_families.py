@@ -14,6 +14,8 @@ from eagle3nb import families
 from eagle3nb.families import FAMILIES, FamilyError, detect, vllm_cpu_dtype
 from eagle3nb.params import ParamsError, from_dict
 
+from worlds import requires_vllm
+
 # Each family's identifying chat-template text (a fragment of the public template) and config.json.
 TEMPLATES = {
     "kimi": ("kimi_k2", "<|im_user|>user<|im_middle|>{{ m }}<|im_end|><|im_assistant|>assistant<|im_middle|>"),
@@ -119,6 +121,9 @@ def test_vllm_args_take_the_family_parser_and_dtype(tmp_path, name, parser):
     assert args[args.index("--dtype") + 1] == ("bfloat16" if mla else "float32")
     assert vllm_args(d, "plain", cpu_flags=set())[args.index("--dtype") + 1] == "float32"
     assert "--reasoning-parser" not in vllm_args(d, "no_parser")
+    tools = vllm_args(d, "plain", cpu_flags=set(), tools=True)
+    assert tools[tools.index("--tool-call-parser") + 1] == FAMILIES[name].vllm_tool_parser
+    assert "--enable-auto-tool-choice" in tools and "--tool-call-parser" not in args
     if name == "glm45":  # vLLM 0.32's Glm4Moe class has no EAGLE-3 interface
         with pytest.raises(InputError, match="SGLang"):
             vllm_args(d, "eagle3", draft_dir=tmp_path)
@@ -196,3 +201,19 @@ def test_inline_reasoning_is_split_at_the_family_markers():
     assert extract(msg, FAMILIES["qwen3"].think_tags) == ("two and two", "4", "inline")
     assert extract(msg) == ("two and two", "4", "inline")  # no family given: any registered family's tags
     assert extract(msg, ("<reason>", "</reason>")) == (None, msg["content"], "none")
+
+
+@requires_vllm()
+def test_every_family_parser_is_one_the_installed_vllm_registers():
+    """The reasoning and tool-call parser names the registry hands vLLM are keys of vLLM's own registries (read
+    from its source, so no vLLM import): a renamed parser fails here, not a minute into a server start."""
+    import re
+
+    from eagle3nb.serve.vllm import vllm_python
+
+    site = next(Path(vllm_python()).parent.parent.glob("lib/python*/site-packages/vllm"))
+    registered = {kind: set(re.findall(r'^\s*"([a-z0-9_]+)": \(', (site / kind / "__init__.py").read_text(), re.M))
+                  for kind in ("reasoning", "tool_parsers")}
+    for f in FAMILIES.values():
+        assert f.vllm_parser is None or f.vllm_parser in registered["reasoning"], (f.name, f.vllm_parser)
+        assert f.vllm_tool_parser in registered["tool_parsers"], (f.name, f.vllm_tool_parser)

@@ -1,12 +1,12 @@
 """Prompt sets in the formats people have: JSONL or parquet rows with OpenAI ``messages``, ShareGPT
 ``conversations`` (``from``/``value``) or ``prompt`` text, and local Hugging Face ``datasets`` folders.
 
-Every row becomes ``{"id", "messages", "conversation", "tools", "category"}``: ``messages`` end at the last user
-turn (an answer a dataset already carries is dropped: the target writes its own), ``conversation`` is the whole
-conversation as the dataset has it (01's ``multi_turn: every`` answers each of its turns, ``eagle3nb.data.turns``),
-``tools`` the row's OpenAI tool definitions (or None). MT-Bench's rows (``turns``: the user's turns, each answered
-by the target) load as they ship. Rows without an ``id`` get a stable one from their content, so a resume finds
-them again even if the file is re-ordered.
+Every row becomes ``{"id", "messages", "conversation", "tools", "tool_choice", "category"}``: ``messages`` end at
+the last user turn (an answer a dataset already carries is dropped: the target writes its own), ``conversation`` is
+the whole conversation as the dataset has it (01's ``multi_turn: every`` answers each of its turns,
+``eagle3nb.data.turns``), ``tools`` the row's OpenAI tool definitions (or None) and ``tool_choice`` as the row sets
+it. MT-Bench's rows (``turns``: the user's turns, each answered by the target) load as they ship. Rows without an
+``id`` get a stable one from their content, so a resume finds them again even if the file is re-ordered.
 """
 
 from __future__ import annotations
@@ -297,6 +297,7 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise PromptsError(f"{where}: 'tools' must be a list of OpenAI tool definitions ({{type, function}})")
         out.append({"id": pid, "messages": messages, "conversation": full, "tools": tools or None,
+                    "tool_choice": _plain(row.get("tool_choice")) if tools else None,
                     "category": None if category is None else str(category)})
         if max_samples is not None and len(out) >= max_samples:
             break  # before the next row is read: a file damaged past the rows asked for still serves them

@@ -48,12 +48,13 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
               layer_ids: list[int] | None = None, storage_dir: str | os.PathLike | None = None,
               draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
               max_model_len: int = 1024, cpu: bool = True, family: str = AUTO,
-              cpu_flags: set[str] | None = None) -> list[str]:
+              cpu_flags: set[str] | None = None, tools: bool = False) -> list[str]:
     """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with its family's
     reasoning parser, e.g. ``kimi_k2``), ``no_parser`` (the story's mistake), ``extract`` (02's
     ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
     ``eagle3`` (the target serving the draft in ``draft_dir``). ``family``: the target's (auto: detected from
-    ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None: this machine's)."""
+    ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None: this machine's); ``tools``: also
+    parse tool calls with the family's tool-call parser (conversations with tools, 01's ``multi_turn``)."""
     if mode not in MODES:
         raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
     fam = detect(model_dir, family)
@@ -65,6 +66,8 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
         args.append("--enforce-eager")
     if mode != "no_parser" and fam.vllm_parser:
         args += ["--reasoning-parser", fam.vllm_parser]
+    if tools and fam.vllm_tool_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", fam.vllm_tool_parser]
     if mode == "eagle3" and not fam.vllm_eagle3:
         raise InputError(f"vLLM {VLLM_EAGLE3_RELEASE} serves no EAGLE-3 draft for the {fam.name} family "
                          f"(its model class lacks the EAGLE-3 interface); serve the draft with SGLang")

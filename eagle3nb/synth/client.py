@@ -203,14 +203,15 @@ def describe(exc: BaseException) -> str:
 
 async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int, temperature: float, top_p: float,
                seed: int, template_kwargs: dict[str, Any], return_token_ids: bool = True,
-               vocab_size: int | None = None, tools: list[dict] | None = None) -> Any:
+               vocab_size: int | None = None, tools: list[dict] | None = None, tool_choice: Any = None) -> Any:
     """One chat completion, asking for the token ids too (vLLM/SGLang ``return_token_ids``); with ``vocab_size``
     (the target tokenizer's) every field 01 stores is checked (``check_answer``); ``tools``: the conversation's
-    tool definitions, rendered by the server through the template's tool format."""
+    tool definitions, rendered by the server through the template's tool format (``tool_choice`` as the row sets
+    it)."""
     extra: dict[str, Any] = {"chat_template_kwargs": template_kwargs}
     if return_token_ids:
         extra["return_token_ids"] = True
-    more = {"tools": tools} if tools else {}
+    more = {"tools": tools, **({"tool_choice": tool_choice} if tool_choice else {})} if tools else {}
     resp = await ep.client.chat.completions.create(
         model=ep.model, messages=messages, max_completion_tokens=max_completion_tokens, temperature=temperature,
         top_p=top_p, seed=seed, extra_body=extra, **more)

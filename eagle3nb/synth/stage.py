@@ -218,7 +218,7 @@ class Session:
                 return chat(ep, req["messages"], max_completion_tokens=P.max_completion_tokens,
                             temperature=P.temperature, top_p=P.top_p, seed=seed, template_kwargs=self.tpl.kwargs,
                             return_token_ids=P.return_token_ids, vocab_size=len(self.tpl.tokenizer),
-                            tools=item.get("tools"))
+                            tools=item.get("tools"), tool_choice=item.get("tool_choice"))
 
             try:
                 resp, attempts, err = await with_retries(
