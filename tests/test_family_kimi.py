@@ -26,29 +26,37 @@ def kimi(_project_env) -> Path:
 
 
 @pytest.fixture(scope="module")
-def kimi_trained(kimi, tmp_path_factory) -> dict:
-    """01 from the embedded server on toy:kimi, 02 in-process, 03 an MLA draft (the one vLLM's CPU build serves
-    beside an MLA target)."""
+def kimi_embedded(kimi):
+    """The embedded server on toy:kimi, shared by 01 and its own test."""
     from eagle3nb.launch import start_server
 
     with start_server(kimi) as server:
-        return build_trained_run(tmp_path_factory.mktemp("kimi"), kimi, server.url, seed=SEED,
-                                 draft_attention="mla")
+        yield server
 
 
 @pytest.fixture(scope="module")
-def kimi_vllm(kimi, kimi_trained, tmp_path_factory):
-    """The real vLLM on toy:kimi: plainly (kimi_k2 parser), extracting hidden states, and serving the draft."""
+def kimi_trained(kimi, kimi_embedded, tmp_path_factory) -> dict:
+    """01 from the embedded server on toy:kimi, 02 in-process, 03 an MLA draft (the one vLLM's CPU build serves
+    beside an MLA target)."""
+    return build_trained_run(tmp_path_factory.mktemp("kimi"), kimi, kimi_embedded.url, seed=SEED,
+                             draft_attention="mla")
+
+
+@pytest.fixture(scope="module")
+def kimi_vllm(kimi, request, tmp_path_factory):
+    """The real vLLM on toy:kimi: plainly (kimi_k2 parser) and extracting hidden states, both starting while the
+    trained run is made (as tests/test_family_qwen3.py does), then serving the draft."""
     from eagle3nb.layers import default_aux_layer_ids
 
     layers = json.loads((kimi / "config.json").read_text())["num_hidden_layers"]
     tmp = tmp_path_factory.mktemp("kimi-vllm")
     servers = Servers(kimi, tmp)
     try:
-        servers.start(plain={"mode": "plain"},
-                      extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
-                               "storage_dir": tmp / "hidden"},
-                      eagle3={"mode": "eagle3", "draft_dir": kimi_trained["out"] / "03_train" / "draft",
+        trained = servers.start_while(
+            lambda: request.getfixturevalue("kimi_trained"), plain={"mode": "plain"},
+            extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
+                     "storage_dir": tmp / "hidden"})
+        servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
                               "num_speculative_tokens": K})
         yield servers
     finally:
@@ -197,14 +205,13 @@ def test_kimi_local_lossless(kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
 
 
-def test_kimi_embedded_server(kimi):
+def test_kimi_embedded_server(kimi, kimi_embedded):
     """The embedded server on toy:kimi splits the reasoning at Kimi's markers and returns transformers' greedy
     tokens."""
     import httpx
     from transformers import AutoModelForCausalLM
 
     from eagle3nb.data.stream import Template
-    from eagle3nb.launch import start_server
 
     messages = held_out(1)[0]["messages"]
     tpl = Template(kimi, True)
@@ -213,11 +220,11 @@ def test_kimi_embedded_server(kimi):
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
-    with start_server(kimi) as server:
-        served = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
-        reply = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
-            "model": served, "messages": messages, "max_tokens": 48, "temperature": 0.0,
-            "return_token_ids": True}).json()
+    server = kimi_embedded
+    served = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
+    reply = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
+        "model": served, "messages": messages, "max_tokens": 48, "temperature": 0.0,
+        "return_token_ids": True}).json()
     choice = reply["choices"][0]
     assert reply["prompt_token_ids"] == prompt
     assert choice["token_ids"] == want[:len(choice["token_ids"])] and len(choice["token_ids"]) > 4

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,14 +61,10 @@ def qwen3_vllm(qwen3, request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qwen3-vllm")
     servers = Servers(qwen3, tmp)
     try:
-        with ThreadPoolExecutor(1) as pool:
-            early = pool.submit(servers.start, plain={"mode": "plain"},
-                                extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
-                                         "storage_dir": tmp / "hidden"})
-            try:
-                trained = request.getfixturevalue("qwen3_trained")
-            finally:
-                early.result()
+        trained = servers.start_while(
+            lambda: request.getfixturevalue("qwen3_trained"), plain={"mode": "plain"},
+            extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
+                     "storage_dir": tmp / "hidden"})
         servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
                               "num_speculative_tokens": K})
         yield servers

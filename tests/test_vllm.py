@@ -46,6 +46,16 @@ class Servers:
         if errors:
             raise RuntimeError("\n".join(errors))
 
+    def start_while(self, make, **specs: dict):
+        """Start ``specs`` while ``make()`` runs (a trained run keeps one core busy, vLLM's start-up the other);
+        returns what ``make`` returns, once both are done."""
+        with ThreadPoolExecutor(1) as pool:
+            early = pool.submit(self.start, **specs)
+            try:
+                return make()
+            finally:
+                early.result()
+
     def __getitem__(self, name: str):
         return self.handles[name]
 
