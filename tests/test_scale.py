@@ -34,7 +34,7 @@ from eagle3nb.train.sources import CACHE_DIR
 from eagle3nb.train.stage import run
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_data import child_env, make_hidden_states, wait_for_checkpoint  # noqa: E402
+from train_data import child_env, make_records, wait_for_checkpoint  # noqa: E402
 from worlds import SEED  # noqa: E402
 
 HIDDEN = dict(draft_vocab_size=96, storage="fp32", concurrency=2, max_retries=4, retry_backoff_s=0.05)
@@ -58,10 +58,8 @@ def servers(toy_smoke, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def records(toy_smoke, tmp_path_factory) -> Path:
-    """01's records of 16 toy dialogues (``root/01``; make_hidden_states also writes 02's in-process shards)."""
-    root = tmp_path_factory.mktemp("scale")
-    make_hidden_states(root, toy_smoke, n=16, draft_vocab_size=HIDDEN["draft_vocab_size"], seed=SEED)
-    return root / "01"
+    """01's records of 16 toy dialogues."""
+    return make_records(tmp_path_factory.mktemp("scale"), toy_smoke, n=16, seed=SEED)
 
 
 def hidden_values(records: Path, model: Path, urls: list[str], **over) -> dict:

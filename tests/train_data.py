@@ -15,12 +15,10 @@ from pathlib import Path
 from worlds import THREADS
 
 
-def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_size: int = 160, seed: int = 0) -> Path:
-    """``root/02`` (stage 02's output over ``n`` toy dialogues rendered with the toy's chat template)."""
+def make_records(root: Path, model_dir: Path, n: int = 48, seed: int = 0) -> Path:
+    """``root/01``: 01-style records of ``n`` toy dialogues rendered with the toy's chat template."""
     from transformers import AutoTokenizer
 
-    from eagle3nb.hidden.stage import run as extract
-    from eagle3nb.params import from_dict
     from eagle3nb.toy import dialogues
 
     synth = root / "01"
@@ -41,6 +39,15 @@ def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_siz
                      "loss_mask": [0] * prompt_len + [1] * (len(ids) - prompt_len), "category": None,
                      "thinking": d["thinking"]})
     (synth / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return synth
+
+
+def make_hidden_states(root: Path, model_dir: Path, n: int = 48, draft_vocab_size: int = 160, seed: int = 0) -> Path:
+    """``root/02`` (stage 02's output over ``n`` toy dialogues rendered with the toy's chat template)."""
+    from eagle3nb.hidden.stage import run as extract
+    from eagle3nb.params import from_dict
+
+    synth = make_records(root, model_dir, n, seed)
     P = from_dict("02_hidden_states", {"synth_dir": str(synth), "model_path": str(model_dir),
                                        "output_dir": str(root / "02"), "draft_vocab_size": draft_vocab_size,
                                        "storage": "fp32", "run_name": "test"})
