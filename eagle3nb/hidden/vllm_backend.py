@@ -149,7 +149,9 @@ class VllmClient:
                 continue
             finally:
                 await ep.client.close()
-            name = model or (names[0] if names else listed[0] if listed else None)
+            if not listed:
+                raise VllmBackendError(f"{base_url(ep.url)} serves no model")
+            name = model or (names[0] if names else listed[0])
             if name not in listed:
                 raise VllmBackendError(f"{base_url(ep.url)} serves {listed}, not {name!r}: every server in vllm_url "
                                        "must serve the target (fix vllm_model or the list)")
