@@ -294,3 +294,31 @@ def test_04_online_rows_read_the_real_metrics(spec_servers, drafts, toy_smoke, t
     stored = json.loads((tmp_path / "04" / "online-vllm-eagle3.json").read_text())
     assert stored["config"]["url"] == spec_servers["eagle3"].base_url
     assert stored["result"]["rows"][0]["acceptance_length"] == by[("vllm-eagle3", 1)]["acceptance_length"]
+
+
+def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_path):
+    """04's server sweep at one k against the real vLLM (each k is a restart; the embedded server sweeps k in
+    tests/test_accept_sweep.py): the declared k checked against vLLM's per-position counters, the rows' k, the
+    acceptance bounded by it and tied to the rate by vLLM's definitions, the speedup over the baseline's row."""
+    from eagle3nb.accept.online import bench_endpoint, run_online
+    from eagle3nb.errors import InputError
+    from eagle3nb.params import from_dict, run_params
+
+    from worlds import write_run
+
+    with pytest.raises(InputError, match=f"declares k={K - 1} but its /metrics counts {K} draft positions"):
+        bench_endpoint("wrong-k", spec_servers["eagle3"].base_url, held_out(1), [1], max_tokens=8, warmup=1, k=K - 1)
+    stages = {"04_acceptance": {**trained["stages"]["04_acceptance"], "output_dir": tmp_path / "04",
+                                "endpoints": [{"label": "vllm", "url": spec_servers["plain"].base_url},
+                                              {"label": "vllm-eagle3", "url": spec_servers["eagle3"].base_url,
+                                               "k": K}],
+                                "concurrency_levels": [1, 2], "num_prompts": 4, "max_tokens": 24}}
+    rows = run_online(from_dict("04_acceptance", run_params(write_run(tmp_path / "run", stages), "04_acceptance")))
+    by = {(r["endpoint"], r["k"], r["concurrency"]): r for r in rows}
+    assert set(by) == {("vllm", None, 1), ("vllm", None, 2), ("vllm-eagle3", K, 1), ("vllm-eagle3", K, 2)}
+    for c in (1, 2):
+        base, spec = by[("vllm", None, c)], by[("vllm-eagle3", K, c)]
+        assert base["errors"] == spec["errors"] == 0 and spec["metrics_engine"] == "vllm"
+        assert 1.0 <= spec["acceptance_length"] <= K + 1, spec
+        assert spec["acceptance_length"] == pytest.approx(1 + K * spec["acceptance_rate"]), spec
+        assert spec["speedup"] == pytest.approx(spec["output_tokens_per_s"] / base["output_tokens_per_s"])
