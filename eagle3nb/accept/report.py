@@ -97,7 +97,9 @@ def online_table(rows: list[dict[str, Any]]):
 
     cols = ["endpoint", "k", "concurrency", "output_tokens_per_s", "speedup", "acceptance_rate", "acceptance_length",
             "latency_p50_s", "latency_p90_s", "latency_p99_s", "requests", "errors"]
-    return pd.DataFrame([{c: r.get(c) for c in cols} for r in rows])
+    df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
+    df["k"] = df["k"].astype("Int64")  # whole numbers, <NA> for the baseline (not 3.0 / NaN)
+    return df
 
 
 def acceptance_by_source(metrics: dict[str, Any]):
