@@ -405,6 +405,7 @@ def test_public_sets_by_name_and_damaged_files(tmp_path, monkeypatch):
     mt = load_prompts("mt-bench")
     assert len(mt) == 80 and len({r["category"] for r in mt}) == 8
     assert all([m["role"] for m in r["conversation"]] == ["user", "user"] for r in mt)
+    assert all(r["messages"] == r["conversation"][:1] for r in mt)  # one request answers the first turn only
     he = load_prompts("humaneval", 5)
     assert [r["id"] for r in he] == [f"HumanEval/{i}" for i in range(5)] and he[0]["messages"][0]["content"].startswith(
         "from typing import List")

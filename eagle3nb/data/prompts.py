@@ -1,8 +1,9 @@
 """Prompt sets in the formats people have: JSONL or parquet rows with OpenAI ``messages``, ShareGPT
 ``conversations`` (``from``/``value``) or ``prompt`` text, and local Hugging Face ``datasets`` folders.
 
-Every row becomes ``{"id", "messages", "conversation", "tools", "tool_choice", "category"}``: ``messages`` end at
-the last user turn (an answer a dataset already carries is dropped: the target writes its own), ``conversation`` is
+Every row becomes ``{"id", "messages", "conversation", "tools", "tool_choice", "category"}``: ``messages`` are what
+one request answers, up to the last user turn (an answer a dataset already carries is dropped: the target writes
+its own) or the first one the dataset left unanswered (MT-Bench's turns), ``conversation`` is
 the whole conversation as the dataset has it (01's ``multi_turn: every`` answers each of its turns,
 ``eagle3nb.data.turns``), ``tools`` the row's OpenAI tool definitions (or None) and ``tool_choice`` as the row sets
 it. MT-Bench's rows (``turns``: the user's turns, each answered by the target) load as they ship. Rows without an
@@ -112,12 +113,23 @@ def conversation(row: dict, where: str) -> list[dict]:
     return msgs
 
 
+def single_request(msgs: list[dict]) -> list[dict]:
+    """What one request can answer: the messages up to the last user turn, or up to the first user turn the
+    dataset left unanswered (MT-Bench's second turn needs the target's own first answer: 01's ``multi_turn:
+    every`` and 04's ``benchmarks`` ask such turns in order)."""
+    waiting = False
+    for i, m in enumerate(msgs):
+        if m["role"] == "user" and waiting:
+            return msgs[:i]
+        if m["role"] in ("user", "assistant"):
+            waiting = m["role"] == "user"
+    end = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    return msgs[: end + 1]
+
+
 def to_messages(row: dict, where: str) -> list[dict]:
-    """OpenAI-style messages of one row up to its last user turn (what the target answers once)."""
-    msgs = conversation(row, where)
-    while msgs[-1]["role"] != "user":
-        msgs.pop()
-    return msgs
+    """OpenAI-style messages of one row that one request answers (``single_request``)."""
+    return single_request(conversation(row, where))
 
 
 def _open(path: Path) -> Any:
@@ -283,9 +295,10 @@ def load_prompts(value: str, max_samples: int | None = None) -> list[dict]:
         except NoUserTurn:
             no_user += 1
             continue
-        messages = to_messages(row, where)
+        messages = single_request(full)
         given = next((row[k] for k in ID_KEYS if row.get(k) is not None), None)
-        pid = str(given) if given is not None else prompt_id(messages)
+        asked = full if any(m["role"] == "user" for m in full[len(messages):]) else messages
+        pid = str(given) if given is not None else prompt_id(asked)
         if pid in seen:
             if given is not None:
                 raise PromptsError(f"{where}: id {pid!r} already used at {seen[pid]}; ids must be unique")

@@ -370,8 +370,8 @@ def run(P: SynthParams) -> dict[str, Any]:
     stage_dir = P.stage_dir
     prompts = load_prompts(P.prompts, P.max_samples)
     if P.multi_turn == "last":
-        answers = (sum(m["role"] == "assistant" for m in p["messages"]) for p in prompts)
-        unanswered = next((p["id"] for p, n in zip(prompts, answers) if len(turn_inputs(p["messages"])) > n + 1), None)
+        unanswered = next((p["id"] for p in prompts if len(p["messages"]) < len(p["conversation"])
+                           and any(m["role"] == "user" for m in p["conversation"][len(p["messages"]):])), None)
         if unanswered is not None:
             raise SynthError(f"prompt {unanswered!r} has user turns without an answer between them (MT-Bench's shape); "
                              f"set multi_turn: every so the target answers each turn after its own earlier answers")
