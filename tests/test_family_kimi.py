@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import K, Servers, held_out, local_acceptance, synth_params
+from test_vllm import family_servers, held_out, local_acceptance, synth_params
 
 from worlds import SEED, build_trained_run, requires_vllm
 
@@ -44,23 +44,9 @@ def kimi_trained(kimi, kimi_embedded, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def kimi_vllm(kimi, request, tmp_path_factory):
-    """The real vLLM on toy:kimi: plainly (kimi_k2 parser) and extracting hidden states, both starting while the
-    trained run is made (as tests/test_family_qwen3.py does), then serving the draft."""
-    from eagle3nb.layers import default_aux_layer_ids
-
-    layers = json.loads((kimi / "config.json").read_text())["num_hidden_layers"]
-    tmp = tmp_path_factory.mktemp("kimi-vllm")
-    servers = Servers(kimi, tmp)
-    try:
-        trained = servers.start_while(
-            lambda: request.getfixturevalue("kimi_trained"), plain={"mode": "plain"},
-            extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
-                     "storage_dir": tmp / "hidden"})
-        servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
-                              "num_speculative_tokens": K})
-        yield servers
-    finally:
-        servers.stop()
+    """The real vLLM on toy:kimi (kimi_k2 parser): plain, extracting hidden states, serving the MLA draft."""
+    yield from family_servers(kimi, tmp_path_factory.mktemp("kimi-vllm"),
+                              lambda: request.getfixturevalue("kimi_trained"))
 
 
 def test_kimi_toy_is_kimis_architecture(kimi):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import K, Servers, held_out, local_acceptance, synth_params
+from test_vllm import family_servers, held_out, local_acceptance, synth_params
 
 from worlds import SEED, build_trained_run, requires_vllm
 
@@ -53,23 +53,9 @@ def qwen3_trained(qwen3, qwen3_embedded, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen3_vllm(qwen3, request, tmp_path_factory):
-    """The real vLLM on toy:qwen3: plainly (qwen3 parser) and extracting hidden states, both starting while the
-    trained run is made (it keeps one core busy, their start-up the other), then serving 03's draft."""
-    from eagle3nb.layers import default_aux_layer_ids
-
-    layers = json.loads((qwen3 / "config.json").read_text())["num_hidden_layers"]
-    tmp = tmp_path_factory.mktemp("qwen3-vllm")
-    servers = Servers(qwen3, tmp)
-    try:
-        trained = servers.start_while(
-            lambda: request.getfixturevalue("qwen3_trained"), plain={"mode": "plain"},
-            extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
-                     "storage_dir": tmp / "hidden"})
-        servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
-                              "num_speculative_tokens": K})
-        yield servers
-    finally:
-        servers.stop()
+    """The real vLLM on toy:qwen3 (qwen3 parser): plain, extracting hidden states, serving 03's draft."""
+    yield from family_servers(qwen3, tmp_path_factory.mktemp("qwen3-vllm"),
+                              lambda: request.getfixturevalue("qwen3_trained"))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -46,22 +47,36 @@ class Servers:
         if errors:
             raise RuntimeError("\n".join(errors))
 
-    def start_while(self, make, **specs: dict):
-        """Start ``specs`` while ``make()`` runs (a trained run keeps one core busy, vLLM's start-up the other);
-        returns what ``make`` returns, once both are done."""
-        with ThreadPoolExecutor(1) as pool:
-            early = pool.submit(self.start, **specs)
-            try:
-                return make()
-            finally:
-                early.result()
-
     def __getitem__(self, name: str):
         return self.handles[name]
 
     def stop(self) -> None:
         for h in self.handles.values():
             h.stop()
+
+
+def family_servers(model: Path, tmp: Path, make_trained: Callable[[], dict]) -> Iterator[Servers]:
+    """A family toy's real vLLM servers: plainly (its family's parser) and extracting hidden states, both starting
+    while ``make_trained()`` makes the trained run (it keeps one core busy, their start-up the other), then serving
+    that run's draft as ``eagle3``."""
+    from eagle3nb.layers import default_aux_layer_ids
+
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    servers = Servers(model, tmp)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            early = pool.submit(servers.start, plain={"mode": "plain"},
+                                extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
+                                         "storage_dir": tmp / "hidden"})
+            try:
+                trained = make_trained()
+            finally:
+                early.result()
+        servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
+                              "num_speculative_tokens": K})
+        yield servers
+    finally:
+        servers.stop()
 
 
 @pytest.fixture(scope="module")

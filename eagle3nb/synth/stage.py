@@ -203,14 +203,14 @@ class Session:
         P, item = self.P, job["item"]
         every = P.multi_turn == "every"
         history, calls, n = job["history"], job["calls"], len(job["inputs"])
+        in_data = n if every else len(turn_inputs(item["conversation"]))  # `last` answers the conversation's last
         for k in range(job["start"], n + 1):
             new = replay(job["inputs"][k - 1], calls)
             if new is None or self.halt.is_set():
                 return True
             req = {**item, "id": turn_id(item["id"], k) if every else item["id"], "conversation_id": item["id"],
                    "messages": [*history, *new],
-                   "turn": k if every else len(turn_inputs(item["conversation"])),
-                   "turns": n if every else len(turn_inputs(item["conversation"]))}
+                   "turn": k if every else in_data, "turns": in_data}
             t0 = time.time()
             seed = request_seed(P.seed, req["id"])
 
