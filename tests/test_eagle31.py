@@ -78,9 +78,42 @@ def test_run_config_omits_the_31_options_when_off_so_older_runs_resume():
     from eagle3nb.train.checkpoint import run_config
     from eagle3nb.train.params import TrainParams
 
-    assert "fc_norm" not in run_config(TrainParams(), 1) and "norm_output" not in run_config(TrainParams(), 1)
+    off = TrainParams(fc_norm=False, norm_output=False)
+    assert "fc_norm" not in run_config(off, 1) and "norm_output" not in run_config(off, 1)
     on = run_config(TrainParams(fc_norm=True, norm_output=True), 1)
     assert on["fc_norm"] is True and on["norm_output"] is True
+
+
+def test_a_fresh_draft_is_31_by_default_and_a_resumed_run_keeps_its_own_choice(tmp_path):
+    """03's default (null) is EAGLE-3.1 for a fresh draft, but a run whose checkpoints were made before that
+    default (no fc_norm in their settings) resumes as the EAGLE-3.0 draft it is, and one made with it as EAGLE-3.1;
+    explicit values win, and a fine-tune (init_from) is left to its checkpoint's layout."""
+    from test_published_drafts import meta_of, target_dir
+
+    from eagle3nb.train.build import fresh_config, with_recipe_defaults
+    from eagle3nb.train.checkpoint import run_config
+    from eagle3nb.train.params import TrainParams
+
+    llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 100}
+    meta = meta_of(target_dir(tmp_path / "target", llama), llama)
+    fresh = fresh_config(TrainParams(), meta, draft_vocab_size=50)
+    assert fresh.fc_norm and fresh.norm_output
+    assert not fresh_config(TrainParams(fc_norm=False, norm_output=False), meta, 50).fc_norm
+
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    resolved = with_recipe_defaults(TrainParams(), ckpt)
+    assert (resolved.fc_norm, resolved.norm_output) == (True, True)
+    assert run_config(resolved, 1)["fc_norm"] is True  # what a new run's checkpoints record
+    torch.save({"run_config": run_config(TrainParams(fc_norm=False, norm_output=False), 1)}, ckpt / "step-00000010.pt")
+    older = with_recipe_defaults(TrainParams(), ckpt)
+    assert (older.fc_norm, older.norm_output) == (False, False)
+    assert run_config(older, 1) == run_config(TrainParams(fc_norm=False, norm_output=False), 1)
+    assert with_recipe_defaults(TrainParams(resume=False), ckpt).fc_norm is True
+    assert with_recipe_defaults(TrainParams(fc_norm=True), ckpt).fc_norm is True
+    tuned = with_recipe_defaults(TrainParams(init_from=str(tmp_path)), ckpt)
+    assert tuned.fc_norm is None and tuned.norm_output is None
 
 
 def smoke_31_draft(toy, out):

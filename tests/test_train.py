@@ -102,6 +102,9 @@ def test_trained_from_scratch_beats_untrained_and_exports_for_vllm_and_sglang(tr
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert '--speculative-config \'{"method": "eagle3", "model": "' in result["serve"]["vllm"]
     assert "--speculative-draft-model-path" in result["serve"]["sglang"]
+    # 03's default fresh draft is EAGLE-3.1, and the SGLang command says what an SGLang without it would do
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and "fc_norm.0.weight" in tensors
+    assert "fc_norm, norm_output" in result["serve"]["sglang_note"]
 
 
 def test_finetune_starts_at_the_checkpoints_quality(trained, data_dir, tmp_path):

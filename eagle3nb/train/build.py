@@ -9,9 +9,11 @@ from typing import Any
 import torch
 
 from eagle3nb.draft import MLA_KEYS, DraftMismatchError, Eagle3Config, Eagle3Draft
-from eagle3nb.draft_checkpoint import check_fits, load_draft
+from eagle3nb.draft_checkpoint import EAGLE31_KEYS, check_fits, load_draft
 from eagle3nb.families import is_mla
 from eagle3nb.toy import resolve_model_path
+from eagle3nb.train.checkpoint import checkpoints
+from eagle3nb.train.params import TrainParams
 
 
 def target_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -53,9 +55,22 @@ def fresh_shape(P, tc: dict[str, Any], hidden_size: int, where: str = "the targe
             "intermediate_size": inter}
 
 
+def with_recipe_defaults(P: TrainParams, ckpt_dir: Path | None = None) -> TrainParams:
+    """EAGLE-3.1's options left null, made concrete: on in a fresh draft (03's default), the choice a resumed run's
+    checkpoints in ``ckpt_dir`` were made with (absent, so off, in every run from before the default), and for a
+    fine-tune (``init_from``) left to the checkpoint's own layout."""
+    auto = [k for k in EAGLE31_KEYS if getattr(P, k) is None]
+    if not auto or P.init_path is not None:
+        return P
+    last = checkpoints(ckpt_dir)[-1:] if ckpt_dir is not None and P.resume else []
+    before = torch.load(last[0], map_location="cpu", weights_only=False, mmap=True)["run_config"] if last else None
+    return P.model_copy(update={k: True if before is None else bool(before.get(k, False)) for k in auto})
+
+
 def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
     """A draft (``num_layers`` decoder layers) shaped like one of the target's layers (:func:`fresh_shape`),
-    unless the params say otherwise."""
+    unless the params say otherwise; EAGLE-3.1 unless they turn it off."""
+    P = with_recipe_defaults(P)
     tc = target_config(meta)
     H = meta["hidden_size"]
     shape = fresh_shape(P, tc, H, where=repr(meta.get("model_path")))
@@ -71,8 +86,7 @@ def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config
         # only drafts with a low-rank query: a target without one (the toy) lends its hidden size as the rank.
         mla = {**{k: tc.get(k) for k in MLA_KEYS}, "q_lora_rank": tc.get("q_lora_rank") or H}
     return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla,
-                                        fc_norm=bool(getattr(P, "fc_norm", False)),
-                                        norm_output=bool(getattr(P, "norm_output", False)),
+                                        fc_norm=bool(P.fc_norm), norm_output=bool(P.norm_output),
                                         num_layers=int(getattr(P, "num_layers", 1)))
 
 
@@ -95,10 +109,11 @@ def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
                layer_ids=meta["layer_ids"], num_layers=meta.get("num_layers"),
                draft=f"checkpoint {init}", data=f"hidden states {P.data_path}")
     model.config.aux_layer_ids = list(meta["layer_ids"])
-    asked = [k for k in ("fc_norm", "norm_output") if getattr(P, k, False) and not getattr(model.config, k)]
+    asked = [k for k in EAGLE31_KEYS if getattr(P, k) and not getattr(model.config, k)]
     if asked:
         raise DraftMismatchError(f"{', '.join(asked)}: true shapes a fresh draft, but checkpoint {init} has none; "
-                                 "set them to false to fine-tune it, or init_from: null to train an EAGLE-3.1 draft")
+                                 "set them to null (the checkpoint's own layout) to fine-tune it, or init_from: null "
+                                 "to train an EAGLE-3.1 draft")
     layers = int(getattr(P, "num_layers", 1))
     if layers not in (1, model.config.num_layers):
         raise DraftMismatchError(f"num_layers: {layers} shapes a fresh draft, but checkpoint {init} has "

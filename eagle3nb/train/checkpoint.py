@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3nb.draft_checkpoint import EAGLE31_KEYS
 from eagle3nb.params import StageError
 from eagle3nb.train.params import CURVE_KEYS, TrainParams
 
@@ -25,11 +26,12 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
     cfg = {k: getattr(P, k) for k in CURVE_KEYS}
     if cfg["draft_attention"] == "llama":
         del cfg["draft_attention"]  # the layer every run had before the choice existed: older runs still resume
-    for key in ("fc_norm", "norm_output"):  # EAGLE-3.1's options, off in every run before they existed
+    for key in EAGLE31_KEYS:  # EAGLE-3.1's options, off in every run before they existed
         if not cfg[key]:
             del cfg[key]
     # The recipes' choices at the value every run had before they existed, so older runs still resume.
-    for key, before in (("num_layers", 1), ("loss", "forward_kl"), ("optimizer", "adamw")):
+    for key, before in (("num_layers", 1), ("loss", "forward_kl"), ("optimizer", "adamw"),
+                        ("parallel_drafting", False)):
         if cfg[key] == before:
             del cfg[key]
     if P.loss != "lk_lambda":

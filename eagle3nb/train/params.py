@@ -74,11 +74,18 @@ class TrainParams(StageParams):
         "llama", description="from scratch: the midlayer's attention: llama (the published drafters' layer, served "
                              "by vLLM and SGLang on GPUs) or mla (an MLA target's own latent attention and widths: "
                              "vLLM's deepseek_eagle3 draft, the one its CPU build serves beside an MLA target)")
-    fc_norm: bool = Field(False, description="from scratch: EAGLE-3.1's RMSNorm on each of the three aux states "
-                                             "before fc, so no layer's scale dominates the fused feature (vLLM "
-                                             "reads fc_norm from the draft's config.json)")
-    norm_output: bool = Field(False, description="from scratch: EAGLE-3.1's post-norm state, not the pre-norm one, "
-                                                 "fed back as the next draft step's feature (vLLM's norm_output key)")
+    fc_norm: bool | None = Field(None, description="EAGLE-3.1's RMSNorm on each of the three aux states before fc, "
+                                                    "so no layer's scale dominates the fused feature (vLLM reads "
+                                                    "fc_norm from the draft's config.json); null = true for a fresh "
+                                                    "draft (EAGLE-3.1 beat EAGLE-3.0 on both toys, docs/recipes.md), "
+                                                    "the run's own when resuming one started without it, the "
+                                                    "checkpoint's own when fine-tuning (init_from)")
+    norm_output: bool | None = Field(None, description="EAGLE-3.1's post-norm state, not the pre-norm one, fed back "
+                                                        "as the next draft step's feature (vLLM's norm_output key); "
+                                                        "null as fc_norm: true for a fresh draft")
+    num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
+                                                 "the first reads embedding + feature, the later ones only the "
+                                                 "residual stream; each costs one more layer per draft step")
     num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
                                                  "the first reads embedding + feature, the later ones only the "
                                                  "residual stream; each costs one more layer per draft step")

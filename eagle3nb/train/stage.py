@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-from eagle3nb.draft_checkpoint import draft_config_json, save_draft
+from eagle3nb.draft_checkpoint import EAGLE31_KEYS, draft_config_json, save_draft
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.layers import to_sglang
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, one_writer, write_json_atomic
 from eagle3nb.track import Tracker
-from eagle3nb.train.build import build_draft
+from eagle3nb.train.build import build_draft, with_recipe_defaults
 from eagle3nb.train.checkpoint import checkpoints, load_checkpoint, run_config, save_checkpoint
 from eagle3nb.train.data import DeviceTargets, collate, layout
 from eagle3nb.train.optim import build_optimizer
@@ -444,6 +444,7 @@ def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> d
     ckpt_dir = P.stage_dir / "checkpoints"
     if rank == 0:
         _prepare_checkpoints(ckpt_dir, P.resume)
+    P = with_recipe_defaults(P, ckpt_dir)
 
     # 2. The data (02's hidden states, stored or computed on demand) and the draft, wrapped in the TTT objective.
     data = open_data(P, world)
@@ -535,14 +536,15 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
         paths["speculators_dir"] = str(save_draft(draft, out / "draft-speculators", format="speculators",
                                                   dtype=dtype, include_embed=P.export_embed_tokens,
                                                   verifier=verifier, num_speculative_tokens=k))
-    paths["serve"] = serve_commands(paths, k)
+    paths["serve"] = serve_commands(paths, k, eagle31=[key for key in EAGLE31_KEYS if getattr(draft.config, key)])
     for line in paths["serve"].values():
         print(line, flush=True)
     return paths
 
 
-def serve_commands(paths: dict[str, Any], k: int) -> dict[str, str]:
-    """The flags that serve the exported draft beside its target."""
+def serve_commands(paths: dict[str, Any], k: int, eagle31: list[str]) -> dict[str, str]:
+    """The flags that serve the exported draft beside its target; for an EAGLE-3.1 draft (``eagle31``: its keys
+    that are on) what an SGLang without them would do with it."""
     cmds = {}
     vllm_dir = paths.get("draft_dir") or paths.get("speculators_dir")
     spec = json.dumps({"method": "eagle3", "model": vllm_dir, "num_speculative_tokens": k})
@@ -551,4 +553,8 @@ def serve_commands(paths: dict[str, Any], k: int) -> dict[str, str]:
         cmds["sglang"] = (f"python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
                           f"--speculative-draft-model-path {paths['sglang_draft_dir']} --speculative-num-steps {k} "
                           f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+        if eagle31:
+            cmds["sglang_note"] = (f"SGLang: this is an EAGLE-3.1 draft ({', '.join(eagle31)}); an SGLang whose "
+                                   "llama_eagle3 does not read those keys loads it without them, silently, and "
+                                   "accepts less: check yours, or train with fc_norm: false, norm_output: false")
     return cmds
