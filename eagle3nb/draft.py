@@ -16,6 +16,12 @@ Read top to bottom like the paper:
    on each aux state before ``fc`` (so no layer's scale dominates the fused feature), ``norm_output`` feeds
    the post-norm state back instead of the pre-norm one.
 4. ``d2t``/``t2d`` map between draft and target vocabularies: ``target_id = draft_id + d2t[draft_id]``.
+5. Parallel drafting (P-EAGLE, arXiv 2602.01469; vLLM's ``parallel_drafting``): a draft whose config has a
+   ``mask_token_id`` proposes all k tokens in one forward. After the step-0 position (the last verified token's
+   embedding, the target's fused feature) come k-1 mask positions at the next rotary positions, each reading
+   the mask token's embedding and ``mask_feature()`` (the learned ``mask_hidden``, a stand-in for the three aux
+   states, fused by ``fc`` as vLLM's ``combine_hidden_states`` does), attending causally to everything before
+   it; their outputs are drafts 2..k.
 
 The embedding is the target's and stays frozen. The ``# shape:`` comments use B batch, T positions, H the
 draft's hidden size, H_t the target's, nh / nkv query / key-value heads of size d, I the MLP width, V the
@@ -65,6 +71,9 @@ class Eagle3Config:
     fc_norm: bool = False
     norm_output: bool = False
     num_layers: int = 1  # decoder layers (vLLM's num_hidden_layers): the midlayer, then num_layers - 1 ``deeper``
+    # Parallel drafting (P-EAGLE): the target-vocab id the mask positions read (vLLM's ``mask_token_id`` config
+    # key), with a learned ``mask_hidden``; None: a sequential EAGLE-3 draft.
+    mask_token_id: int | None = None
 
     def __post_init__(self):
         if self.target_hidden_size is None:
@@ -77,6 +86,9 @@ class Eagle3Config:
             self.head_dim = self.mla["qk_rope_head_dim"]  # the rotary width
         if self.num_layers < 1:
             raise InputError(f"num_layers is {self.num_layers}; a draft has at least one decoder layer")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise InputError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary "
+                             f"0..{self.vocab_size - 1}: use one of its token ids")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InputError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -458,6 +470,8 @@ class Eagle3Draft(nn.Module):
             self.deeper = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers - 1))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        if cfg.mask_token_id is not None:  # P-EAGLE: the mask positions' stand-in aux states (vLLM's ``mask_hidden``)
+            self.mask_hidden = nn.Parameter(0.02 * torch.randn(1, 3 * cfg.target_hidden_size))  # shape: [1, 3*H_t]
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         # Rotary tables from the config (any rope_scaling transformers knows); not part of the checkpoint.
@@ -475,6 +489,21 @@ class Eagle3Draft(nn.Module):
             chunks = aux.chunk(3, dim=-1)  # shape: 3 x [B, T, H_t]
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)  # shape: [B, T, 3*H_t]
         return self.fc(aux)  # shape: [B, T, 3*H_t] -> [B, T, H]
+
+    def mask_feature(self) -> torch.Tensor:
+        """The feature every parallel-drafting mask position reads [1, 1, H]: ``mask_hidden`` through ``fuse``
+        (fc_norm and fc), as vLLM computes it once at load."""
+        return self.fuse(self.mask_hidden[None])  # shape: [1, 1, 3*H_t] -> [1, 1, H]
+
+    def unroll_inputs(self, step: int, input_ids: torch.Tensor, hidden: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a training-time-test unroll (``TTTCache``) feeds at ``step``: the shifted tokens [B, T] and the fed-back
+        feature [B, T, H] given; for a parallel-drafting draft after step 0, the mask token and ``mask_feature()``
+        at every position instead, as vLLM's mask slots read them."""
+        if step == 0 or self.config.mask_token_id is None:
+            return input_ids, hidden
+        B, T = input_ids.shape
+        return torch.full_like(input_ids, self.config.mask_token_id), self.mask_feature().expand(B, T, -1)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: DraftCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None,

@@ -6,7 +6,9 @@ AQ-MedAI drafters and SpecForge exports use it) and the speculators layout (``la
 ``speculators_model_type: eagle3``). A draft of ``num_layers`` > 1 writes every layer as ``layers.{i}.*`` in both
 layouts, the names vLLM's eagle3 models give their ``num_hidden_layers`` layers (a one-layer EAGLE-3 export keeps
 ``midlayer.*``, byte for byte as before). :func:`check_fits` compares a draft's shape with the target's data and
-names both sides of every mismatch.
+names both sides of every mismatch. A parallel-drafting (P-EAGLE) draft adds what vLLM 0.32's llama_eagle3 /
+deepseek_eagle3 load under ``parallel_drafting``: the config key ``mask_token_id`` and the tensor ``mask_hidden``
+[1, 3 x target_hidden_size] (EAGLE-3 layout only: vLLM's speculators ``peagle`` parser drops EAGLE-3.1's keys).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
     ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
     return Eagle3Config.from_llama_dict(d, aux_layer_ids=list(ids) if ids else None, mla=mla,
-                                        num_layers=int(d.get("num_hidden_layers", 1)))
+                                        num_layers=int(d.get("num_hidden_layers", 1)),
+                                        mask_token_id=d.get("mask_token_id"))
 
 
 def _normalise_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -191,6 +194,9 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
     dtype_name = str(dtype).removeprefix("torch.")
     ids = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
     on31 = {k: True for k in EAGLE31_KEYS if getattr(cfg, k)}
+    if format != "eagle3" and cfg.mask_token_id is not None:
+        raise DraftMismatchError(f"a parallel-drafting draft has no {format} layout here (vLLM's speculators peagle "
+                                 "parser drops fc_norm / norm_output): export it as eagle3")
     if format != "eagle3" and cfg.mla is not None:
         raise DraftMismatchError(f"an MLA draft has no {format} layout (speculators' eagle3 speculator is a Llama "
                                  "layer): export it as eagle3, vLLM's deepseek_eagle3 draft")
@@ -199,6 +205,8 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
         d = {"architectures": [arch], **cfg.llama_dict(), **cfg.extra,
              "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
              "torch_dtype": dtype_name, **on31}
+        if cfg.mask_token_id is not None:  # vLLM's parallel_drafting reads its mask slots' token id from here
+            d["mask_token_id"] = cfg.mask_token_id
         if ids is not None:
             d["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM reads the top-level key
             d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}

@@ -7,6 +7,8 @@ proposals in one forward pass (its KV cache); the longest agreeing prefix is kep
 target. Greedy: agree = equal to the target's argmax, so the output is exactly the target's greedy output.
 Sampling: standard rejection sampling (accept d with min(1, p(d)/q(d)), else draw from the residual
 max(0, p - q)), so the output distribution is exactly the target's. Rejected drafts leave both caches.
+A parallel-drafting (P-EAGLE) draft proposes its k tokens in the same forward that feeds it the verified tokens,
+as vLLM's ``parallel_drafting`` runs it: k-1 mask slots follow each row's last pending entry.
 """
 
 from __future__ import annotations
@@ -487,18 +489,26 @@ class SpecBatch:
     def _propose(self) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """k draft tokens per row [B, k] (target ids) and, for sampled rows, the distributions [k, V] they were
         drawn from. Step 0 feeds each row's pending target states; later steps feed the draft's own hidden
-        state one position further, and their K/V are dropped after (only verified positions stay cached)."""
+        state one position further, and their K/V are dropped after (only verified positions stay cached). A
+        parallel-drafting draft has its k-1 mask slots in step 0's forward instead: every draft from one pass."""
         dec, draft, kv = self.dec, self.dec.draft, self.draft
         width = int(self.pend_n.max())
-        pos = kv.extend(width)
-        h, logits = draft(draft.fuse(self.pend_aux[:, :width]), self.pend_ids[:, :width], pos, cache=kv.cache,
-                          attention_mask=_draft_mask(kv.mask, width))
-        kv.reject(width - self.pend_n)
+        masks = dec.k - 1 if draft.config.mask_token_id is not None else 0
+        feats, ids = draft.fuse(self.pend_aux[:, :width]), self.pend_ids[:, :width]  # shape: [B, width, H], [B, width]
+        if masks:
+            feats, ids = self._mask_slots(feats, ids, masks)  # shape: [B, width + masks, H], [B, width + masks]
+        pos = kv.extend(width + masks)
+        h, logits = draft(feats, ids, pos, cache=kv.cache, attention_mask=_draft_mask(kv.mask, width + masks))
+        kv.reject(width + masks - self.pend_n)
         rows = torch.arange(len(self.rows), device=dec.device)
-        h, logits = h[rows, self.pend_n - 1][:, None], logits[rows, self.pend_n - 1]
+        # shape: [B, 1 + masks, Vd]: the logits of the row's last pending entry, then of its mask slots
+        every = logits[rows[:, None], self.pend_n[:, None] - 1 + torch.arange(1 + masks, device=dec.device)]
+        h, logits = h[rows, self.pend_n - 1][:, None], every[:, 0]
         toks: list[torch.Tensor] = []
         qs: list[list[torch.Tensor]] = [[] for _ in self.rows]
         for j in range(dec.k):
+            if masks:
+                logits = every[:, j]  # shape: [B, Vd]
             tok = dec.d2t_ids[logits.argmax(-1)]
             for i, s in enumerate(self.rows):
                 if not s.greedy:
@@ -506,13 +516,24 @@ class SpecBatch:
                     tok[i] = int(torch.multinomial(q.cpu(), 1, generator=s.generator))
                     qs[i].append(q)
             toks.append(tok)
-            if j + 1 < dec.k:
+            if j + 1 < dec.k and not masks:
                 pos = kv.extend(1)
                 h, logits = draft(h, tok[:, None], pos, cache=kv.cache, attention_mask=_draft_mask(kv.mask, 1))
                 logits = logits[:, -1]
-        if dec.k > 1:
+        if dec.k > 1 and not masks:
             kv.reject(torch.full_like(self.pend_n, dec.k - 1))
         return torch.stack(toks, dim=1), [torch.stack(q) if q else None for q in qs]
+
+    def _mask_slots(self, feats: torch.Tensor, ids: torch.Tensor, masks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's pending entries followed by ``masks`` mask slots (the mask token, the draft's mask feature),
+        right after its own last entry; columns past them are padding, after every query that matters."""
+        B, width, H = feats.shape
+        slot = torch.arange(width + masks, device=ids.device)[None] - self.pend_n[:, None]  # shape: [B, width+masks]
+        is_mask = (slot >= 0) & (slot < masks)  # shape: [B, width + masks]
+        feats = torch.cat([feats, feats.new_zeros(B, masks, H)], dim=1)  # shape: [B, width + masks, H]
+        feats = torch.where(is_mask[..., None], self.dec.draft.mask_feature().to(feats.dtype), feats)
+        ids = torch.cat([ids, ids.new_zeros(B, masks)], dim=1).masked_fill(is_mask, self.dec.draft.config.mask_token_id)
+        return feats, ids
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (in this order), e.g. when requests finish."""

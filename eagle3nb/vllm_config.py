@@ -6,7 +6,9 @@ Core: imports no stage, so 02 (which prints the extraction command) and the laun
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 # The vLLM release the project is tested against (README, `make vllm`, the doctor's version check).
 TESTED_VERSION = "0.32.0"
@@ -63,5 +65,11 @@ def extract_spec(layer_ids: list[int]) -> dict:
 
 
 def eagle3_spec(draft_dir: str | os.PathLike, num_speculative_tokens: int) -> dict:
-    """``--speculative-config`` that serves an EAGLE-3 draft (03's ``draft/`` folder)."""
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+    """``--speculative-config`` that serves an EAGLE-3 draft (03's ``draft/`` folder); a parallel-drafting (P-EAGLE)
+    draft, one whose config.json has a ``mask_token_id``, with ``parallel_drafting`` on (served one step at a time
+    its mask slots would never be used, and its later drafts were not trained for it)."""
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+    config = Path(draft_dir) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("mask_token_id") is not None:
+        spec["parallel_drafting"] = True
+    return spec

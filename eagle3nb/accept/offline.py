@@ -37,7 +37,7 @@ def chain_logits(draft, aux, input_ids, steps: int):
 
     aux [T, 3H], input_ids [T]. Step j at position t feeds the token t+1+j and predicts token t+2+j; yields
     ``steps`` tensors [T-1, draft_vocab] on the draft's device. Positions follow decoding: step j sits at
-    position t + j."""
+    position t + j. A parallel-drafting draft's steps j >= 1 read the mask token and feature (its mask slots)."""
     import torch
 
     dev = draft.fc.weight.device
@@ -49,7 +49,8 @@ def chain_logits(draft, aux, input_ids, steps: int):
     for j in range(steps):
         ids = torch.zeros(T - 1, dtype=torch.long, device=dev)
         ids[: max(0, T - 1 - j)] = input_ids[1 + j:]
-        hidden, logits = draft(hidden, ids[None], pos + j, cache=cache)
+        inputs, hidden = draft.unroll_inputs(j, ids[None], hidden)  # shape: [1, T-1], [1, T-1, H]
+        hidden, logits = draft(hidden, inputs, pos + j, cache=cache)
         yield logits[0].float()
 
 

@@ -67,6 +67,14 @@ def with_recipe_defaults(P: TrainParams, ckpt_dir: Path | None = None) -> TrainP
     return P.model_copy(update={k: True if before is None else bool(before.get(k, False)) for k in auto})
 
 
+def mask_token_id(tc: dict[str, Any], vocab_size: int) -> int:
+    """The token a parallel-drafting draft's mask positions read: the target's pad token (a row no text contains),
+    else its last id (a reserved or padding row in the big vocabularies). The embedding is frozen and the learned
+    ``mask_hidden`` carries the "mask" signal, so any fixed row works; these are rows ordinary text never uses."""
+    pad = tc.get("pad_token_id")
+    return pad if isinstance(pad, int) and 0 <= pad < vocab_size else vocab_size - 1
+
+
 def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
     """A draft (``num_layers`` decoder layers) shaped like one of the target's layers (:func:`fresh_shape`),
     unless the params say otherwise; EAGLE-3.1 unless they turn it off."""
@@ -87,7 +95,9 @@ def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config
         mla = {**{k: tc.get(k) for k in MLA_KEYS}, "q_lora_rank": tc.get("q_lora_rank") or H}
     return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla,
                                         fc_norm=bool(P.fc_norm), norm_output=bool(P.norm_output),
-                                        num_layers=int(getattr(P, "num_layers", 1)))
+                                        num_layers=int(getattr(P, "num_layers", 1)),
+                                        mask_token_id=mask_token_id(tc, meta["vocab_size"])
+                                        if getattr(P, "parallel_drafting", False) else None)
 
 
 def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
@@ -119,6 +129,10 @@ def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
         raise DraftMismatchError(f"num_layers: {layers} shapes a fresh draft, but checkpoint {init} has "
                                  f"{model.config.num_layers}; set num_layers: 1 (the checkpoint's own depth) to "
                                  "fine-tune it, or init_from: null to train a deeper draft")
+    if getattr(P, "parallel_drafting", False) and model.config.mask_token_id is None:
+        raise DraftMismatchError(f"parallel_drafting: true shapes a fresh draft, but checkpoint {init} has no "
+                                 "mask_token_id / mask_hidden; set it to false to fine-tune it (a parallel-drafting "
+                                 "checkpoint stays one either way), or init_from: null to train a P-EAGLE draft")
     notes: dict[str, Any] = {"init": str(init)}
     if not (torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)):
         ours = set(model.draft_to_target(torch.arange(model.config.draft_vocab_size)).tolist())

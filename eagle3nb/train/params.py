@@ -16,7 +16,8 @@ STAGE = "03_train"
 CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_decay", "warmup_ratio", "epochs",
               "max_steps", "max_length", "batch_tokens", "grad_clip", "seed", "holdout_fraction",
               "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "remap_vocab",
-              "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers", "loss", "lk_eta", "optimizer")
+              "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers", "loss", "lk_eta", "optimizer",
+              "parallel_drafting")
 
 
 @register(STAGE)
@@ -89,6 +90,12 @@ class TrainParams(StageParams):
     num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
                                                  "the first reads embedding + feature, the later ones only the "
                                                  "residual stream; each costs one more layer per draft step")
+    parallel_drafting: bool = Field(False, description="from scratch: a P-EAGLE draft (arXiv 2602.01469) that proposes "
+                                                       "all k tokens in one forward: k-1 mask positions (the target's "
+                                                       "pad token, else its last id, and a learned mask_hidden) after "
+                                                       "the last token, trained in the TTT unroll as vLLM's "
+                                                       "parallel_drafting feeds them; needs ttt_steps >= "
+                                                       "num_speculative_tokens and export_format eagle3")
     loss: Literal["forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda"] = Field(
         "forward_kl", description="the TTT loss per position against the target's distribution p (the draft's: q): "
                                   "forward_kl (EAGLE-3's soft cross-entropy, KL(p||q) + H(p)), reverse_kl "
@@ -123,6 +130,13 @@ class TrainParams(StageParams):
         if self.batch_tokens < self.max_length:
             raise ValueError(f"batch_tokens ({self.batch_tokens}) must be at least max_length ({self.max_length}) "
                              "so the longest sample fits in a micro-batch")
+        if self.parallel_drafting and self.ttt_steps < max(2, self.num_speculative_tokens):
+            raise ValueError(f"parallel_drafting trains one mask position per TTT step after the first: ttt_steps "
+                             f"({self.ttt_steps}) must be at least num_speculative_tokens "
+                             f"({self.num_speculative_tokens}) and 2")
+        if self.parallel_drafting and self.export_format != "eagle3":
+            raise ValueError(f"parallel_drafting exports vLLM's eagle3 layout (mask_token_id + mask_hidden) only: set "
+                             f"export_format: eagle3, not {self.export_format}")
         return self
 
     @property

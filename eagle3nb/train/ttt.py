@@ -8,6 +8,11 @@ rotary position t+i, exactly as when decoding with a KV cache. Loss: soft cross-
 target's distribution restricted to the draft vocabulary, counted where the predicted token is in the loss
 mask and the target's argmax is in the draft vocabulary, weighted step_decay**i.
 
+A parallel-drafting draft (P-EAGLE: ``mask_token_id`` in its config) unrolls the same way with the inputs vLLM
+feeds its k-1 mask slots: step i >= 1 reads the mask token and ``mask_feature()`` instead of token t+1+i and
+step i-1's output, at rotary position t+i, attending to the causal step-0 keys 0..t plus the mask keys of steps
+1..i at t (``TTTCache``'s diagonal): exactly vLLM's one forward over [the verified tokens, mask, ..., mask].
+
 ``TTTObjective`` is that unroll, step by step. The vocabulary side ([B, T, Vd] per step) is most of the
 non-matmul work, so it runs as one fused function after it (``SoftCrossEntropy``): a single max (which also
 gives the argmax the accuracy needs), exp and sum, and a backward that turns the saved exponentials into the
@@ -109,11 +114,12 @@ class TTTObjective(nn.Module):
         #    rotary position is t+i, and the step's loss weighs decay**i (0.8**i by default).
         for i in range(self.steps):
             s, keep = ahead(i, T), with_target(i, T)
+            inputs, hidden = d.unroll_inputs(i, ids[:, s], hidden)  # shape: [B, T], [B, T, H] (P-EAGLE: the mask's)
             tgt_argmax, scored, counted = argmax[:, s], scored_at[:, s], counted_at[:, s]  # shape: [B, T] each
             n = counted.sum()  # shape: [] (positions the loss counts at this step)
             weight = counted[:, :keep] * (self.decay ** i / n.clamp(min=1))  # shape: [B, keep]
             # a. the draft step: token t+1+i in, its feature out (fed back at step i+1)
-            hidden, logits = d(hidden, ids[:, s], pos + i, cache)  # shape: [B, T, H], [B, T, Vd]
+            hidden, logits = d(hidden, inputs, pos + i, cache)  # shape: [B, T, H], [B, T, Vd]
             # b. the loss against the target's distribution at t+1+i (over token t+2+i): soft cross-entropy fused,
             #    another ``loss`` through autograd
             if self.loss == "forward_kl":
