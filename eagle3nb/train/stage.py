@@ -29,6 +29,7 @@ from eagle3nb.train.params import TrainParams
 from eagle3nb.train.report import read_metrics, save_figures
 from eagle3nb.train.sources import CACHE_DIR, open_data, source_costs
 from eagle3nb.train.ttt import TTTObjective
+from eagle3nb.vllm_config import eagle3_spec
 
 
 class TrainingDiverged(StageError):
@@ -547,7 +548,7 @@ def serve_commands(paths: dict[str, Any], k: int, eagle31: list[str]) -> dict[st
     that are on) what an SGLang without them would do with it."""
     cmds = {}
     vllm_dir = paths.get("draft_dir") or paths.get("speculators_dir")
-    spec = json.dumps({"method": "eagle3", "model": vllm_dir, "num_speculative_tokens": k})
+    spec = json.dumps(eagle3_spec(vllm_dir, k))  # a parallel-drafting draft's with parallel_drafting on
     cmds["vllm"] = f"vllm serve <target> --speculative-config '{spec}'"
     if paths.get("sglang_draft_dir"):
         cmds["sglang"] = (f"python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
