@@ -87,9 +87,6 @@ class TrainParams(StageParams):
     num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
                                                  "the first reads embedding + feature, the later ones only the "
                                                  "residual stream; each costs one more layer per draft step")
-    num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
-                                                 "the first reads embedding + feature, the later ones only the "
-                                                 "residual stream; each costs one more layer per draft step")
     parallel_drafting: bool = Field(False, description="from scratch: a P-EAGLE draft (arXiv 2602.01469) that proposes "
                                                        "all k tokens in one forward: k-1 mask positions (the target's "
                                                        "pad token, else its last id, and a learned mask_hidden) after "
