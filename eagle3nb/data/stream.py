@@ -80,13 +80,17 @@ class Template:
                               "so the assistant's tokens cannot be located; the server must return token ids "
                               "(vLLM/SGLang `return_token_ids`)")
         text = full[len(prompt):]
-        if reasoning and reasoning not in text:
+        if reasoning and reasoning.strip() not in text:  # a template may strip it (GLM-4.5's, Qwen3's)
             raise StreamError("the chat template drops the assistant turn's reasoning_content, so re-rendering "
                               "would lose the reasoning (the story's bug); use a server that returns token ids "
                               "(vLLM `return_token_ids`) or a template that keeps reasoning_content")
         cut = text.rfind(self.end_text)
         if cut >= 0:
             text = text[: cut + (0 if truncated else len(self.end_text))]
+        elif not truncated:
+            # GLM-4.5: a turn ends at the next role token (<|user|>), which a conversation that ends on the
+            # assistant never renders; the model sampled it all the same (build() keeps it in the server's ids)
+            text += self.end_text
         return text
 
 

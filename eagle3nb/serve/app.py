@@ -6,10 +6,10 @@ Choices made to match vLLM (checked against its source):
   stopped on it and the token that completed a stop string; the text drops EOS and cuts the stop string.
   Chat puts ``prompt_token_ids`` at the top level, text completions inside each choice.
 - Reasoning parser (vLLM's for the model's family, e.g. ``kimi_k2``; ``eagle3nb.families``): with thinking on
-  (the default) the text is split at the family's end marker (``</think>``; a leading start marker dropped; no
-  end marker yet means it is all reasoning); with the family's switch off in ``chat_template_kwargs`` (Kimi
-  ``thinking: false``) everything is content. Without a parser, or for a family whose reasoning is not marked
-  by think tags, the text stays in ``content``.
+  (the default) the text is split at the family's end marker (``</think>``; the start marker dropped, text
+  before it reasoning too; no end marker yet means it is all reasoning); with the family's switch off in
+  ``chat_template_kwargs`` (Kimi ``thinking: false``) everything is content. Without a parser, or for a family
+  whose reasoning is not marked by think tags, the text stays in ``content``.
 - Unknown model -> 404 ``NotFoundError``; malformed body, n > 1, too-long prompt -> 400
   ``BadRequestError``; missing/wrong key -> 401; body ``{"error": {message, type, param, code}}``.
 
@@ -160,8 +160,10 @@ class Server:
         if not (self.reasoning_parser and thinking and self.tags):
             return None, text
         start, end = self.tags
-        head, sep, rest = text.partition(start)
-        text = rest if sep else head
+        # vLLM's parsers start in the reasoning and drop a start marker there: text before it (GLM-4.5's "\n") is
+        # reasoning too
+        head, _, rest = text.partition(start)
+        text = head + rest
         if end not in text:
             return text, None
         reasoning, _, content = text.partition(end)
