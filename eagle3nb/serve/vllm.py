@@ -50,13 +50,16 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
               layer_ids: list[int] | None = None, storage_dir: str | os.PathLike | None = None,
               draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
               max_model_len: int = 1024, cpu: bool = True, family: str = AUTO,
-              cpu_flags: set[str] | None = None, tools: bool = False) -> list[str]:
+              cpu_flags: set[str] | None = None, tools: bool = False,
+              speculative: dict | None = None) -> list[str]:
     """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with its family's
     reasoning parser, e.g. ``kimi_k2``), ``no_parser`` (the story's mistake), ``extract`` (02's
     ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
     ``eagle3`` (the target serving the draft in ``draft_dir``). ``family``: the target's (auto: detected from
     ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None: this machine's); ``tools``: also
-    parse tool calls with the family's tool-call parser (conversations with tools, 01's ``multi_turn``)."""
+    parse tool calls with the family's tool-call parser (conversations with tools, 01's ``multi_turn``);
+    ``speculative``: more keys of ``eagle3``'s ``--speculative-config`` (vLLM's own names, e.g.
+    ``{"draft_sample_method": "probabilistic"}`` for sampled drafting)."""
     if mode not in MODES:
         raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
     fam = detect(model_dir, family)
@@ -86,7 +89,8 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
             raise InputError(f"vLLM's CPU build serves an MLA target ({model_dir}) only beside an MLA draft (its MLA "
                              f"kernel takes KV blocks of 16, its Llama attention multiples of 32), but {draft_dir} "
                              f"is {'/'.join(draft_archs) or 'not an MLA draft'}: train it with draft_attention: mla")
-        args += ["--speculative-config", json.dumps(eagle3_spec(draft_dir, num_speculative_tokens))]
+        args += ["--speculative-config",
+                 json.dumps({**eagle3_spec(draft_dir, num_speculative_tokens), **(speculative or {})})]
     return args
 
 
