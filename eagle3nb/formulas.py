@@ -32,10 +32,17 @@ def tau_from_conditional(alphas: Sequence[float]) -> float:
     return tau
 
 
-def speedup(tau: float, k: int, cost_ratio: float, overhead: float = 0.0) -> float:
-    """Predicted speedup over plain decoding: tau / (1 + k*c + overhead), with c = draft-step cost /
-    target-step cost and overhead the verify/bookkeeping cost as a fraction of a target decode step."""
-    return tau / (1.0 + k * cost_ratio + overhead)
+def draft_passes(k: int, parallel: bool) -> int:
+    """Draft forwards per verify round: k for a sequential draft, one for a parallel-drafting (P-EAGLE) draft,
+    which proposes all k tokens in one forward."""
+    return 1 if parallel else k
+
+
+def speedup(tau: float, k: int, cost_ratio: float, overhead: float = 0.0, parallel: bool = False) -> float:
+    """Predicted speedup over plain decoding: tau / (1 + n*c + overhead), with n the draft forwards per round
+    (:func:`draft_passes`), c = draft-step cost / target-step cost and overhead the verify/bookkeeping cost as a
+    fraction of a target decode step."""
+    return tau / (1.0 + draft_passes(k, parallel) * cost_ratio + overhead)
 
 
 def acceptance_rate_from_counts(accepted: float, draft_tokens: float) -> float:

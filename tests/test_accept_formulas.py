@@ -51,6 +51,19 @@ def test_simulated_rounds_jump_by_accepted_plus_one():
     assert simulate_rounds(greedy, valid, mask, k=2) == [2, 1, 0, 0]
 
 
+def test_a_parallel_draft_pays_one_draft_forward_per_round():
+    """P-EAGLE drafts all k tokens in one forward: the prediction charges one draft step, not k, so at the same
+    tau it predicts more than the sequential draft by exactly that cost, at every k."""
+    tau, k, c, o = 2.5, 4, 0.1, 0.2
+    seq, par = predict(tau, k, c, o), predict(tau, k, c, o, parallel=True)
+    assert seq["speedup"] == pytest.approx(tau / (1 + k * c + o))
+    assert par["speedup"] == pytest.approx(tau / (1 + c + o)) and par["parallel"] and not seq["parallel"]
+    assert "1 draft forward (parallel drafting)" in par["formula"] and "k = 4 draft forwards" in seq["formula"]
+    alphas = [0.8, 0.6, 0.5, 0.4]
+    for kk, (s, p) in enumerate(zip(speedup_by_k(alphas, c, o), speedup_by_k(alphas, c, o, parallel=True)), 1):
+        assert p / s == pytest.approx((1 + kk * c + o) / (1 + c + o))
+
+
 def test_the_story_15_percent_drafter_predicts_a_slowdown():
     a, k = 0.15, 3
     tau = tau_iid(a, k)

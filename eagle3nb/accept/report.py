@@ -186,7 +186,8 @@ def plot_tau(offline: dict[str, Any], prediction: dict[str, Any] | None = None):
     handles, labels = ax.get_legend_handles_labels()
     if prediction:
         ax2 = ax.twinx()
-        ax2.plot(ks, speedup_by_k(offline["alpha_by_position"], prediction["cost_ratio"], prediction["overhead"]),
+        ax2.plot(ks, speedup_by_k(offline["alpha_by_position"], prediction["cost_ratio"], prediction["overhead"],
+                                  prediction.get("parallel", False)),
                  "^--", color="C3", label="predicted speedup (right axis)")
         ax2.axhline(1.0, color="C3", lw=0.6, ls=":")
         ax2.set_ylabel("predicted speedup", color="C3")

@@ -38,7 +38,7 @@ def run(P: AcceptParams) -> dict[str, Any]:
     offline = run_offline(P, draft, tokenizer)
     local = run_local(P, target, draft, tokenizer) if P.local_prompts else None
     benchmarks = run_benchmarks(P, target, draft)
-    pred = prediction(P, offline, local)
+    pred = prediction(P, offline, local, parallel=draft.config.mask_token_id is not None)
     del target, draft  # the benchmark's servers load their own
     context = context_check(P)
     online = run_online(P)
