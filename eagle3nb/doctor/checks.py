@@ -681,7 +681,7 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.think_ids)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])
-    gain = speedup(tau, SANITY_K, TYPICAL_COST_RATIO, TYPICAL_OVERHEAD)
+    gain = speedup(tau, SANITY_K, TYPICAL_COST_RATIO, TYPICAL_OVERHEAD, parallel=model.config.mask_token_id is not None)
     details = {"per_position": res["per_position"], "acceptance_length": tau, "chance": chance,
                "predicted_speedup": gain, "samples": len(data), "draft": str(drafts[0])}
     measured = (f"{len(data)} held-out samples, greedy k={SANITY_K}: first-token acceptance {a0:.1%} "
