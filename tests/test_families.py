@@ -139,11 +139,12 @@ def test_doctor_refuses_glm_on_vllm_naming_sglang(tmp_path):
     r = check_family(Context({"02_hidden_states": P}, {}, serving_engine="vllm"))
     assert r.status == FAIL and "vLLM cannot serve an EAGLE-3 draft for the glm45 family" in r.measured, r
     assert "SGLang" in r.fix and "--serving-engine sglang" in r.fix
+    assert "vLLM does not serve its EAGLE-3 drafts" in r.measured and "vLLM serves" not in r.measured, r
     assert check_family(Context({"02_hidden_states": P}, {}, serving_engine="sglang")).status == PASS
     qwen = model_folder(tmp_path / "qwen", *TEMPLATES["qwen3"])
     P = from_dict("02_hidden_states", {"model_path": str(qwen)}, check_paths=False)
     r = check_family(Context({"02_hidden_states": P}, {}, serving_engine="vllm"))
-    assert r.status == PASS and "family qwen3" in r.measured, r
+    assert r.status == PASS and "family qwen3" in r.measured and "vLLM serves its EAGLE-3 drafts" in r.measured, r
 
 
 QWEN_STYLE = ("{%- for m in messages -%}<|im_start|>{{ m['role'] }}\n"

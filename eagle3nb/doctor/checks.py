@@ -83,7 +83,7 @@ def check_family(ctx: Context) -> CheckResult:
     tags = f"{fam.think_start}...{fam.think_end}" if fam.think_tags else fam.reasoning
     said = (f"{ctx.model_dir.name}: family {fam.name} (reasoning {tags}, switch "
             f"{fam.switch.kwarg if fam.switch else 'none'}, end of turn {fam.end_of_turn or 'eos'}); "
-            f"{ENGINES[engine]} serves its EAGLE-3 drafts")
+            f"{ENGINES[engine]} {'serves' if fam.serves_eagle3(engine) else 'does not serve'} its EAGLE-3 drafts")
     if fam.serves_eagle3(engine):
         return _result("family", [], said, details)
     can = [e for e in ENGINES if fam.serves_eagle3(e)]
