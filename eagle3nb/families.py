@@ -64,6 +64,12 @@ class Family:
         """(start, end) around the reasoning when it is marked by single tokens, else None."""
         return (self.think_start, self.think_end) if self.think_start and self.think_end else None
 
+    @property
+    def text_markers(self) -> tuple[str, ...]:
+        """The special tokens a generated text must keep for its reasoning to be split from its answer: the think
+        tags, or Harmony's message markers."""
+        return kimi.HARMONY_MARKERS if self.harmony_channels else self.think_tags or ()
+
     def template_kwargs(self, thinking: bool, kwarg: str = AUTO) -> dict[str, Any]:
         """The chat_template_kwargs asking for ``thinking``: an explicit ``kwarg`` (``thinking_kwarg`` parameter)
         as ``{kwarg: thinking}``; ``auto`` the family's switch ({} when it has none, or cannot turn it off)."""
@@ -222,6 +228,18 @@ class Specials:
     end: str | None
     think_ids: tuple[int | None, int | None]
     end_id: int | None
+    # Harmony: the ids of <|start|>, <|channel|>, <|message|>, and of the reasoning channel's name; None otherwise
+    harmony: tuple[int, int, int, tuple[int, ...]] | None = None
+
+    def segments(self, input_ids: list[int], loss_mask: list[int]) -> list[int]:
+        """Per-token segment (0 prompt, 1 reasoning, 2 answer) in the family's format: between the think tags, or
+        by Harmony channel; all answer when the vocabulary lacks the markers."""
+        if self.harmony:
+            return harmony_segment_ids(input_ids, loss_mask, *self.harmony)
+        start, stop = self.think_ids
+        if start is None or stop is None:
+            return [2 if m else 0 for m in loss_mask]
+        return segment_ids(input_ids, loss_mask, start, stop)
 
 
 def specials(family: Family, tokenizer: Any) -> Specials:
@@ -230,7 +248,11 @@ def specials(family: Family, tokenizer: Any) -> Specials:
     vocab = tokenizer.get_vocab()
     start, stop = family.think_tags or (None, None)
     end = family.end_of_turn if family.end_of_turn in vocab else tokenizer.eos_token
-    return Specials(start, stop, end, (vocab.get(start), vocab.get(stop)), vocab.get(end))
+    harmony = None
+    if family.harmony_channels and all(m in vocab for m in kimi.HARMONY_MARKERS):
+        channel = tuple(tokenizer.encode(family.harmony_channels[0], add_special_tokens=False))
+        harmony = (vocab[kimi.HARMONY_START], vocab[kimi.HARMONY_CHANNEL], vocab[kimi.HARMONY_MESSAGE], channel)
+    return Specials(start, stop, end, (vocab.get(start), vocab.get(stop)), vocab.get(end), harmony)
 
 
 def of_tokenizer(tokenizer: Any) -> Family:
@@ -264,6 +286,44 @@ def segment_ids(input_ids: list[int], loss_mask: list[int], think_start: int, th
         else:
             out.append(1 if inside else 2)
     return out
+
+
+def harmony_segment_ids(input_ids: list[int], loss_mask: list[int], start: int, channel: int, message: int,
+                        reasoning: tuple[int, ...]) -> list[int]:
+    """Per-token segment of a Harmony turn: 0 prompt (loss_mask 0), 1 the messages of the reasoning channel (their
+    header and closing marker included), 2 the rest (the answer's). A message runs from one <|start|> (or the
+    turn's first token) to the next; its channel is the ids between <|channel|> and <|message|>."""
+    out = [0] * len(input_ids)
+    i, n = 0, len(input_ids)
+    while i < n:
+        if not loss_mask[i]:
+            i += 1
+            continue
+        j = i + 1  # the message: up to the next <|start|> or the end of the masked run
+        while j < n and loss_mask[j] and input_ids[j] != start:
+            j += 1
+        head = input_ids[i:j]
+        name = ()
+        if channel in head:
+            c = head.index(channel) + 1
+            name = tuple(head[c:head.index(message)] if message in head[c:] else head[c:])
+        seg = 1 if name == reasoning else 2
+        out[i:j] = [seg] * (j - i)
+        i = j
+    return out
+
+
+def harmony_split(text: str, channels: tuple[str, str]) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a Harmony turn's text (markers kept) as vLLM's openai_gptoss parser splits them:
+    the reasoning channel's messages, and the answer channel's; None where there is none (yet)."""
+    parts: dict[str, list[str]] = {channels[0]: [], channels[1]: []}
+    for msg in text.split(kimi.HARMONY_START):
+        head, sep, body = msg.partition(kimi.HARMONY_MESSAGE)
+        name = head.partition(kimi.HARMONY_CHANNEL)[2].split(" ")[0] if sep else ""
+        if name in parts:
+            parts[name].append(body.split(kimi.HARMONY_END)[0])
+    reasoning, content = ("".join(parts[c]) for c in channels)
+    return reasoning or None, content or None
 
 
 # -- serving on vLLM's CPU build ---------------------------------------------------------------------------------

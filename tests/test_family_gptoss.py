@@ -7,7 +7,8 @@ against local decoding. Each test is named ``test_gpt_oss_<path>`` after its cel
 The folder carries the toy's (Kimi-format) chat template, so ``families.detect`` reads it as kimi; vLLM refuses
 any parser but Harmony's for a gpt_oss model_type ("Harmony requires GptOssReasoningParser, got
 KimiK2ParserReasoningAdapter"), so every stage is told ``family: gpt_oss``. Chat would render Harmony, which the
-toy tokenizer lacks, so requests go to /v1/completions with token ids.
+toy tokenizer lacks, so requests go to /v1/completions with token ids; gpt-oss's own tokenizer and Harmony chat
+through vLLM are tests/test_harmony.py's, on ``toy:gptoss``.
 
 The data is the target's own greedy continuations of 8 prompts, and the draft is trained on them until it has
 learned them: a random target's next token cannot be predicted from a few hundred tokens (a fresh draft stays at

@@ -10,6 +10,8 @@ Choices made to match vLLM (checked against its source):
   before it reasoning too; no end marker yet means it is all reasoning); with the family's switch off in
   ``chat_template_kwargs`` (Kimi ``thinking: false``) everything is content. Without a parser, or for a family
   whose reasoning is not marked by think tags, the text stays in ``content``.
+- Harmony (gpt-oss, ``openai_gptoss``): the text keeps Harmony's message markers and is split by channel, the
+  analysis channel's messages the reasoning and the final channel's the content, whatever the effort.
 - Unknown model -> 404 ``NotFoundError``; malformed body, n > 1, too-long prompt -> 400
   ``BadRequestError``; missing/wrong key -> 401; body ``{"error": {message, type, param, code}}``.
 
@@ -38,7 +40,7 @@ from starlette.concurrency import run_in_threadpool
 
 from eagle3nb import __version__
 from eagle3nb.data.turns import template_messages
-from eagle3nb.families import Family, detect
+from eagle3nb.families import Family, detect, harmony_split
 from eagle3nb.serve.engine import Engine, Request, SamplingParams, Update
 from eagle3nb.serve.errors import APIError
 from eagle3nb.serve.extract import handle_completion_extract
@@ -92,8 +94,10 @@ class Server:
         vocab = self.tok.get_vocab()
         self.family = family or detect(model_dir)
         self.tags = self.family.think_tags
-        # A parser needs the think tokens; a model without them is served like vLLM without a parser.
-        self.reasoning_parser = bool(reasoning_parser and self.tags and self.tags[1] in vocab)
+        # A parser needs the family's markers (think tokens, Harmony's message markers); a model without them is
+        # served like vLLM without a parser.
+        markers = self.family.text_markers
+        self.reasoning_parser = bool(reasoning_parser and markers and all(m in vocab for m in markers))
         self.api_key = api_key
         self.hidden_states_dir = hidden_states_dir
         self.extract = handle_completion_extract if hidden_states_dir is not None else None
@@ -156,7 +160,10 @@ class Server:
         return final
 
     def split(self, text: str, thinking: bool) -> tuple[str | None, str | None]:
-        """(reasoning, content) as vLLM's reasoning parser for the family (kimi_k2, qwen3, ...) gives them."""
+        """(reasoning, content) as vLLM's reasoning parser for the family (kimi_k2, qwen3, openai_gptoss...) gives
+        them."""
+        if self.reasoning_parser and self.family.harmony_channels:  # by channel; Harmony always reasons
+            return harmony_split(text, self.family.harmony_channels)
         if not (self.reasoning_parser and thinking and self.tags):
             return None, text
         start, end = self.tags

@@ -205,9 +205,10 @@ class Engine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.decoder = decoder or BatchDecoder(model, pad_id=pad or 0)
         self.eos_ids = _eos_ids(model, tokenizer)
-        # Text keeps the family's think markers (the reasoning split needs them) but drops other special tokens.
+        # Text keeps the family's reasoning markers (think tags, Harmony's message markers: the reasoning split
+        # needs them) but drops other special tokens.
         vocab = tokenizer.get_vocab()
-        keep = {vocab[t] for t in (family or of_tokenizer(tokenizer)).think_tags or () if t in vocab}
+        keep = {vocab[t] for t in (family or of_tokenizer(tokenizer)).text_markers if t in vocab}
         self.hidden_ids = set(tokenizer.all_special_ids) - keep
         self.waiting: queue.Queue[Request] = queue.Queue()
         m = self.metrics

@@ -29,7 +29,6 @@ from eagle3nb.data.samples import HEAVY, STATUSES, SampleWriter, check_run_confi
 from eagle3nb.data.stream import StreamError, Template, build, naive_text
 from eagle3nb.data.turns import answer_message, calls_of, replay, turn_id, turn_inputs
 from eagle3nb.errors import scrub
-from eagle3nb.families import segment_ids
 from eagle3nb.launch import start_server
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress, write_json_atomic
@@ -153,7 +152,7 @@ def run_in_thread(make_coro: Callable[[], Any], on_stop: Callable[[], None]) -> 
 
 
 def token_counts(tpl: Template, input_ids: list[int], loss_mask: list[int]) -> dict[str, int]:
-    seg = segment_ids(input_ids, loss_mask, *(t if t is not None else -1 for t in tpl.think_ids))
+    seg = tpl.specials.segments(input_ids, loss_mask)
     return {"prompt": seg.count(0), "reasoning": seg.count(1), "content": seg.count(2)}
 
 

@@ -6,7 +6,9 @@ qk_rope_head_dim 64 = 576, which vLLM's MLA kernel requires; a routed MoE with K
 correction bias) at a small hidden size, with the same chat format: what the rehearsal and the demo serve.
 ``qwen3`` is Qwen3-MoE (Qwen3MoeForCausalLM) on the real Qwen3 tokenizer and chat template
 (``real_tokenizers``); it is not shipped (its 151,936-row vocabulary makes it tens of MB) but built at first
-use into the cache, and trained only over the vocabulary rows the corpus uses (see ``train``).
+use into the cache, and trained only over the vocabulary rows the corpus uses (see ``train``). ``gptoss`` is
+GptOss (sliding-window and full layers, sinks, MoE) on the real gpt-oss tokenizer in the Harmony format
+(``harmony``: our template), built the same way (docs/harmony.md).
 
 The recipe of the shipped toys (``shipped.py``: ``toy:smoke`` / ``toy:demo`` are those fixed bytes). A rebuild
 repeats bit for bit on one machine (fixed thread count, seeded torch and data) but not across CPUs: other
@@ -30,8 +32,8 @@ from eagle3nb import paths
 from eagle3nb.errors import InputError
 from eagle3nb.families import from_template
 from eagle3nb.paths import file_sha256
-from eagle3nb.tokens import IM_END, THINK_END
-from eagle3nb.toy import dialogues, real_tokenizers
+from eagle3nb.tokens import THINK_END
+from eagle3nb.toy import dialogues, harmony, real_tokenizers
 from eagle3nb.toy.shipped import manifest
 from eagle3nb.toy.tokenizer import build_tokenizer
 
@@ -66,6 +68,18 @@ SIZES: dict[str, dict] = {
                   moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                            decoder_sparse_step=1),
                   tokenizer=real_tokenizers.QWEN3.key, vocab=151936, shipped=False),
+    # gpt-oss-20b's layout at hidden 64: layers alternating sliding window (128 -> 32, below the dialogues'
+    # lengths so the window matters) and full attention, attention sinks, GQA 4/2 of head_dim 32 (vLLM's CPU
+    # attention takes 32 and up), YaRN rope, every layer a routed MoE (32 experts, 4 per token -> 4, 2), attention
+    # biases, its real vocabulary size (201,088: the tokenizer's 200,019 padded), Harmony chat (``harmony``).
+    "gptoss": dict(arch="gpt_oss", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=64, steps=600, batch=4,
+                   lr=1e-2, warmup=20, threads=1,
+                   attn=dict(head_dim=32, sliding_window=32,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                              "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                              "original_max_position_embeddings": 128}),
+                   moe=dict(num_local_experts=4, num_experts_per_tok=2),
+                   tokenizer=real_tokenizers.GPTOSS.key, vocab=201088, shipped=False),
 }
 # arch -> (config class, model class, config values beyond the shared ones).
 ARCHS: dict[str, tuple[str, str, dict]] = {
@@ -73,7 +87,10 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(rms_norm_eps=1e-6, n_group=1, topk_group=1, norm_topk_prob=True, rope_scaling=None)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(rms_norm_eps=1e-6)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(rms_norm_eps=1e-5)),
 }
+# A real tokenizer whose package ships no chat template gets ours, written from its family's public description.
+TEMPLATES = {real_tokenizers.GPTOSS.key: harmony.TEMPLATE}
 ROUTER = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
 MAX_POSITIONS = 1024
 SAMPLE_TOKENS = 128  # length cap of the sample generations printed after a build
@@ -96,20 +113,28 @@ def settings_hash(size: str, seed: int) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def template_kwargs(tokenizer, thinking: bool) -> dict:
-    """The chat-template kwargs asking for ``thinking`` in the tokenizer's family (the toy template's and Kimi's
-    ``thinking``, Qwen3's ``enable_thinking``), told from the template's markers as the stages tell them."""
+def template_family(tokenizer):
+    """The tokenizer's family, told from its chat template's markers as the stages tell them."""
     family = from_template(tokenizer.chat_template or "")
     if family is None:
         raise InputError("toy build: the tokenizer's chat template carries no known family's markers")
-    return family.template_kwargs(thinking)
+    return family
+
+
+def template_kwargs(tokenizer, thinking: bool) -> dict:
+    """The chat-template kwargs asking for ``thinking`` in the tokenizer's family (the toy template's and Kimi's
+    ``thinking``, Qwen3's ``enable_thinking``, gpt-oss's ``reasoning_effort``)."""
+    return template_family(tokenizer).template_kwargs(thinking)
 
 
 def render(tokenizer, d: dict) -> tuple[str, str]:
-    """A finished dialogue's generation prompt and full text (the loss covers what the full text adds)."""
-    kw = template_kwargs(tokenizer, d["thinking"])
+    """A finished dialogue's generation prompt and full text (the loss covers what the full text adds). A family
+    whose reasoning cannot be switched off (gpt-oss: every effort reasons) reasons in every dialogue."""
+    sw = template_family(tokenizer).switch
+    thinking = d["thinking"] or (sw is not None and sw.off is None)
+    kw = template_kwargs(tokenizer, thinking)
     prompt = tokenizer.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True, **kw)
-    reply = {"role": "assistant", "content": d["answer"], "reasoning_content": d["reasoning"] if d["thinking"] else ""}
+    reply = {"role": "assistant", "content": d["answer"], "reasoning_content": d["reasoning"] if thinking else ""}
     full = tokenizer.apply_chat_template(d["messages"] + [reply], tokenize=False, **kw)
     assert full.startswith(prompt), "toy chat template: the finished dialogue must extend its generation prompt"
     return prompt, full
@@ -142,16 +167,19 @@ def batches(tokenizer, rng: random.Random, n: int, batch: int, split: str) -> li
 def load_tokenizer(s: dict):
     """The size's tokenizer: a real family's (fetched into the cache at first use) or the toy tokenizer."""
     if "tokenizer" in s:
-        return real_tokenizers.load(real_tokenizers.TOKENIZERS[s["tokenizer"]])
+        tokenizer = real_tokenizers.load(real_tokenizers.TOKENIZERS[s["tokenizer"]])
+        tokenizer.chat_template = TEMPLATES.get(s["tokenizer"], tokenizer.chat_template)
+        return tokenizer
     return build_tokenizer(dialogues.words_for_vocab())
 
 
 def make_model(tokenizer, s: dict):
-    """A fresh model of the size's architecture: Llama, DeepseekV3 with its MLA and MoE widths, or Qwen3-MoE."""
+    """A fresh model of the size's architecture: Llama, DeepseekV3 with its MLA and MoE widths, Qwen3-MoE or
+    GptOss; it stops at its family's end-of-turn token (Kimi's and Qwen3's <|im_end|>, Harmony's <|return|>)."""
     import transformers
     from transformers import GenerationConfig
 
-    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    im_end = tokenizer.convert_tokens_to_ids(template_family(tokenizer).end_of_turn)
     vocab = s.get("vocab", len(tokenizer))
     if vocab < len(tokenizer):
         raise InputError(f"toy build: vocab {vocab} is below the tokenizer's {len(tokenizer)} tokens")
@@ -290,6 +318,8 @@ def train(out: Path, size: str, seed: int) -> dict:
     model.save_pretrained(str(out), safe_serialization=True)
     if "tokenizer" in s:  # the real files as fetched (a re-serialization would be this transformers' own dialect)
         real_tokenizers.copy_into(real_tokenizers.TOKENIZERS[s["tokenizer"]], out)
+        if s["tokenizer"] in TEMPLATES:  # where a real checkpoint keeps it (transformers and vLLM read it there)
+            (out / "chat_template.jinja").write_text(TEMPLATES[s["tokenizer"]])
     else:
         tokenizer.save_pretrained(str(out))
     samples = []
@@ -361,8 +391,11 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
     print(f"toy {size} built in {report['train_seconds']}s -> {out}")
     print(rebuild_note(out, size, seed))
     print(f"held-out loss {report['heldout_loss']:.3f}")
+    family = from_template((out / "chat_template.jinja").read_text() if (out / "chat_template.jinja").exists()
+                           else json.loads((out / "tokenizer_config.json").read_text()).get("chat_template", ""))
+    answer_start = f"<|channel|>{family.harmony_channels[1]}<|message|>" if family.harmony_channels else THINK_END
     for smp in report["samples"]:
-        right = smp["output"].split(THINK_END)[-1].lstrip("\n") == smp["expected"] + IM_END
+        right = smp["output"].split(answer_start)[-1].lstrip("\n") == smp["expected"] + family.end_of_turn
         print(f"  [{'think' if smp['thinking'] else 'no-think'}, {'right' if right else 'wrong'}] "
               f"{smp['question']!r} -> {smp['output']!r}")
     return out
