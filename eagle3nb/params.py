@@ -325,8 +325,17 @@ def parameters_cell(stage: str) -> str:
     ``name = default  # description`` line per field, so the schema is the one home of defaults and help and
     a notebook opened in JupyterLab and run as it is runs the demo."""
     cls = schema_for(stage)
-    return "\n".join(f"{name} = {_literal(f.default)}  # {f.description or ''}".rstrip()
+    return "\n".join(f"{name} = {_literal(f.default)}  # {_cell_help(f.description or '')}".rstrip()
                      for name, f in cls.model_fields.items())
+
+
+_NO_EQUALS = {">=": " ≥ ", "<=": " ≤ ", "==": " equals ", "=": ": "}
+
+
+def _cell_help(text: str) -> str:
+    """A description as a cell comment papermill can read: its parser skips a line with a second ``=`` (and then
+    warns "Passed unknown parameter" for every value run with it), so the comment says the same without one."""
+    return re.sub(r"\s*(>=|<=|==|=)\s*", lambda m: _NO_EQUALS[m.group(1)], text)
 
 
 def write_parameters_cells(root: Path | None = None) -> list[Path]:

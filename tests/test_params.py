@@ -104,6 +104,17 @@ def test_notebook_parameters_cells_are_generated_from_the_schemas(stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_papermill_reads_every_parameter_of_the_cell(stage):
+    """papermill's own parser (``papermill --help-notebook``, and the names it checks a run's values against)
+    sees every schema field: a line it cannot parse drops the name, and every run with it then warns "Passed
+    unknown parameter"."""
+    import papermill
+
+    seen = papermill.inspect_notebook(str(ROOT / NOTEBOOKS[stage]))
+    assert set(seen) == set(schema_for(stage).model_fields)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_demo_params_list_only_what_differs_from_the_defaults(stage):
     """The schema's defaults are the demo's, so params/demo/ states nothing a default already says."""
     cls = schema_for(stage)
