@@ -3,19 +3,28 @@
 
 Every recipe trains through 03 itself (``eagle3nb.train.stage.run``) on the same data (the toy's own greedy
 answers to ``toy:train`` prompts, through 02: ``testkit.heldout``), from the same seeds and for the same steps;
-only its own parameter differs from the baseline's. Each draft is judged by 04's offline acceptance on the
-samples 03 held out: acceptance length at k=3, greedy (T=0) and sampled (T=1: the expected acceptance of
-rejection sampling, sum min(p, q)), with the spread over the seeds, and 03's training tokens/s. A recipe "beats"
-the baseline only when its mean is above the baseline's by more than both half ranges (over the seeds) together.
+only its own parameter differs from the baseline's (which sets ``fc_norm: false, norm_output: false`` itself, so
+it stays EAGLE-3.0 whatever 03's defaults are). Each draft is judged three ways, at greedy (T=0) and at
+temperature 1 (sampled drafting):
+
+- offline: 04's acceptance length at k=3 on the samples 03 held out (T=1: the expected acceptance of rejection
+  sampling, sum min(p, q));
+- local: our speculative decoder (``eagle3nb.spec``, lossless: at T=0 every output is checked against the
+  target's own greedy tokens) on held-out prompts (``toy:heldout``), acceptance length from its counters;
+- vLLM (seed 0 only, one server per draft, ``draft_sample_method: probabilistic`` so T=1 drafts by sampling):
+  the real vLLM's spec-decode counters on the same prompts, and the served speedup: output tokens/s with the draft
+  over a plain vLLM server's on the same prompts at concurrency 1 and T=0, the two measured one after the other.
+
+with the spread over the seeds and 03's training tokens/s. A recipe "beats" the baseline only when its mean is
+above the baseline's by more than both half ranges (over the seeds) together.
 
 On ``toy:kimi`` (a DeepseekV3 MLA target) every draft, the baseline's too, is an MLA draft (``draft_attention:
 mla``, the one vLLM's CPU build serves beside an MLA target); a recipe 03 refuses there is listed with 03's error.
 
-    python benchmarks/bench_recipes.py               # every recipe on smoke, 3 seeds (~8 minutes on 2 shared cores)
+    python benchmarks/bench_recipes.py               # every recipe on smoke, 3 seeds, vLLM (~25 min on 2 shared cores)
+    python benchmarks/bench_recipes.py --no-vllm     # offline and local only (~17 min)
     python benchmarks/bench_recipes.py --seeds 1 --only baseline,muon
     python benchmarks/bench_recipes.py --toys kimi --only eagle3.1,num_layers=2,loss=lk_lambda --samples 32 --steps 40
-
-Not measured here (docs/recipes.md says why): local decoding and the real vLLM's counters per recipe.
 """
 
 from __future__ import annotations
@@ -31,26 +40,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3nb.accept.offline import offline_acceptance  # noqa: E402
+from eagle3nb.accept.online import bench_endpoint  # noqa: E402
+from eagle3nb.data.prompts import load_prompts  # noqa: E402
 from eagle3nb.data.reader import HiddenStates  # noqa: E402
 from eagle3nb.data.split import split_holdout  # noqa: E402
+from eagle3nb.data.stream import Template  # noqa: E402
 from eagle3nb.draft_checkpoint import load_draft  # noqa: E402
 from eagle3nb.errors import UserError  # noqa: E402
+from eagle3nb.hidden.capture import load_target  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
+from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
+from eagle3nb.spec import SpecCounters, SpecDecoder, plain_generate  # noqa: E402
 from eagle3nb.toy import shipped  # noqa: E402
 from eagle3nb.train.stage import run  # noqa: E402
 from testkit.heldout import greedy_hidden_states  # noqa: E402
 
-# One factor each, against the baseline (03's defaults: EAGLE-3, one Llama layer, forward KL, AdamW).
+# One factor each, against the EAGLE-3.0 baseline (one Llama layer, no 3.1 norms, forward KL, AdamW).
+BASELINE = {"fc_norm": False, "norm_output": False}
 RECIPES: dict[str, dict] = {
-    "baseline": {},
+    "baseline": BASELINE,
     "eagle3.1": {"fc_norm": True, "norm_output": True},
-    "num_layers=2": {"num_layers": 2},
-    "loss=reverse_kl": {"loss": "reverse_kl"},
-    "loss=tv": {"loss": "tv"},
-    "loss=jsd": {"loss": "jsd"},
-    "loss=lk_alpha": {"loss": "lk_alpha"},
-    "loss=lk_lambda": {"loss": "lk_lambda"},
-    "muon": {"optimizer": "muon"},
+    "num_layers=2": {**BASELINE, "num_layers": 2},
+    "loss=reverse_kl": {**BASELINE, "loss": "reverse_kl"},
+    "loss=tv": {**BASELINE, "loss": "tv"},
+    "loss=jsd": {**BASELINE, "loss": "jsd"},
+    "loss=lk_alpha": {**BASELINE, "loss": "lk_alpha"},
+    "loss=lk_lambda": {**BASELINE, "loss": "lk_lambda"},
+    "muon": {**BASELINE, "optimizer": "muon"},
+    "parallel_drafting": {**BASELINE, "parallel_drafting": True},  # P-EAGLE: all k drafts in one forward
 }
 # The smoke run's 03 settings (params/smoke/03_train.yaml), a held-out quarter.
 TRAIN = {"run_name": "bench", "ttt_steps": 3, "lr": 5e-3, "warmup_ratio": 0.05, "max_length": 1024,
@@ -58,7 +75,10 @@ TRAIN = {"run_name": "bench", "ttt_steps": 3, "lr": 5e-3, "warmup_ratio": 0.05, 
 # What every run on a toy sets beyond TRAIN: an MLA target's drafts are MLA drafts (params/vllm-cpu-kimi).
 TOYS: dict[str, dict] = {"smoke": {}, "kimi": {"draft_attention": "mla"}}
 K = 3
-Row = dict[str, list[float]]
+TEMPERATURES = (0.0, 1.0)
+# Offline (t0, t1), local (l0, l1) acceptance lengths and train tokens/s per seed; vLLM's (v0, v1, speedup) at
+# seed 0, or the one-line reason it did not serve the draft.
+Row = dict[str, list[float] | str]
 
 
 def spread(xs: list[float]) -> str:
@@ -81,16 +101,45 @@ def judge(out: Path, data: HiddenStates, held: list[int]) -> tuple[float, float]
     return r["greedy"]["acceptance_length"], r["sampled"]["acceptance_length"]
 
 
+class Local:
+    """Our speculative decoder on a toy's held-out prompts, with the target's own greedy tokens to check against."""
+
+    def __init__(self, model_dir: Path, n: int, max_tokens: int):
+        tpl = Template(model_dir, True)
+        self.prompts = [tpl.prompt_ids(p["messages"]) for p in load_prompts("toy:heldout", n)]
+        self.target, self.eos, self.max_tokens = load_target(model_dir, "float32"), [tpl.end_id], max_tokens
+        self.plain = [plain_generate(self.target, p, max_tokens, eos_token_ids=self.eos) for p in self.prompts]
+
+    @torch.inference_mode()
+    def decode(self, draft_dir: Path) -> tuple[float, float, int]:
+        """(acceptance length at T=0, at T=1, prompts whose T=0 output differs from the target's)."""
+        draft = load_draft(draft_dir, embed_tokens=self.target.get_input_embeddings().weight.detach())
+        dec = SpecDecoder(self.target, draft, K)
+        taus, mismatched = [], 0
+        for t in TEMPERATURES:
+            counters = SpecCounters(K)
+            for i, (p, want) in enumerate(zip(self.prompts, self.plain)):
+                res = dec.generate(p, self.max_tokens, t, self.eos, torch.Generator().manual_seed(i))
+                counters.merge(res.counters)
+                mismatched += t == 0.0 and res.tokens != want
+            taus.append(counters.summary()["acceptance_length"])
+        return taus[0], taus[1], mismatched
+
+
 def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) -> dict[str, Row | str]:
-    """Each recipe on ``toy`` for every seed: its acceptance and tokens/s lists, or 03's one-line refusal."""
+    """Each recipe on ``toy`` for every seed: offline and local acceptance and tokens/s, or 03's one-line
+    refusal; then, with vLLM, seed 0's drafts served one at a time beside a plain server."""
     t0 = time.perf_counter()
-    data_dir = greedy_hidden_states(shipped(toy), "toy:train", args.samples, 96, root / toy / "data",
+    model_dir = shipped(toy)
+    data_dir = greedy_hidden_states(model_dir, "toy:train", args.samples, 96, root / toy / "data",
                                     draft_vocab_size=128)
     data = HiddenStates(data_dir)
     _, held = split_holdout([s["id"] for s in data.meta["samples"]], TRAIN["holdout_fraction"])
+    local = Local(model_dir, args.prompts, args.max_tokens)
     print(f"{toy} data: {len(data)} samples of the toy's greedy answers ({len(held)} held out), "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
-    rows: dict[str, Row | str] = {name: {"t0": [], "t1": [], "tps": []} for name in names}
+          f"{len(local.prompts)} held-out prompts for decoding, {time.perf_counter() - t0:.0f} s", flush=True)
+    rows: dict[str, Row | str] = {name: {key: [] for key in ("t0", "t1", "l0", "l1", "lossy", "tps")}
+                                  for name in names}
     for seed in range(args.seeds):  # seeds outside, recipes inside: a machine's load drifts over all recipes
         for name in names:
             row = rows[name]
@@ -106,12 +155,51 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
                 print(f"{toy} {name}: 03 refuses it: {rows[name]}", flush=True)
                 continue
             t_greedy, t_sampled = judge(out, data, held)
-            row["t0"].append(t_greedy)
-            row["t1"].append(t_sampled)
-            row["tps"].append(metrics["tokens_per_s"])
-            print(f"{toy} {name} seed {seed}: tau T=0 {t_greedy:.3f}, T=1 {t_sampled:.3f}, "
-                  f"{metrics['tokens_per_s']:.0f} train tok/s", flush=True)
+            l_greedy, l_sampled, lossy = local.decode(out / "draft")
+            for key, value in zip(("t0", "t1", "l0", "l1", "lossy", "tps"),
+                                  (t_greedy, t_sampled, l_greedy, l_sampled, lossy, metrics["tokens_per_s"])):
+                row[key].append(value)
+            print(f"{toy} {name} seed {seed}: offline tau T=0 {t_greedy:.3f}, T=1 {t_sampled:.3f}; local "
+                  f"{l_greedy:.3f} / {l_sampled:.3f} ({lossy} not lossless); {metrics['tokens_per_s']:.0f} train tok/s",
+                  flush=True)
+    if args.vllm:
+        serve_toy(toy, rows, root, load_prompts("toy:heldout", args.prompts), args.max_tokens)
     return rows
+
+
+def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[dict], max_tokens: int) -> None:
+    """Seed 0's draft of every recipe on the real vLLM, one server at a time beside one plain server: the
+    counters' acceptance at T=0 and T=1, and the output tokens/s at T=0, c=1 over the plain server's measured just
+    before (each pair side by side in time, so the machine's load drifts between pairs, not within one)."""
+    t0 = time.perf_counter()
+    with start_vllm(f"toy:{toy}", "plain") as plain:
+        print(f"{toy} vLLM plain server up in {time.perf_counter() - t0:.0f} s", flush=True)
+        for name, row in rows.items():
+            if isinstance(row, str):
+                continue
+            draft_dir = root / toy / "runs" / name / "0" / "draft"
+            t0 = time.perf_counter()
+            try:
+                server = start_vllm(f"toy:{toy}", "eagle3", draft_dir=draft_dir, num_speculative_tokens=K,
+                                    speculative={"draft_sample_method": "probabilistic"})
+            except (RuntimeError, UserError) as e:  # a draft vLLM does not start on: its reason goes in the row
+                row["vllm"] = str(e).strip().splitlines()[-1][:160]
+                print(f"{toy} {name}: vLLM did not serve it: {row['vllm']}", flush=True)
+                continue
+            with server:
+                up = time.perf_counter() - t0
+                base = bench_endpoint("plain", plain.base_url, prompts, [1], max_tokens, 0.0, warmup=1)[0]
+                greedy = bench_endpoint(name, server.base_url, prompts, [1], max_tokens, 0.0, warmup=1, k=K)[0]
+                sampled = bench_endpoint(name, server.base_url, prompts, [4], max_tokens, 1.0, warmup=0, k=K)[0]
+            errors = base["errors"] + greedy["errors"] + sampled["errors"]
+            if errors:
+                row["vllm"] = f"{errors} request(s) failed: {(greedy.get('first_error') or sampled.get('first_error'))}"
+                continue
+            row["v0"], row["v1"] = [greedy["acceptance_length"]], [sampled["acceptance_length"]]
+            row["speedup"] = [greedy["output_tokens_per_s"] / base["output_tokens_per_s"]]
+            print(f"{toy} {name} seed 0 on vLLM (up in {up:.0f} s): tau T=0 {row['v0'][0]:.3f}, "
+                  f"T=1 {row['v1'][0]:.3f}; {greedy['output_tokens_per_s']:.1f} vs plain "
+                  f"{base['output_tokens_per_s']:.1f} tok/s = {row['speedup'][0]:.2f}x", flush=True)
 
 
 def print_table(toy: str, rows: dict[str, Row | str], args: argparse.Namespace) -> None:
@@ -120,17 +208,29 @@ def print_table(toy: str, rows: dict[str, Row | str], args: argparse.Namespace) 
     if isinstance(base, str):
         print(f"\n{toy}: the baseline itself is refused ({base}); nothing to compare")
         return
-    print(f"\n{toy}{' (MLA drafts)' if TOYS[toy] else ''}: held-out acceptance length at k={K} "
-          f"(mean ± half range over {args.seeds} seed(s)), {args.steps} steps, {args.samples} samples")
-    print("| recipe | tau T=0 | tau T=1 | train tok/s | vs baseline (T=0 / T=1) |")
-    print("| --- | --- | --- | --- | --- |")
+    lossy = sum(sum(r["lossy"]) for r in rows.values() if not isinstance(r, str))
+    runs = sum(len(r["lossy"]) for r in rows.values() if not isinstance(r, str))
+    print(f"\n{toy}{' (MLA drafts)' if TOYS[toy] else ''}: acceptance length at k={K} "
+          f"(mean ± half range over {args.seeds} seed(s)), {args.steps} steps, {args.samples} samples; offline on "
+          f"03's held-out samples, local{' and vLLM' if args.vllm else ''} on {args.prompts} held-out prompts x "
+          f"{args.max_tokens} tokens; "
+          f"local decoding at T=0 gave the target's own tokens in {runs * args.prompts - lossy} of "
+          f"{runs * args.prompts} prompt runs" + ("; vLLM columns: seed 0" if args.vllm else ""))
+    vllm_cols = " vLLM T=0 (seed 0) | vLLM T=1 (seed 0) | served speedup (seed 0) |" if args.vllm else ""
+    print(f"| recipe | offline T=0 | offline T=1 | local T=0 | local T=1 |{vllm_cols} train tok/s | "
+          "vs baseline (offline T=0 / T=1) |")
+    print("| --- " * (7 + 3 * args.vllm) + "|")
     for name, row in rows.items():
         if isinstance(row, str):
-            print(f"| {name} | — | — | — | 03 refuses it: {row} |")
+            print(f"| {name} |" + " — |" * (5 + 3 * args.vllm) + f" 03 refuses it: {row} |")
             continue
         verdicts = ["—"] if name == "baseline" else [verdict(row[key], base[key]) for key in ("t0", "t1")]
-        print(f"| {name} | {spread(row['t0'])} | {spread(row['t1'])} | {statistics.mean(row['tps']):.0f} | "
-              f"{' / '.join(verdicts)} |")
+        served = ""
+        if args.vllm:
+            served = (f" not served: {row['vllm']} | — | — |" if "vllm" in row else
+                      f" {row['v0'][0]:.3f} | {row['v1'][0]:.3f} | {row['speedup'][0]:.2f}x |")
+        print(f"| {name} | {spread(row['t0'])} | {spread(row['t1'])} | {spread(row['l0'])} | {spread(row['l1'])} |"
+              f"{served} {statistics.mean(row['tps']):.0f} | {' / '.join(verdicts)} |")
     tps = statistics.mean(base["tps"])
     print(f"\n{toy} training speed vs baseline: " + ", ".join(
         f"{n} {statistics.mean(r['tps']) / tps:.2f}x" for n, r in rows.items() if n != "baseline" and
@@ -143,7 +243,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seeds per recipe (0..N-1)")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the same for every recipe)")
     ap.add_argument("--samples", type=int, default=48, help="toy:train prompts answered by the toy (train + held out)")
+    ap.add_argument("--prompts", type=int, default=8, help="toy:heldout prompts decoded locally and sent to vLLM")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per decoded prompt")
     ap.add_argument("--only", default="", help="comma-separated recipe names (default: all): " + ", ".join(RECIPES))
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the real vLLM's columns")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -154,6 +257,8 @@ def main() -> None:
         if unknown or not given:
             what = f"unknown {', '.join(unknown)}" if unknown else "nothing given"
             sys.exit(f"{flag}: {what}; choose from {', '.join(known)}")
+    if args.vllm and unavailable_reason():
+        sys.exit(f"the real vLLM cannot run here ({unavailable_reason()}); pass --no-vllm to skip its columns")
     if "baseline" not in names:
         names.insert(0, "baseline")
     with tempfile.TemporaryDirectory() as tmp:
