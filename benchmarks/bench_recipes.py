@@ -30,6 +30,7 @@ mla``, the one vLLM's CPU build serves beside an MLA target); a recipe 03 refuse
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -167,6 +168,18 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
     return rows
 
 
+def root_cause(e: Exception) -> str:
+    """The first error vLLM's log names (its engine's own, not the "initialization failed" that follows it),
+    else the exception's last line: what a row says when vLLM did not start on its draft."""
+    text = str(e).strip()
+    log = re.search(r"its output \((\S+)\)", text)
+    lines = Path(log.group(1)).read_text(errors="replace").splitlines() if log and Path(log.group(1)).exists() \
+        else text.splitlines()
+    causes = [m.group(0) for line in lines if (m := re.search(r"\b\w+Error: .*", line))
+              and "WARNING" not in line and "initialization failed" not in line]
+    return (causes[0] if causes else text.splitlines()[-1]).split(". ")[0][:200]  # its first sentence
+
+
 def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[dict], max_tokens: int) -> None:
     """Seed 0's draft of every recipe on the real vLLM, one server at a time beside one plain server: the
     counters' acceptance at T=0 and T=1, and the output tokens/s at T=0, c=1 over the plain server's measured just
@@ -183,7 +196,7 @@ def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[di
                 server = start_vllm(f"toy:{toy}", "eagle3", draft_dir=draft_dir, num_speculative_tokens=K,
                                     speculative={"draft_sample_method": "probabilistic"})
             except (RuntimeError, UserError) as e:  # a draft vLLM does not start on: its reason goes in the row
-                row["vllm"] = str(e).strip().splitlines()[-1][:160]
+                row["vllm"] = root_cause(e)
                 print(f"{toy} {name}: vLLM did not serve it: {row['vllm']}", flush=True)
                 continue
             with server:
