@@ -1,5 +1,6 @@
 """EAGLE-3.1's two options (vLLM 0.32's ``fc_norm`` / ``norm_output`` draft config keys): per-aux-state norms
-before fc, and the post-norm state fed back; decoding, export and the real vLLM serving such a draft."""
+before fc, and the post-norm state fed back; decoding, export, 03's default (EAGLE-3.1 for a fresh draft). The real
+vLLM serves 03's default drafts in tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from safetensors.torch import load_file
 from test_draft import H, inputs, tiny_draft
 
 from eagle3nb.draft_checkpoint import load_draft, save_draft
-
-from worlds import requires_vllm
 
 V31 = {"fc_norm": True, "norm_output": True}
 
@@ -114,65 +113,3 @@ def test_a_fresh_draft_is_31_by_default_and_a_resumed_run_keeps_its_own_choice(t
     assert with_recipe_defaults(TrainParams(fc_norm=True), ckpt).fc_norm is True
     tuned = with_recipe_defaults(TrainParams(init_from=str(tmp_path)), ckpt)
     assert tuned.fc_norm is None and tuned.norm_output is None
-
-
-def smoke_31_draft(toy, out):
-    """An EAGLE-3.1 draft for the shipped smoke toy: its shape, the target's embedding and lm_head (as 03's
-    fresh drafts start), seeded random layers, fc_norm weights away from 1. vLLM's loader refuses a tensor it has no
-    parameter for (it does for d2t when the draft vocabulary is the target's), so the server starting at all says it
-    built ``fc_norm`` from config.json."""
-    from safetensors.torch import load_file as load
-
-    from eagle3nb.draft import Eagle3Config, Eagle3Draft
-
-    tc = json.loads((toy / "config.json").read_text())
-    tc = tc.get("text_config") or tc
-    vd = tc["vocab_size"] // 2  # a draft vocabulary of its own (vLLM 0.32 loads d2t only when it is smaller)
-    cfg = Eagle3Config.from_llama_dict(tc, draft_vocab_size=vd, target_hidden_size=tc["hidden_size"],
-                                       aux_layer_ids=[2, 4, 5], **V31)
-    torch.manual_seed(0)
-    m = Eagle3Draft(cfg)
-    w = {}
-    for f in sorted(toy.glob("*.safetensors")):
-        w.update(load(f))
-    embed = w["model.embed_tokens.weight"].float()
-    with torch.no_grad():
-        m.embed_tokens.weight.copy_(embed)
-        m.lm_head.weight.copy_(w.get("lm_head.weight", embed).float()[:vd])  # draft ids 0..vd-1 = target's
-        for i, norm in enumerate(m.fc_norm):
-            norm.weight.uniform_(0.5 + i, 1.5 + i)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[:vd] = True
-    m.set_vocab(torch.zeros(vd, dtype=torch.int64), t2d)
-    return save_draft(m.eval(), out)
-
-
-@requires_vllm()
-def test_real_vllm_serves_a_31_draft_losslessly(tmp_path):
-    import httpx
-
-    from eagle3nb.accept.online import metrics_url, scrape
-    from eagle3nb.data.prompts import load_prompts
-    from eagle3nb.data.stream import Template
-    from eagle3nb.formulas import spec_counters
-    from eagle3nb.hidden.capture import load_target
-    from eagle3nb.serve.vllm import start_vllm
-    from eagle3nb.spec import compare_with_plain
-    from eagle3nb.toy import shipped
-
-    toy, k, max_tokens = shipped("smoke"), 3, 48
-    draft_dir = smoke_31_draft(toy, tmp_path / "draft")
-    tpl = Template(toy, True)
-    prompts = [tpl.prompt_ids(p["messages"]) for p in load_prompts("toy:heldout", 6)]
-    target = load_target(toy, "float32")
-    local = compare_with_plain(target, load_draft(draft_dir), prompts, k, max_tokens, 0.0, ())
-    assert local["identical_to_target"]
-    with start_vllm("toy:smoke", "eagle3", draft_dir=draft_dir, num_speculative_tokens=k) as server:
-        for ids, want in zip(prompts, local["outputs"]):
-            r = httpx.post(server.base_url + "/completions", timeout=120, json={
-                "model": "toy:smoke", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "skip_special_tokens": False})
-            r.raise_for_status()
-            assert r.json()["choices"][0]["text"] == tpl.tokenizer.decode(want, skip_special_tokens=False)
-        got = spec_counters(scrape(metrics_url(server.base_url)))
-    assert got["engine"] == "vllm" and got["draft_tokens"] > 0, got

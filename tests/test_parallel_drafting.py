@@ -213,12 +213,14 @@ def test_a_short_03_run_trains_a_draft_vllm_serves_in_parallel_with_the_acceptan
 
 
 def test_settings_that_cannot_train_or_export_a_parallel_draft_are_refused_in_one_line():
-    """Slot i is trained only by TTT step i, and only the EAGLE-3 layout carries the mask: both refused before
-    any work, naming the parameter and the fix; the defaults train a parallel draft."""
+    """Slot i is trained only by TTT step i, only the EAGLE-3 layout carries the mask, and no engine serves a
+    parallel MLA draft: each refused before any work, naming the parameter and the fix; the defaults train a
+    parallel draft."""
     from eagle3nb.params import ParamsError, from_dict
 
     for over, words in (({"ttt_steps": 2, "num_speculative_tokens": 3}, "ttt_steps"),
-                        ({"export_format": "both"}, "export_format: eagle3")):
+                        ({"export_format": "both"}, "export_format: eagle3"),
+                        ({"draft_attention": "mla"}, "deepseek_eagle3 draft has no mask_hidden")):
         with pytest.raises(ParamsError, match=words) as e:
             from_dict("03_train", {"parallel_drafting": True, **over})
         assert "\n" not in str(e.value)

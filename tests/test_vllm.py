@@ -277,6 +277,8 @@ def test_vllm_serves_our_exports_with_the_acceptance_measured_locally(spec_serve
     assert row["errors"] == 0 and row["metrics_engine"] == "vllm", row
     local = local_acceptance(toy_smoke, drafts[layout], prompts, max_tokens)
     assert local["identical_to_target"]
+    cfg = json.loads((drafts[layout] / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # 03's default: EAGLE-3.1, in both layouts
     print(f"{layout}: vLLM acceptance length {row['acceptance_length']:.3f}, local {local['acceptance_length']:.3f}")
     # Both greedy on the same prompts, so the same draft gives the same rounds up to float ties (measured: 2.861
     # in both, for both layouts): 15%, the issue's bar, catches a draft vLLM reads differently (layer ids,

@@ -2,8 +2,10 @@
 
 A loss or the optimizer changes only the weights, never the export's layout (config.json and the tensors' names,
 shapes and dtypes), so one test states that against the EAGLE-3.0 baseline's export and the real vLLM serves only
-the layouts that differ: EAGLE-3.1 (``fc_norm`` + ``norm_output``) and a 2-layer draft (``num_layers: 2``), two
-servers side by side, started while the layout runs train. The MLA draft is served in tests/test_family_kimi.py.
+the layouts that differ: the EAGLE-3.0 baseline (``fc_norm: false, norm_output: false``: the published drafters'
+layout, which a fine-tune keeps) and a 2-layer draft (``num_layers: 2``), two servers side by side, started while
+the layout runs train. EAGLE-3.1, 03's default, is what tests/test_vllm.py serves (the trained fixture's draft);
+the MLA draft is served in tests/test_family_kimi.py.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from worlds import SEED, requires_vllm
 pytestmark = [requires_vllm(), pytest.mark.usefixtures("one_thread")]
 
 BASELINE = {"fc_norm": False, "norm_output": False}  # EAGLE-3.0, whatever 03's defaults are
-SERVED = {"eagle3.1": {"fc_norm": True, "norm_output": True}, "num_layers=2": {**BASELINE, "num_layers": 2}}
+SERVED = {"eagle3.0": BASELINE, "num_layers=2": {**BASELINE, "num_layers": 2}}
 SAME_LAYOUT = {"loss=lk_lambda": {**BASELINE, "loss": "lk_lambda"}, "muon": {**BASELINE, "optimizer": "muon"}}
+V31 = {"fc_norm": True, "norm_output": True}
 PROMPTS, MAX_TOKENS = 6, 48
 
 
@@ -47,7 +50,7 @@ def layout(draft_dir: Path) -> tuple[dict, dict[str, tuple]]:
 @pytest.fixture(scope="module")
 def recipes(trained, toy_smoke, tmp_path_factory) -> dict:
     """The two served recipes trained (60 steps: held-out tau ~3 here), their vLLM servers started side by side
-    while the baseline and the same-layout recipes train (2 steps: only their layout is judged)."""
+    while EAGLE-3.1 and the same-layout recipes train (2 steps: only their layout is judged)."""
     tmp = tmp_path_factory.mktemp("recipes")
     data = trained["out"] / "02_hidden_states"
     served = {name: train(data, tmp / name, 60, **r) for name, r in SERVED.items()}
@@ -58,7 +61,7 @@ def recipes(trained, toy_smoke, tmp_path_factory) -> dict:
                 name: {"mode": "eagle3", "draft_dir": d, "num_speculative_tokens": K} for name, d in served.items()})
             try:
                 drafts = {name: train(data, tmp / name, 2, **r)
-                          for name, r in {"baseline": BASELINE, **SAME_LAYOUT}.items()}
+                          for name, r in {"eagle3.1": V31, **SAME_LAYOUT}.items()}
             finally:
                 started.result()
         yield {"servers": servers, "drafts": {**drafts, **served}}
@@ -68,7 +71,7 @@ def recipes(trained, toy_smoke, tmp_path_factory) -> dict:
 
 def test_a_loss_or_muon_exports_the_baselines_layout_and_31_and_2_layers_differ_as_vllm_builds_them(recipes):
     drafts = recipes["drafts"]
-    base_cfg, base_tensors = layout(drafts["baseline"])
+    base_cfg, base_tensors = layout(drafts["eagle3.0"])
     assert "fc_norm" not in base_cfg and base_cfg["num_hidden_layers"] == 1  # the 3.0 baseline, explicitly
     for name in SAME_LAYOUT:
         assert layout(drafts[name]) == (base_cfg, base_tensors), name

@@ -131,6 +131,10 @@ class TrainParams(StageParams):
             raise ValueError(f"parallel_drafting trains one mask position per TTT step after the first: ttt_steps "
                              f"({self.ttt_steps}) must be at least num_speculative_tokens "
                              f"({self.num_speculative_tokens}) and 2")
+        if self.parallel_drafting and self.draft_attention == "mla":
+            raise ValueError("parallel_drafting with draft_attention: mla has no engine to serve it (vLLM 0.32's "
+                             "deepseek_eagle3 draft has no mask_hidden; SGLang has no parallel drafting): set "
+                             "parallel_drafting: false for an MLA draft, or draft_attention: llama")
         if self.parallel_drafting and self.export_format != "eagle3":
             raise ValueError(f"parallel_drafting exports vLLM's eagle3 layout (mask_token_id + mask_hidden) only: set "
                              f"export_format: eagle3, not {self.export_format}")
