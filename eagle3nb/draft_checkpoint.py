@@ -245,7 +245,14 @@ def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dty
     config = draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
     tensors = {}
     layers_named = format == "speculators" or model.config.num_layers > 1
-    for name, t in model.state_dict().items():
+    state = model.state_dict()
+    if model.config.draft_vocab_size == model.config.vocab_size:
+        # A draft over the whole vocabulary: vLLM builds no d2t parameter for it and refuses one in the file, so
+        # lm_head's rows go in target order (d2t then the identity) and the maps stay out (load_draft rebuilds them).
+        order = torch.argsort(model.draft_to_target(torch.arange(model.config.draft_vocab_size)))  # shape: [V]
+        state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+        state["lm_head.weight"] = state["lm_head.weight"][order]  # row j = target id j's logit
+    for name, t in state.items():
         if name == "embed_tokens.weight" and not include_embed:
             continue
         if t.is_floating_point() and dtype is not None:

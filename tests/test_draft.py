@@ -3,6 +3,7 @@ layouts, fit errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -134,6 +135,27 @@ def test_checkpoint_without_embedding_needs_the_targets(tmp_path):
         load_draft(tmp_path)
     back = load_draft(tmp_path, embed_tokens=m.embed_tokens.weight.detach())
     assert torch.equal(back.embed_tokens.weight, m.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_a_whole_vocabulary_draft_exports_without_vocab_maps_in_target_order(tmp_path, fmt):
+    """draft_vocab_size == vocab_size: vLLM builds no d2t parameter and refuses one in the file ("no module or
+    parameter named 'draft_id_to_target_id'"), so the export has neither map and lm_head's rows in target order
+    (here from a shuffled map, the general case); loading rebuilds the identity and the same target-id logits."""
+    m = Eagle3Draft(dataclasses.replace(tiny_draft().config, draft_vocab_size=V)).eval()
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(3))  # draft id i -> target id perm[i]
+    m.set_vocab(perm - torch.arange(V), torch.ones(V, dtype=torch.bool))
+    aux, ids, pos = inputs()
+    with torch.no_grad():
+        logits = m(m.fuse(aux), ids, pos)[1]  # shape: [B, T, V] over draft ids
+    want = torch.empty_like(logits)
+    want[..., perm] = logits  # the same logits indexed by target id
+    save_draft(m, tmp_path, format=fmt)
+    assert not {"d2t", "t2d"} & set(load_file(tmp_path / "model.safetensors"))
+    back = load_draft(tmp_path)
+    assert torch.equal(back.d2t, torch.zeros(V, dtype=torch.int64)) and bool(back.t2d.all())
+    with torch.no_grad():
+        assert torch.equal(back(back.fuse(aux), ids, pos)[1], want)
 
 
 def test_bf16_export_and_transformers5_rope_keys_load(tmp_path):
