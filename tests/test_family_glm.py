@@ -30,11 +30,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_family_gptoss import aux_ids
-from test_sliding_window import _generate
+from test_family_gptoss import aux_ids, train_on_all
+from test_sliding_window import own_continuations
 from test_vllm import K, Servers, synth_params
 
-from worlds import THREADS, requires_vllm
+from worlds import requires_vllm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,21 +162,7 @@ def tok(target_dir):
 def synth(target_dir, glm, tok, tmp_path_factory) -> Path:
     """01_synth-format rows: toy prompts in the GLM template, each followed by the target's own greedy
     continuation (past any end of turn), loss on the continuation."""
-    from eagle3nb.toy import dialogues
-
-    rng = random.Random(0)
-    rows = []
-    with torch.inference_mode():
-        for i in range(N_PROMPTS):
-            d = dialogues.dialogue(rng, "train")
-            prompt = list(tok.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-            reply = _generate(glm, prompt, NEW_TOKENS)
-            rows.append({"id": f"s{i:03d}", "status": "ok", "messages": d["messages"], "input_ids": prompt + reply,
-                         "loss_mask": [0] * len(prompt) + [1] * len(reply), "category": "toy"})
-    out = tmp_path_factory.mktemp("glm-synth")
-    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+    return own_continuations(glm, tok, N_PROMPTS, NEW_TOKENS, tmp_path_factory.mktemp("glm-synth"))
 
 
 def hidden_params(synth: Path, out: Path, model_dir: Path, **kw):
@@ -201,19 +187,7 @@ def hidden(synth, target_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(hidden, tmp_path_factory) -> Path:
     """03: a fresh draft on 02's data, no held-out split (local decoding runs on the training prompts)."""
-    from eagle3nb.params import from_dict
-    from eagle3nb.train.stage import run
-
-    out = tmp_path_factory.mktemp("glm-03")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        run(from_dict("03_train", {"data_dir": str(hidden), "output_dir": str(out), "max_length": 256,
-                                   "batch_tokens": 4096, "max_steps": DRAFT_STEPS, "lr": 0.02, "ttt_steps": K,
-                                   "eval_every": 0, "save_every": 1000, "seed": 0, "holdout_fraction": 0.0}))
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    return train_on_all(hidden, tmp_path_factory.mktemp("glm-03"), DRAFT_STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ acceptance ~1.04 on held-out text), so acceptance is measured on those same prom
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import httpx
 import pytest
 import test_sliding_window
 import torch
-from test_sliding_window import WINDOW, _generate
+from test_sliding_window import WINDOW, own_continuations
 from test_vllm import K, Servers
 
 from worlds import THREADS, requires_vllm
@@ -62,21 +61,7 @@ def target_dir(gpt_oss) -> Path:
 def synth(target_dir, gpt_oss, tokenizer, tmp_path_factory) -> Path:
     """01_synth-format rows: toy prompts in the toy template, each followed by the target's own greedy
     continuation (generate, past any EOS), loss on the continuation."""
-    from eagle3nb.toy import dialogues
-
-    rng = random.Random(0)
-    rows = []
-    with torch.inference_mode():
-        for i in range(N_PROMPTS):
-            d = dialogues.dialogue(rng, "train")
-            prompt = list(tokenizer.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
-            reply = _generate(gpt_oss, prompt, NEW_TOKENS)
-            rows.append({"id": f"s{i:03d}", "status": "ok", "messages": d["messages"], "input_ids": prompt + reply,
-                         "loss_mask": [0] * len(prompt) + [1] * len(reply), "category": "toy"})
-    out = tmp_path_factory.mktemp("gpt-oss-synth")
-    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+    return own_continuations(gpt_oss, tokenizer, N_PROMPTS, NEW_TOKENS, tmp_path_factory.mktemp("gpt-oss-synth"))
 
 
 def hidden_params(synth: Path, out: Path, model_dir: Path, **kw):
@@ -103,20 +88,25 @@ def hidden(synth, target_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(hidden, tmp_path_factory) -> Path:
     """03: a fresh draft on 02's data, no held-out split (acceptance is measured on the training prompts)."""
+    t0 = time.perf_counter()
+    out = train_on_all(hidden, tmp_path_factory.mktemp("gpt-oss-03"), TRAIN_STEPS)
+    print(f"03: {TRAIN_STEPS} steps in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def train_on_all(hidden: Path, out: Path, steps: int) -> Path:
+    """03 itself: a fresh draft on every sample of 02's data in ``hidden`` (no held-out split), in ``out``."""
     from eagle3nb.params import from_dict
     from eagle3nb.train.stage import run
 
-    out = tmp_path_factory.mktemp("gpt-oss-03")
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
-    t0 = time.perf_counter()
     try:
         run(from_dict("03_train", {"data_dir": str(hidden), "output_dir": str(out), "max_length": 256,
-                                   "batch_tokens": 4096, "max_steps": TRAIN_STEPS, "lr": 0.02, "ttt_steps": K,
+                                   "batch_tokens": 4096, "max_steps": steps, "lr": 0.02, "ttt_steps": K,
                                    "eval_every": 0, "save_every": 1000, "seed": 0, "holdout_fraction": 0.0}))
     finally:
         torch.set_num_threads(threads)
-    print(f"03: {TRAIN_STEPS} steps in {time.perf_counter() - t0:.1f} s")
     return out
 
 

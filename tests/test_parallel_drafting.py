@@ -99,12 +99,12 @@ def test_our_decoder_drafts_the_one_pass_losslessly_and_batched_rows_as_alone(to
     draft once (the verified tokens and the k-1 mask slots together), and each round's k drafts are the argmax
     of vLLM's one causal pass over the whole history (the target's aux states, then the mask slots). Rows that
     share a batch (left padding, different pending counts) draft as they do alone."""
-    from test_recipes import smoke_draft
+    from test_recipes import assert_batched_rows_draft_as_alone, smoke_draft
 
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
     from eagle3nb.hidden.capture import load_target
-    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder, plain_generate
+    from eagle3nb.spec import SpecDecoder, plain_generate
 
     m = smoke_draft(toy_smoke, 1)
     mask_id = m.config.vocab_size - 1
@@ -137,18 +137,7 @@ def test_our_decoder_drafts_the_one_pass_losslessly_and_batched_rows_as_alone(to
             want = draft.draft_to_target(logits[0, -K:].argmax(-1)).tolist()
             assert drafted == want
             n += accepted + 1
-    alone = [r.drafted_per_round for r in runs]
-    batch = SpecBatch(dec)
-    batch.add(prompts[:2], [Sampling()] * 2)
-    together: list[list[list[int]]] = [[], [], []]
-    for r in range(3):
-        if r == 1:
-            batch.add(prompts[2:], [Sampling()])
-        batch.round()
-        for row, i in enumerate([0, 1] if r == 0 else [0, 1, 2]):
-            together[i].append(batch.drafted[row])
-    assert [a[:3] for a in together[:2]] == [a[:3] for a in alone[:2]]
-    assert together[2][:2] == alone[2][:2]
+    assert_batched_rows_draft_as_alone(dec, prompts, runs)
 
 
 @requires_vllm()

@@ -146,7 +146,7 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
     from eagle3nb.hidden.capture import load_target
-    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder, plain_generate
+    from eagle3nb.spec import SpecDecoder, plain_generate
 
     draft = load_draft(save_draft(smoke_draft(toy_smoke, 2), tmp_path / "draft"))
     assert draft.config.num_layers == 2
@@ -156,6 +156,14 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
     dec = SpecDecoder(target, draft, 3)
     runs = [dec.generate(p, 12) for p in prompts]
     assert [r.tokens for r in runs] == [plain_generate(target, p, 12) for p in prompts]
+    assert_batched_rows_draft_as_alone(dec, prompts, runs)
+
+
+def assert_batched_rows_draft_as_alone(dec, prompts: list[list[int]], runs) -> None:
+    """Two rows start a batch, a third joins at the second round (padding, merges, holes in every layer's cache):
+    each drafts in its first rounds exactly what it drafted alone (``runs``: ``dec.generate`` of each prompt)."""
+    from eagle3nb.spec import Sampling, SpecBatch
+
     alone = [r.drafted_per_round for r in runs]
     batch = SpecBatch(dec)
     batch.add(prompts[:2], [Sampling()] * 2)

@@ -10,6 +10,8 @@ target's next token after the input token, learned from the reference outputs, l
 
 from __future__ import annotations
 
+import json
+import random
 import threading
 from pathlib import Path
 
@@ -96,6 +98,25 @@ def _generate(target, prompt: list[int], n: int) -> list[int]:
                           max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out.shape[1] == len(prompt) + n
     return out[0, len(prompt):].tolist()
+
+
+def own_continuations(target, tokenizer, n: int, new_tokens: int, out: Path) -> Path:
+    """01_synth-format rows in ``out``: ``n`` toy prompts in the tokenizer's chat template, each followed by the
+    target's own greedy continuation (past any end of turn), loss on the continuation."""
+    from eagle3nb.toy import dialogues
+
+    rng = random.Random(0)
+    rows = []
+    with torch.inference_mode():
+        for i in range(n):
+            d = dialogues.dialogue(rng, "train")
+            prompt = list(tokenizer.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+            reply = _generate(target, prompt, new_tokens)
+            rows.append({"id": f"s{i:03d}", "status": "ok", "messages": d["messages"], "input_ids": prompt + reply,
+                         "loss_mask": [0] * len(prompt) + [1] * len(reply), "category": "toy"})
+    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
 
 
 def _draft(target):

@@ -4,8 +4,10 @@ A loss or the optimizer changes only the weights, never the export's layout (con
 shapes and dtypes), so one test states that against the EAGLE-3.0 baseline's export and the real vLLM serves only
 the layouts that differ: the EAGLE-3.0 baseline (``fc_norm: false, norm_output: false``: the published drafters'
 layout, which a fine-tune keeps) and a 2-layer draft (``num_layers: 2``), two servers side by side, started while
-the layout runs train. EAGLE-3.1, 03's default, is what tests/test_vllm.py serves (the trained fixture's draft);
-the MLA draft is served in tests/test_family_kimi.py.
+the layout runs train. Every draft here is over the target's whole vocabulary (02 with ``draft_vocab_size`` the
+toy's), the export without d2t/t2d that vLLM builds no vocabulary map for. EAGLE-3.1, 03's default, with a reduced
+vocabulary, is what tests/test_vllm.py serves (the trained fixture's draft); the MLA draft is served in
+tests/test_family_kimi.py.
 """
 
 from __future__ import annotations
@@ -51,8 +53,15 @@ def layout(draft_dir: Path) -> tuple[dict, dict[str, tuple]]:
 def recipes(trained, toy_smoke, tmp_path_factory) -> dict:
     """The two served recipes trained (60 steps: held-out tau ~3 here), their vLLM servers started side by side
     while EAGLE-3.1 and the same-layout recipes train (2 steps: only their layout is judged)."""
+    from eagle3nb.hidden.stage import run as extract
+    from eagle3nb.params import from_dict
+
     tmp = tmp_path_factory.mktemp("recipes")
-    data = trained["out"] / "02_hidden_states"
+    data = tmp / "02-whole-vocabulary"
+    vocab = json.loads((toy_smoke / "config.json").read_text())["vocab_size"]
+    extract(from_dict("02_hidden_states", {**{k: str(v) if isinstance(v, Path) else v
+                                              for k, v in trained["stages"]["02_hidden_states"].items()},
+                                           "output_dir": str(data), "draft_vocab_size": vocab}))
     served = {name: train(data, tmp / name, 60, **r) for name, r in SERVED.items()}
     servers = Servers(toy_smoke, tmp)
     try:
@@ -73,6 +82,7 @@ def test_a_loss_or_muon_exports_the_baselines_layout_and_31_and_2_layers_differ_
     drafts = recipes["drafts"]
     base_cfg, base_tensors = layout(drafts["eagle3.0"])
     assert "fc_norm" not in base_cfg and base_cfg["num_hidden_layers"] == 1  # the 3.0 baseline, explicitly
+    assert base_cfg["draft_vocab_size"] == base_cfg["vocab_size"] and not {"d2t", "t2d"} & set(base_tensors)
     for name in SAME_LAYOUT:
         assert layout(drafts[name]) == (base_cfg, base_tensors), name
     cfg, tensors = layout(drafts["eagle3.1"])
