@@ -94,7 +94,7 @@ def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
 
     k = 3
     data, draft, target = world["data"], world["draft"], world["target"]
-    off = offline_acceptance(draft, data, k, 4, think_ids=world["tpl"].think_ids)
+    off = offline_acceptance(draft, data, k, 4, segments=world["tpl"].specials.segments)
     local = compare_with_plain(target, draft, world["prompts"], k, MAX_NEW, eos_token_ids=world["eos"])
     assert local["identical_to_target"] is True
     assert 1.0 < off["acceptance_length"] < k + 1

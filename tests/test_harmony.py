@@ -287,39 +287,23 @@ def test_gpt_oss_train_and_local_lossless(trained, records, model, tok, gptoss):
     print(f"gpt-oss toy: local acceptance {local['acceptance_length']:.3f} after {TRAIN_STEPS} steps")
 
 
-@pytest.fixture(scope="module")
-def embedded(gptoss):
-    from eagle3nb.launch import start_server
 
-    with start_server(gptoss) as server:
-        yield server
+def test_gpt_oss_offline_acceptance_by_channel(trained, hidden, tok):
+    """04's offline breakdown by segment reads the family's segments: on Harmony samples the analysis channel's
+    tokens are reasoning and the final channel's answer (with think-tag ids the whole turn was answer), and the
+    two together are every judged position."""
+    from eagle3nb.accept.offline import offline_acceptance
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.families import get, specials
 
-
-@requires_vllm()
-def test_gpt_oss_embedded_server(embedded, records, model, tok):
-    """The embedded server on toy:gptoss renders 01's prompts as vLLM did (the records' prompt ids), returns
-    transformers' greedy tokens, and splits them by channel exactly as vLLM's openai_gptoss parser split the
-    same tokens (the records' reasoning and content, wherever the two engines' greedy tokens agree)."""
-    import httpx
-
-    from eagle3nb.data.samples import load_samples
-
-    served = httpx.get(embedded.base_url + "/models").json()["data"][0]["id"]
-    same = 0
-    for r in load_samples(records):
-        cut = r["loss_mask"].index(1)
-        prompt, vllm_ids = r["input_ids"][:cut], r["input_ids"][cut:]
-        reply = httpx.post(embedded.base_url + "/chat/completions", timeout=120, json={
-            "model": served, "messages": r["messages"], "max_tokens": 96, "temperature": 0.0,
-            "return_token_ids": True}).json()
-        choice = reply["choices"][0]
-        assert reply["prompt_token_ids"] == prompt, r["id"]
-        with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=96, do_sample=False)[0, len(prompt):].tolist()
-        assert choice["token_ids"] == want, r["id"]
-        if choice["token_ids"] == vllm_ids:
-            same += 1
-            assert choice["message"]["reasoning"] == r["reasoning"], r["id"]
-            assert choice["message"]["content"] == r["content"], r["id"]
-    assert same >= N_RECORDS - 1, f"{same}/{N_RECORDS} greedy replies equal vLLM's"
+    data = HiddenStates(hidden)
+    sp = specials(get("gpt_oss"), tok)
+    seg = [s for i in range(len(data)) for s in sp.segments(data[i]["input_ids"].tolist(),
+                                                               data[i]["loss_mask"].tolist())]
+    assert seg.count(1) > 0 and seg.count(2) > 0  # the samples have both channels
+    draft = load_draft(trained / "draft", embed_tokens=data.embed_tokens())
+    res = offline_acceptance(draft, data, K, K, segments=sp.segments)
+    by = res["by_segment"]
+    assert set(by) == {"reasoning", "answer"}, by
+    assert by["reasoning"]["greedy"]["positions"] + by["answer"]["greedy"]["positions"] == res["positions"]

@@ -9,7 +9,7 @@ accepted chain feeds when the data is the target's own (greedy) output.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from eagle3nb.data.split import split_holdout
 from eagle3nb.data.turns import parse_turn
 from eagle3nb.draft import TTTCache
 from eagle3nb.errors import InputError
-from eagle3nb.families import segment_ids, specials
+from eagle3nb.families import specials
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.params import run_params, schema_for
 from eagle3nb.paths import resolve
@@ -225,10 +225,13 @@ def turn_label(sample_id: str) -> str | None:
 
 
 def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0,
-                       think_ids: tuple[int | None, int | None] = (None, None), indices: Sequence[int] | None = None,
+                       segments: Callable[[list[int], list[int]], list[int]] | None = None,
+                       indices: Sequence[int] | None = None,
                        stage_dir: Path | None = None, keep_positions: bool = False) -> dict[str, Any]:
     """Acceptance of ``draft`` on the held-out hidden states ``data`` (an ``eagle3nb.hidden.HiddenStates``):
-    greedy, at ``temperature`` (when > 0), by segment (reasoning / answer), by prompt category, by turn (``by_turn``:
+    greedy, at ``temperature`` (when > 0), by segment (reasoning / answer: ``segments(ids, loss_mask)``, the
+    family's ``Specials.segments`` by think tags or Harmony channels; None: every loss token is answer), by
+    prompt category, by turn (``by_turn``:
     first and later turns of per-turn samples, 01's ``multi_turn: every``) and by context length (the drafted
     token's index in the sequence, ``by_context``). With ``keep_positions`` the result also
     holds ``positions``: per sample its ids, loss mask and, per token, how many of ``k`` drafted tokens from
@@ -256,10 +259,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
             r = chain_acceptance(draft, item, data.target_argmax(item), probs, max_k, temperature)
             parts["rounds"] += simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k)
             ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
-            if think_ids[0] is not None and think_ids[1] is not None:
-                seg = segment_ids(ids, mask, think_ids[0], think_ids[1])
-            else:
-                seg = [2 if m else 0 for m in mask]
+            seg = segments(ids, mask) if segments is not None else [2 if m else 0 for m in mask]
             parts["segment"].append(torch.tensor(seg[2:] + [0]))  # segment of the first drafted token t+2
             parts["category"] += [item.get("category")] * (len(ids) - 1)
             parts["turn"] += [turn_label(item["id"])] * (len(ids) - 1)
@@ -333,14 +333,14 @@ def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:
     """Offline acceptance of the stage's draft on its held-out samples (``offline.json``, reused when
     the draft, data and settings are unchanged), and the miss view's per-position records (``positions.jsonl``)."""
     data = HiddenStates(P.data_path)
-    think = specials(P.target_family, tokenizer).think_ids
+    segments = specials(P.target_family, tokenizer).segments
     indices, how = heldout_indices(P, data)
     print(f"offline acceptance on {how}", flush=True)
     config = {"draft": fingerprint(P.draft_path), "data": str(P.data_path), "k": P.k, "max_k": P.max_k,
               "temperature": P.temperature, "indices": indices}
 
     def work() -> dict[str, Any]:
-        res = offline_acceptance(draft, data, P.k, P.max_k, P.temperature, think, indices, P.stage_dir,
+        res = offline_acceptance(draft, data, P.k, P.max_k, P.temperature, segments, indices, P.stage_dir,
                                  keep_positions=True)
         P.stage_dir.mkdir(parents=True, exist_ok=True)
         write_records(P.stage_dir / POSITIONS,

@@ -678,7 +678,7 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     # the target's embedding (V x H: GBs for Kimi) only when the checkpoint does not carry one
     embed = None if "embed_tokens.weight" in _draft_tensors(drafts[0])["shapes"] else data.embed_tokens()
     model = load_draft(drafts[0], embed_tokens=embed, device="cuda" if torch.cuda.is_available() else "cpu")
-    res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.think_ids)
+    res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.specials.segments)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])
     gain = speedup(tau, SANITY_K, TYPICAL_COST_RATIO, TYPICAL_OVERHEAD, parallel=model.config.mask_token_id is not None)
