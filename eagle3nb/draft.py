@@ -472,8 +472,9 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         if cfg.mask_token_id is not None:  # P-EAGLE: the mask positions' stand-in aux states (vLLM's ``mask_hidden``)
             self.mask_hidden = nn.Parameter(0.02 * torch.randn(1, 3 * cfg.target_hidden_size))  # shape: [1, 3*H_t]
+        # The vocabulary maps (set_vocab); a draft over the whole vocabulary starts at its only map, the identity.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("t2d", torch.full((cfg.vocab_size,), cfg.draft_vocab_size == cfg.vocab_size))
         # Rotary tables from the config (any rope_scaling transformers knows); not part of the checkpoint.
         llama = LlamaConfig(**{k: v for k, v in cfg.llama_dict().items() if k != "model_type"})
         self.rotary = LlamaRotaryEmbedding(llama)

@@ -307,3 +307,41 @@ def test_gpt_oss_offline_acceptance_by_channel(trained, hidden, tok):
     by = res["by_segment"]
     assert set(by) == {"reasoning", "answer"}, by
     assert by["reasoning"]["greedy"]["positions"] + by["answer"]["greedy"]["positions"] == res["positions"]
+
+
+@pytest.fixture(scope="module")
+def embedded(gptoss):
+    from eagle3nb.launch import start_server
+
+    with start_server(gptoss) as server:
+        yield server
+
+
+@requires_vllm()
+def test_gpt_oss_embedded_server(embedded, records, model, tok):
+    """The embedded server on toy:gptoss renders 01's prompts as vLLM did (the records' prompt ids), returns
+    transformers' greedy tokens, and splits them by channel exactly as vLLM's openai_gptoss parser split the
+    same tokens (the records' reasoning and content, wherever the two engines' greedy tokens agree)."""
+    import httpx
+
+    from eagle3nb.data.samples import load_samples
+
+    served = httpx.get(embedded.base_url + "/models").json()["data"][0]["id"]
+    same = 0
+    for r in load_samples(records):
+        cut = r["loss_mask"].index(1)
+        prompt, vllm_ids = r["input_ids"][:cut], r["input_ids"][cut:]
+        reply = httpx.post(embedded.base_url + "/chat/completions", timeout=120, json={
+            "model": served, "messages": r["messages"], "max_tokens": 96, "temperature": 0.0,
+            "return_token_ids": True}).json()
+        choice = reply["choices"][0]
+        assert reply["prompt_token_ids"] == prompt, r["id"]
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=96, do_sample=False)[0, len(prompt):].tolist()
+        assert choice["token_ids"] == want, r["id"]
+        if choice["token_ids"] == vllm_ids:
+            same += 1
+            assert choice["message"]["reasoning"] == r["reasoning"], r["id"]
+            assert choice["message"]["content"] == r["content"], r["id"]
+    assert same >= N_RECORDS - 1, f"{same}/{N_RECORDS} greedy replies equal vLLM's"

@@ -92,6 +92,18 @@ def test_miss_view_widget_table_and_excerpts(judged):
     assert "worst: mean accepted" in static and "typical (median)" in static and "tv-mark-acc" in static
 
 
+def test_a_filter_without_misses_says_so_instead_of_naming_a_kind(judged):
+    """A segment (or a draft) the target accepted everywhere has no worst kind and no overall rate to scale by:
+    the sentence says so (it used to fail formatting the missing ratio when the answer filter had no miss)."""
+    records = misses.load_records(judged["P"].stage_dir, "offline")
+    table = misses.miss_table(records).copy()
+    table["missed"] = 0
+    table["miss rate"] = 0.0
+    table["x overall"] = None
+    n = table.iloc[0]["checked"]
+    assert misses.worst_kind(table) == f"no misses: the target accepted all {n} drafted positions"
+
+
 def test_acceptance_by_context_and_the_trained_length_warning(judged, trained):
     P, off = judged["P"], judged["offline"]
     assert off["by_context"] and len(off["by_context"]) == len(off["context_edges"]) + 1  # quartiles: all filled

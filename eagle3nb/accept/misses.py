@@ -202,6 +202,8 @@ def worst_kind(table) -> str:
     if table is None or len(table) < 2:
         return "no drafted positions to judge"
     overall = table.iloc[0]
+    if not overall["missed"]:  # a draft (or a filter) with no miss has no kind to name, nor an overall rate to scale
+        return f"no misses: the target accepted all {overall['checked']} drafted positions"
     rest = table.iloc[1:]
     rest = rest[(rest["checked"] >= MIN_CHECKED) & ~rest["where"].isin(["reasoning", "answer"])]
     if rest.empty:
