@@ -70,8 +70,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from eagle3nb.data.shards import STORAGES, bytes_per_token
-    from eagle3nb.hidden.capture import load_target
-    from eagle3nb.hidden.stage import prepare_samples
+    from eagle3nb.hf import STATES, load_target
+    from eagle3nb.hidden.plan import prepare_samples
     from eagle3nb.hidden.stage import run as extract
     from eagle3nb.params import from_dict
 
@@ -87,7 +87,7 @@ def main() -> None:
 
     samples, _ = prepare_samples(params("bf16", "x"))  # the same order and batches as extraction
     seqs = [s["input_ids"] for s in samples]
-    model = load_target(model_dir, "float32")
+    model = load_target(model_dir, trust_remote_code=False, use=STATES, dtype="float32")
     bare, ext = [], []
     for r in range(args.repeats):  # interleaved, best of each: load from other processes hits both alike
         bare.append(bare_forward_tok_s(model, seqs, args.tokens_per_batch))

@@ -48,7 +48,7 @@ from eagle3nb.data.split import split_holdout  # noqa: E402
 from eagle3nb.data.stream import Template  # noqa: E402
 from eagle3nb.draft_checkpoint import load_draft  # noqa: E402
 from eagle3nb.errors import UserError  # noqa: E402
-from eagle3nb.hidden.capture import load_target  # noqa: E402
+from eagle3nb.hf import DECODER, load_target  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
 from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
 from eagle3nb.spec import SpecCounters, SpecDecoder, plain_generate  # noqa: E402
@@ -108,7 +108,8 @@ class Local:
     def __init__(self, model_dir: Path, n: int, max_tokens: int):
         tpl = Template(model_dir, True)
         self.prompts = [tpl.prompt_ids(p["messages"]) for p in load_prompts("toy:heldout", n)]
-        self.target, self.eos, self.max_tokens = load_target(model_dir, "float32"), [tpl.end_id], max_tokens
+        self.target = load_target(model_dir, trust_remote_code=False, use=DECODER)
+        self.eos, self.max_tokens = [tpl.end_id], max_tokens
         self.plain = [plain_generate(self.target, p, max_tokens, eos_token_ids=self.eos) for p in self.prompts]
 
     @torch.inference_mode()

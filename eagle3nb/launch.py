@@ -66,13 +66,15 @@ def free_port(host: str) -> int:
 def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
                  reasoning_field: str = "reasoning", reasoning_parser: bool = True, api_key_env: str | None = None,
                  draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
-                 extra_args: tuple[str, ...] | list[str] = (), timeout: float = 180.0) -> ServerHandle:
+                 trust_remote_code: bool = False, extra_args: tuple[str, ...] | list[str] = (),
+                 timeout: float = 180.0) -> ServerHandle:
     """Start ``python -m eagle3nb serve`` in a subprocess and wait until ``/health`` answers.
 
     ``model_dir`` is a Hugging Face folder or ``toy:smoke`` / ``toy:demo`` (built here first if not cached, so
     the build's progress shows in the caller and ``timeout`` covers only the server's start; it is served
-    under that name); ``port=0`` picks a free port. Raises RuntimeError with the end of the server's output if
-    it exits or is not healthy within ``timeout``.
+    under that name); ``port=0`` picks a free port; ``trust_remote_code`` lets the folder's own code run (the
+    stage's parameter). Raises RuntimeError with the end of the server's output if it exits or is not healthy
+    within ``timeout``.
     """
     port = port or free_port(host)
     model = str(model_dir)
@@ -88,6 +90,8 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
         cmd.append("--no-reasoning-parser")
     if api_key_env:
         cmd += ["--api-key-env", api_key_env]
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
     if draft_dir is not None:
         cmd += ["--draft", str(draft_dir), "--num-speculative-tokens", str(num_speculative_tokens)]
     cmd += [str(a) for a in extra_args]

@@ -19,7 +19,8 @@ from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.shards import STORAGES, ShardError, bytes_per_token
 from eagle3nb.data.vocab import build_draft_vocab
 from eagle3nb.hidden.cost import compare_targets
-from eagle3nb.hidden.stage import HiddenStatesError, preview, run
+from eagle3nb.hidden.plan import HiddenStatesError
+from eagle3nb.hidden.stage import preview, run
 from eagle3nb.layers import LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.params import from_dict
 from eagle3nb.paths import file_sha256
@@ -73,9 +74,9 @@ def fp32_run(synth, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(synth):
-    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.hf import STATES, load_target
 
-    return load_target(synth.parent / "model", "float32")
+    return load_target(synth.parent / "model", trust_remote_code=False, use=STATES, dtype="float32")
 
 
 # ------------------------------------------------------------------------------------------------ layer ids
@@ -188,11 +189,12 @@ def test_reader_of_vllm_per_sample_files(synth, fp32_run, tmp_path):
     """Files exactly as vLLM's connector writes them (token_ids, hidden_states [T, 4, H], id L pre-norm)."""
     from safetensors.torch import save_file
 
+    from eagle3nb.hf import DECODER, load_target, load_tokenizer
     from eagle3nb.hidden.vllm_backend import read_connector_file, remove_connector_file
-    from eagle3nb.serve.engine import load_model
     from eagle3nb.serve.extract import handle_completion_extract
 
-    m, tok = load_model(str(synth.parent / "model"))
+    m = load_target(synth.parent / "model", trust_remote_code=False, use=DECODER)
+    tok = load_tokenizer(synth.parent / "model", trust_remote_code=False)
     ours = HiddenStates(fp32_run)
     picked = [ours[i] for i in (0, 5)]
     for item in picked:
@@ -334,10 +336,10 @@ def test_resume_with_other_data_settings_is_refused_and_force_starts_over(fp32_r
 def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypatch, capsys):
     from collections import namedtuple
 
-    from eagle3nb.hidden import stage
+    from eagle3nb.hidden import plan
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(HiddenStatesError, match="projected disk use.*Not starting.*force"):
         run(params(synth, tmp_path / "o"))
     assert "GB for the whole run" in capsys.readouterr().out
@@ -373,7 +375,7 @@ def test_samples_hash_is_the_one_of_the_whole_json():
     """02's config hash is fed in chunks (no whole-run JSON text in memory) and equals the one-shot digest."""
     import hashlib
 
-    from eagle3nb.hidden.stage import samples_sha256
+    from eagle3nb.hidden.plan import samples_sha256
 
     rng = random.Random(0)
     for n in (0, 1, 1023, 1024, 2500):

@@ -103,7 +103,7 @@ def test_our_decoder_drafts_the_one_pass_losslessly_and_batched_rows_as_alone(to
 
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
-    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.hf import DECODER, load_target
     from eagle3nb.spec import SpecDecoder, plain_generate
 
     m = smoke_draft(toy_smoke, 1)
@@ -115,7 +115,7 @@ def test_our_decoder_drafts_the_one_pass_losslessly_and_batched_rows_as_alone(to
     draft = load_draft(save_draft(pd, tmp_path / "draft")).eval()
     tpl = Template(toy_smoke, True)
     prompts = [tpl.prompt_ids(p["messages"]) for p in load_prompts("toy:heldout", 3)]
-    target = load_target(toy_smoke, "float32")
+    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
     dec = SpecDecoder(target, draft, K)
     calls = []
     hook = draft.register_forward_hook(lambda *a: calls.append(1))

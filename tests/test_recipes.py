@@ -145,14 +145,14 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
     batch (padding, merges, holes in every layer's cache) draft exactly the tokens they draft alone."""
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
-    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.hf import DECODER, load_target
     from eagle3nb.spec import SpecDecoder, plain_generate
 
     draft = load_draft(save_draft(smoke_draft(toy_smoke, 2), tmp_path / "draft"))
     assert draft.config.num_layers == 2
     tpl = Template(toy_smoke, True)
     prompts = [tpl.prompt_ids(p["messages"]) for p in load_prompts("toy:heldout", 3)]
-    target = load_target(toy_smoke, "float32")
+    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
     dec = SpecDecoder(target, draft, 3)
     runs = [dec.generate(p, 12) for p in prompts]
     assert [r.tokens for r in runs] == [plain_generate(target, p, 12) for p in prompts]

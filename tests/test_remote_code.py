@@ -64,7 +64,7 @@ def test_tokenizer_code_runs_only_when_trusted(folder, tmp_path):
 
 def test_model_code_runs_only_when_trusted(folder):
     from eagle3nb.data.head import target_info
-    from eagle3nb.hidden.stage import TransformersSource
+    from eagle3nb.hidden.sources import TransformersSource
     from eagle3nb.hidden.vllm_backend import vllm_command
 
     def source(trust: bool) -> TransformersSource:
@@ -84,3 +84,12 @@ def test_acceptance_refuses_the_folder_code_by_default(folder):
     with pytest.raises(RemoteCodeRequired, match="set trust_remote_code: true in the stage's params"):
         load_models(P)
     assert not ran(folder, "remote_tok") and not ran(folder, "remote_model")
+
+
+def test_the_embedded_server_runs_folder_code_when_trusted(folder):
+    """The embedded server loads the target through the stages' loader (``hf.load_target``), so the stage's
+    trust_remote_code reaches it (``start_server(trust_remote_code=True)``; off, it refuses as the stages do)."""
+    from eagle3nb.launch import start_server
+
+    with start_server(folder, trust_remote_code=True, timeout=60):
+        assert ran(folder, "remote_tok") and ran(folder, "remote_model")

@@ -72,7 +72,7 @@ def servers(toy_smoke, tokenizer):
     ``eagle3nb serve`` subprocesses, ``both`` and no parser (think text inline) in-process."""
     import torch
 
-    from eagle3nb.serve.engine import load_model
+    from eagle3nb.hf import DECODER, load_target, load_tokenizer
 
     os.environ[KEY_ENV] = KEY
     threads = torch.get_num_threads()
@@ -81,7 +81,8 @@ def servers(toy_smoke, tokenizer):
         futs = {"reasoning": pool.submit(start_server, toy_smoke),
                 "reasoning_content": pool.submit(start_server, toy_smoke, reasoning_field="reasoning_content",
                                                  api_key_env=KEY_ENV)}
-        model, tok = load_model(str(toy_smoke))
+        model = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
+        tok = load_tokenizer(toy_smoke, trust_remote_code=False)
         handles = {"both": InProcessServer(toy_smoke, model, tok, reasoning_field="both"),
                    "inline": InProcessServer(toy_smoke, model, tok, reasoning_parser=False)}
         handles.update({k: f.result() for k, f in futs.items()})

@@ -256,12 +256,12 @@ def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_
     """04's local speculative decoding (our decoder, greedy) on the same prompts vLLM gets."""
     from eagle3nb.data.stream import Template
     from eagle3nb.draft_checkpoint import load_draft
-    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.hf import DECODER, load_target
     from eagle3nb.spec import compare_with_plain
 
     tpl = Template(toy_smoke, True)
     ids = [tpl.prompt_ids(p["messages"]) for p in prompts]
-    target = load_target(toy_smoke, "float32")
+    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
     draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
     return compare_with_plain(target, draft, ids, K, max_tokens, 0.0, [tpl.end_id])
 

@@ -109,13 +109,13 @@ def test_vllm_serves_the_recipe_greedy_as_the_target_with_the_acceptance_decoded
     from eagle3nb.data.stream import Template
     from eagle3nb.draft_checkpoint import load_draft
     from eagle3nb.formulas import spec_counters, spec_delta
-    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.hf import DECODER, load_target
     from eagle3nb.spec import compare_with_plain
 
     server, draft_dir = recipes["servers"][name], recipes["drafts"][name]
     tpl = Template(toy_smoke, True)
     prompts = [tpl.prompt_ids(p["messages"]) for p in held_out(PROMPTS)]
-    target = load_target(toy_smoke, "float32")
+    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
     draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
     local = compare_with_plain(target, draft, prompts, K, MAX_TOKENS, 0.0, [tpl.end_id])
     assert local["identical_to_target"], local["mismatched_prompts"]

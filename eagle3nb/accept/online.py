@@ -217,7 +217,8 @@ def run_online(P: AcceptParams) -> list[dict[str, Any]]:
             [("eagle3", P.draft_path, k, f"online-eagle3-k{k}.json") for k in P.sweep_ks]
         for label, draft, k, name in servers:
             def work(draft=draft, label=label, k=k) -> list[dict[str, Any]]:
-                with start_server(model_dir, draft_dir=draft, num_speculative_tokens=k or P.k) as h:
+                with start_server(model_dir, draft_dir=draft, num_speculative_tokens=k or P.k,
+                                  trust_remote_code=P.trust_remote_code) as h:
                     return bench_endpoint(label, h.base_url, api_key="EMPTY", k=k, **kw)
             out += cached_rows(P.stage_dir / name, {**config, "label": label, "k": k}, work)
     else:

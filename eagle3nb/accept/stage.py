@@ -23,7 +23,7 @@ from eagle3nb.accept.predict import prediction
 from eagle3nb.accept.report import save_figures
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.draft_checkpoint import check_fits, load_draft
-from eagle3nb.hf import from_pretrained
+from eagle3nb.hf import DECODER, compute_device, load_target, load_tokenizer
 from eagle3nb.progress import write_json_atomic
 
 
@@ -56,21 +56,16 @@ def load_models(P: AcceptParams, need_target: bool = True):
     """(target or None, draft, tokenizer) for the stage, after checking that the draft fits both the held-out
     data and the target (sizes, vocabulary, aux layers), so a mismatch stops here, naming both sides. The
     draft gets the target's embedding when its checkpoint carries none."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model_dir = P.model_dir
-    tokenizer = from_pretrained(AutoTokenizer, model_dir, trust_remote_code=P.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=P.trust_remote_code)
     data = HiddenStates(P.data_path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     target = None
     if need_target:
-        target = from_pretrained(AutoModelForCausalLM, model_dir, trust_remote_code=P.trust_remote_code,
-                                 dtype=torch.float32).to(device).eval()
+        target = load_target(model_dir, trust_remote_code=P.trust_remote_code, use=DECODER)
         embed = target.get_input_embeddings().weight.detach()
     else:
         embed = data.embed_tokens()
-    draft = load_draft(P.draft_path, embed_tokens=embed, device=device)
+    draft = load_draft(P.draft_path, embed_tokens=embed, device=compute_device())
     meta = data.meta
     check_fits(draft.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
                layer_ids=meta["layer_ids"], num_layers=meta["num_layers"], draft=f"the draft {P.draft_path}",

@@ -13,7 +13,6 @@ import threading
 from typing import TYPE_CHECKING
 
 from eagle3nb.errors import InputError
-from eagle3nb.hf import from_pretrained
 
 if TYPE_CHECKING:
     import torch
@@ -91,26 +90,6 @@ def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple["torch.Tensor", "
         ids[b, :len(s)] = torch.tensor(s, dtype=torch.long)
         mask[b, :len(s)] = 1
     return ids, mask
-
-
-def compute_dtype(name: str):
-    """The torch dtype for the ``dtype`` parameter (auto: float32 on CPU, bfloat16 with CUDA)."""
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def load_target(model_dir, dtype: str = "auto", trust_remote_code: bool = False):
-    """The target in eval mode; spread over every GPU with ``device_map="auto"`` (accelerate) when CUDA is present."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    kw = {"device_map": "auto"} if torch.cuda.is_available() else {}
-    model = from_pretrained(AutoModelForCausalLM, model_dir, trust_remote_code=trust_remote_code,
-                            dtype=compute_dtype(dtype), **kw)
-    return model.eval()
 
 
 def input_device(model):

@@ -1,12 +1,9 @@
-"""What a compact storage costs in training signal: the first samples extracted again in bf16 and in each
-compact storage (under ``<stage_dir>/storage_check/``), and the loss targets they yield compared over
-loss-masked positions. Runs the stage, so it lives beside it, not in ``report``."""
+"""What a compact storage costs in training signal: the loss targets that the same samples stored in bf16 and
+in a compact storage yield, compared over loss-masked positions (``stage.storage_cost`` makes the runs)."""
 
 from __future__ import annotations
 
 from eagle3nb.data.reader import HiddenStates
-from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.stage import run
 
 
 def compare_targets(ref: HiddenStates, other: HiddenStates, max_samples: int | None = None,
@@ -30,16 +27,12 @@ def compare_targets(ref: HiddenStates, other: HiddenStates, max_samples: int | N
             "aux_relative_error": aux_err / n}
 
 
-def storage_cost(P: HiddenParams, samples: int = 16, storages: tuple[str, ...] = ("fp8", "topk")):
-    """Extract the first ``samples`` samples in bf16 and in each compact storage (under
-    ``<stage_dir>/storage_check/``) and compare the loss targets they yield: one row per storage."""
+def cost_table(runs: dict[str, tuple[dict, HiddenStates]]):
+    """One row per storage of ``runs`` (storage -> (02's metrics, its data), bf16 among them): bytes per token
+    and, against bf16, what its loss targets lose."""
     import pandas as pd
 
-    base = P.stage_dir / "storage_check"
-    runs = {}
-    for s in ("bf16", *storages):
-        q = P.model_copy(update={"storage": s, "output_dir": str(base / s), "max_samples": samples, "force": True})
-        runs[s] = (run(q), HiddenStates(base / s))
+    storages = [s for s in runs if s != "bf16"]
     bf16 = runs["bf16"][0]["bytes_per_token"]
     rows = [{"storage": "bf16", "bytes/token": bf16, "vs bf16": 1.0, "total_variation": 0.0, "kl_other_to_ref": 0.0,
              "argmax_agreement": 1.0, "aux_relative_error": 0.0}]

@@ -35,16 +35,11 @@ from eagle3nb.data.head import TargetHead, read_head_tensors, target_info
 from eagle3nb.data.reader import FIELDS, HEAD_FILE, HiddenStates
 from eagle3nb.data.shards import ShardError, check_shard, decode, encode, shard_name, write_shard
 from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids, load_draft_vocab, save_draft_vocab
+from eagle3nb.hf import compute_device
+from eagle3nb.hidden.extract import write_head
 from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.stage import (
-    HiddenStatesError,
-    TransformersSource,
-    VllmSource,
-    _config,
-    aux_layer_ids,
-    prepare_samples,
-    write_head,
-)
+from eagle3nb.hidden.plan import HiddenStatesError, aux_layer_ids, data_key, prepare_samples
+from eagle3nb.hidden.sources import TransformersSource, VllmSource
 from eagle3nb.hidden.vllm_backend import assigned_urls
 from eagle3nb.layers import to_sglang
 from eagle3nb.progress import write_json_atomic
@@ -128,7 +123,7 @@ class OnlineStates(HiddenStates):
         self._seen: dict[str, tuple[int, int]] = {}  # another process's list -> (mtime_ns, size) when last read
         self.redone: list[str] = []
         if cache_dir is not None:
-            key = dict(cache_key or {}, hidden=_config(HP, info, self.layer_ids, samples), max_length=max_length)
+            key = dict(cache_key or {}, hidden=data_key(HP, info, self.layer_ids, samples), max_length=max_length)
             if self.rank == 0:
                 self._open_cache(key, verify_sha256)
             if barrier is not None:
@@ -142,12 +137,9 @@ class OnlineStates(HiddenStates):
     def head(self) -> TargetHead:
         """The target's norm and head with the draft rows (the vllm backend's norm, topk storage's targets)."""
         if self._target_head is None:
-            import torch
-
             h = self._head
             self._target_head = TargetHead(h["lm_head.weight"], draft_target_ids(self.d2t), h["norm.weight"],
-                                           self.info["rms_norm_eps"],
-                                           device="cuda" if torch.cuda.is_available() else "cpu")
+                                           self.info["rms_norm_eps"], device=compute_device())
         return self._target_head
 
     def source(self):

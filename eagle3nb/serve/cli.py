@@ -31,6 +31,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--api-key-env", default=None, metavar="NAME",
                    help="require 'Authorization: Bearer KEY' with KEY read from environment variable NAME")
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the model folder run Python code of its own (its auto_map), as vLLM's flag does")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the toy's matrices are tiny, and more threads spin against "
                         "the clients and each other on a shared machine)")
@@ -109,12 +111,14 @@ def serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from eagle3nb.hf import DECODER, load_target, load_tokenizer
     from eagle3nb.serve.app import Server, create_app
-    from eagle3nb.serve.engine import Engine, Metrics, load_model
+    from eagle3nb.serve.engine import Engine, Metrics
 
     torch.set_num_threads(max(1, args.threads))
     name = args.served_model_name or args.model
-    model, tokenizer = load_model(str(model_dir))
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=args.trust_remote_code)
+    model = load_target(model_dir, trust_remote_code=args.trust_remote_code, use=DECODER)
     metrics = Metrics(name)
     decoder = None
     if args.draft:

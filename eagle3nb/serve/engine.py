@@ -324,14 +324,3 @@ def _eos_ids(model, tokenizer) -> set[int]:
     eos = getattr(gen, "eos_token_id", None)
     ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
     return {int(i) for i in ids if i is not None}
-
-
-def load_model(model_dir: str, dtype: str = "float32"):
-    """(model, tokenizer) from a Hugging Face directory, eval mode, on CPU (or the first GPU if present)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    if torch.cuda.is_available():
-        model = model.to("cuda")
-    return model.eval(), tokenizer

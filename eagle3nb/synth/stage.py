@@ -111,7 +111,7 @@ def server_urls(P: SynthParams, model_dir: Path) -> Iterator[list[str]]:
     if P.vllm_url != "embedded":
         yield P.urls
         return
-    with start_server(model_dir, api_key_env=P.api_key_env) as handle:
+    with start_server(model_dir, api_key_env=P.api_key_env, trust_remote_code=P.trust_remote_code) as handle:
         yield [handle.url]
 
 
