@@ -135,8 +135,8 @@ def measure(op: str, root: Path) -> dict:
     from eagle3nb.data.split import split_holdout
     from eagle3nb.hidden.extract import write_index
     from eagle3nb.hidden.plan import make_plan, prepare_samples
-    from eagle3nb.synth.stage import needs_request
-    from eagle3nb.train.stage import Layout
+    from eagle3nb.synth.plan import needs_request
+    from eagle3nb.train.loop import Layout
 
     P = hidden_params(root)
     args: tuple = ()

@@ -126,6 +126,30 @@ def test_a_stage_imports_no_other_stage():
         assert STAGES.index(d.split(".")[1]) < STAGES.index(m.split(".")[1]), f"{m} imports a later stage: {d}"
 
 
+def stage_modules() -> set[str]:
+    return {f"eagle3nb.{stage}.stage" for stage in STAGES}
+
+
+def test_no_module_imports_a_stage_orchestrator():
+    """A ``stage.py`` orchestrates its package's modules and is imported by no module of the package, its own
+    package's included (the command line reaches each by name, ``stage_cli``): what another module needs from a
+    stage (03's online source from 02, the doctor from 02's plan) is a public function of a named module."""
+    bad = sorted(f"{m} imports {d}" for m, deps in graph().items() for d in deps if d in stage_modules())
+    assert bad == []
+
+
+def test_tools_benchmarks_and_testkit_take_only_run_from_a_stage():
+    """Outside the package, a stage's ``stage.py`` gives only ``run`` (what the notebook calls); every other
+    piece comes from the module that holds it."""
+    bad = []
+    for folder in ("testkit", "benchmarks", "tools"):
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module in stage_modules():
+                    bad += [f"{f.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names if a.name != "run"]
+    assert bad == []
+
+
 def test_no_import_cycles():
     g = graph()
     index, low, stack, on, cycles = {}, {}, [], set(), []
@@ -192,6 +216,7 @@ def test_stage_packages_share_one_shape(stage):
         assert (folder / role).exists(), f"eagle3nb/{stage}/{role}"
     tree = ast.parse((folder / "stage.py").read_text())
     assert any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body), f"{stage}/stage.py: run(P)"
+    assert len((folder / "stage.py").read_text().splitlines()) <= 250, f"{stage}/stage.py: orchestrate, move work out"
     main = (folder / "__main__.py").read_text()
     assert "from eagle3nb.stage_cli import main" in main
     assert len((folder / "__init__.py").read_text().splitlines()) <= 15

@@ -172,7 +172,7 @@ def retemplated(toy: Path, dest: Path, model_type: str, template: str) -> Path:
 
 def test_a_non_kimi_family_markers_and_switch_reach_the_stream(toy_smoke, tmp_path):
     from eagle3nb.data.stream import Template, build
-    from eagle3nb.synth.stage import token_counts
+    from eagle3nb.synth.session import token_counts
 
     qwen = Template(retemplated(toy_smoke, tmp_path / "qwen", "qwen3", QWEN_STYLE), thinking=True)
     assert qwen.family.name == "qwen3" and qwen.kwargs == {"enable_thinking": True}

@@ -24,7 +24,8 @@ from eagle3nb.data.split import split_holdout
 from eagle3nb.data.stream import Template
 from eagle3nb.data.turns import conversation_of, parse_turn, replay, turn_id, turn_inputs
 from eagle3nb.synth.params import SynthParams
-from eagle3nb.synth.stage import SynthError, run
+from eagle3nb.synth.session import SynthError
+from eagle3nb.synth.stage import run
 
 from conversations import check_turns, mt_bench
 

@@ -78,7 +78,7 @@ def test_model_code_runs_only_when_trusted(folder):
 
 
 def test_acceptance_refuses_the_folder_code_by_default(folder):
-    from eagle3nb.accept.stage import load_models
+    from eagle3nb.accept.models import load_models
 
     P = from_dict("04_acceptance", {"model_path": str(folder)}, check_paths=False)
     with pytest.raises(RemoteCodeRequired, match="set trust_remote_code: true in the stage's params"):

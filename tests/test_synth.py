@@ -18,7 +18,9 @@ from eagle3nb.params import ParamsError, from_dict
 from eagle3nb.progress import FolderLocked
 from eagle3nb.synth.faults import FaultServer
 from eagle3nb.synth.params import SynthParams
-from eagle3nb.synth.stage import SynthError, probe, run
+from eagle3nb.synth.probe import ask
+from eagle3nb.synth.session import SynthError
+from eagle3nb.synth.stage import run
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 
 ROWS = [
@@ -298,11 +300,11 @@ def test_probe_retries_like_the_run(tmp_path, toy_smoke):
     with FaultServer(fault_rate=0.2, faults=("500", "503", "429", "drop", "malformed", "nochoice"), seed=22) as srv:
         planned = srv.plan(FaultServer.key([{"role": "user", "content": "What is 2+2?"}]))
         assert planned  # seed 22 fails this conversation's first attempts (drop, 429)
-        p = probe(synth_params(tmp_path, vllm_url=srv.url, max_retries=2), "What is 2+2?")
+        p = ask(synth_params(tmp_path, vllm_url=srv.url, max_retries=2), "What is 2+2?")
         assert [f for _, f in srv.served] == [*planned, "ok"] and p["reasoning_from"] == "reasoning"
     with FaultServer(fault_rate=1.0, faults=("503",), max_faults=99) as srv:
         with pytest.raises(SynthError, match=r"the probe request failed: .*503.*gave up after 2 attempts"):
-            probe(synth_params(tmp_path, vllm_url=srv.url, max_retries=1), "What is 2+2?")
+            ask(synth_params(tmp_path, vllm_url=srv.url, max_retries=1), "What is 2+2?")
 
 
 def test_exactly_concurrency_requests_in_flight(tmp_path, toy_smoke):

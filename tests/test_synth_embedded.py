@@ -19,7 +19,8 @@ import yaml
 from eagle3nb.data.samples import load_samples, sample_files
 from eagle3nb.data.stream import Template, build
 from eagle3nb.synth.params import SynthParams
-from eagle3nb.synth.stage import probe, run
+from eagle3nb.synth.probe import ask
+from eagle3nb.synth.stage import run
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def test_thinking_off_and_probe(tmp_path, servers, tpl, toy_smoke):
         assert r["reasoning"] is None and r["thinking"] is False
         assert tpl.decode(prompt).endswith(f"{THINK_START}{THINK_END}") and tpl.think_ids[0] not in completion
 
-    p = probe(params(tmp_path, servers["reasoning"], toy_smoke), "What is 2+2?")
+    p = ask(params(tmp_path, servers["reasoning"], toy_smoke), "What is 2+2?")
     assert set(p["raw"]) == {"reasoning", "reasoning_content", "content"} and p["raw"]["reasoning_content"] is None
     assert p["raw"]["reasoning"] is not None and p["reasoning_from"] == "reasoning"
     assert p["token_source"] == "server"

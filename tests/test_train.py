@@ -21,8 +21,9 @@ from eagle3nb.draft_checkpoint import load_draft, save_draft
 from eagle3nb.params import from_dict
 from eagle3nb.train.checkpoint import ResumeMismatch, checkpoints
 from eagle3nb.train.data import DeviceTargets
+from eagle3nb.train.loop import TrainingDiverged
 from eagle3nb.train.report import read_metrics
-from eagle3nb.train.stage import TrainingDiverged, run
+from eagle3nb.train.stage import run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_data import child_env, kill_after, make_hidden_states  # noqa: E402

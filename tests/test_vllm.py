@@ -154,7 +154,8 @@ def test_every_turn_through_real_vllm_is_the_stream_it_read(vllm, toy_smoke, tmp
 
 def test_doctor_passes_with_the_parser_and_fails_without_it(vllm, toy_smoke, tmp_path):
     from eagle3nb.doctor import FAIL, PASS, run_checks
-    from eagle3nb.synth.stage import SynthError, run
+    from eagle3nb.synth.session import SynthError
+    from eagle3nb.synth.stage import run
 
     from worlds import write_run
 

@@ -15,11 +15,11 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``ttt_attention``: ``draft.TTTCache.attend`` takes fused ``scaled_dot_product_attention`` with a block mask
   on CUDA (``dense=None`` -> ``q.is_cuda``): fused vs element-wise on cuda vs the CPU fp32 element-wise
   reference, fp32 (rel. error <= 1e-5) and bf16 (<= 2e-2: bf16 keeps 8 bits, one rounding is 3.9e-3).
-- ``hidden_transformers``: 02 ``hidden.stage.run`` (``capture.load_target`` with ``device_map="auto"``, dtype
+- ``hidden_transformers``: 02 ``hidden.stage.run`` (``hf.load_target`` with ``device_map="auto"``, dtype
   ``auto`` = bf16 on CUDA, ``TargetHead`` on cuda for top-k storage) vs the same run on CPU in fp32: fp32 on
   cuda <= 1e-4, bf16 <= 3e-2 (relative norm of the aux and final states), target argmax agreeing >= 95% (bf16)
   / 99% (fp32, top-k storage).
-- ``autocast_bf16``: ``train.stage.autocast_for("auto")`` turns bf16 autocast on: 03 ``stage.run`` on cuda under
+- ``autocast_bf16``: ``train.distributed.autocast_for("auto")`` turns bf16 autocast on: 03 ``stage.run`` on cuda under
   autocast vs on CPU in fp32, same seed and data: initial held-out loss within 2e-2, final loss finite and
   within 10%.
 - ``train_step``: 03 ``stage.run`` on cuda in fp32 (TTT objective with the fused attention, AdamW, clipping,
@@ -39,10 +39,11 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``draft_sanity``: the doctor's ``draft_sanity`` (loads the draft on cuda) equals CPU offline acceptance on
   the same held-out samples (alpha_i within 0.02).
 - ``spec_decoding``: 04's local ``spec.compare_with_plain`` / ``measure_costs`` with target and draft on cuda
-  (``accept.stage.load_models``): greedy output identical to the target's, acceptance length within 5% of CPU's;
-  sampling (temperature 0.8) runs; costs finite.
-- ``embedded_server``: ``serve.engine.load_model`` moves the target to cuda: 01 ``synth.run`` against it,
-  greedy, gives the CPU target's greedy token ids (>= 90% of samples identical) and server ids == template ids.
+  (``accept.models.load_models``, ``hf.load_target``): greedy output identical to the target's, acceptance length
+  within 5% of CPU's; sampling (temperature 0.8) runs; costs finite.
+- ``embedded_server``: ``hf.load_target(use=DECODER)`` moves the embedded server's target to cuda: 01
+  ``synth.run`` against it, greedy, gives the CPU target's greedy token ids (>= 90% of samples identical) and
+  server ids == template ids.
 - ``embedded_spec_server``: ``serve.spec_engine`` (draft on the target's device and dtype): 04's
   ``bench_endpoint`` greedy and at temperature 0.8 without errors, acceptance length within 15% of CPU local.
 - ``vllm_install``: vLLM's GPU build in ``.venv-vllm-gpu/`` (installed with ``--vllm``; bounded by the budget).
@@ -375,7 +376,7 @@ def check_hidden_transformers(w: World) -> str:
 def check_autocast_bf16(w: World) -> str:
     import torch
 
-    from eagle3nb.train.stage import autocast_for
+    from eagle3nb.train.distributed import autocast_for
 
     with autocast_for("auto", torch.device(GPU)):
         on = torch.is_autocast_enabled(GPU) and torch.get_autocast_dtype(GPU) == torch.bfloat16
@@ -387,8 +388,8 @@ def check_autocast_bf16(w: World) -> str:
                 f"final loss {a['final_loss']:.4f} vs CPU fp32 {b['final_loss']:.4f} ({within('rel', e1, 1e-1)}) "
                 f"after {SHORT_STEPS} steps")
     return expect(on and math.isfinite(a["final_loss"]) and e0 <= 2e-2 and e1 <= 1e-1, measured,
-                  "bf16 autocast training drifts from fp32: check autocast_for in eagle3nb/train/stage.py and the "
-                  "float() casts of the loss in eagle3nb/train/ttt.py")
+                  "bf16 autocast training drifts from fp32: check autocast_for in eagle3nb/train/distributed.py "
+                  "and the float() casts of the loss in eagle3nb/train/ttt.py")
 
 
 def loss_gaps(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -406,7 +407,7 @@ def check_train_step(w: World) -> str:
                 f"{b['tokens_per_s']:.0f} tok/s)")
     return expect(e0 <= 1e-4 and e1 <= 1e-2, measured,
                   "03 on GPU differs from CPU: check the device moves in eagle3nb/train/data.py (collate, "
-                  "DeviceTargets) and stage.py")
+                  "DeviceTargets) and loop.py")
 
 
 def check_train_recipes(w: World) -> str:
@@ -444,7 +445,7 @@ def check_export(w: World) -> str:
     measured = (f"{len(trained)} tensors of {last.name} vs load_draft(device='cuda'): {len(bad)} differ; "
                 f"SGLang copy {'written' if sglang else 'MISSING'}")
     return expect(not bad and sglang, measured + (f" ({bad[:3]})" if bad else ""),
-                  "export in eagle3nb/train/stage.py must write exactly the trained weights (draft.to('cpu') first)")
+                  "export in eagle3nb/train/export.py must write exactly the trained weights (draft.to('cpu') first)")
 
 
 def check_offline_acceptance(w: World) -> str:
@@ -495,7 +496,7 @@ def check_draft_sanity(w: World) -> str:
 
 
 def check_spec_decoding(w: World) -> str:
-    from eagle3nb.accept.stage import load_models
+    from eagle3nb.accept.models import load_models
     from eagle3nb.params import from_dict
     from eagle3nb.spec import compare_with_plain, measure_costs
 
@@ -539,8 +540,8 @@ def check_embedded_server(w: World) -> str:
     measured = (f"{len(rows)} greedy samples from the server on cuda: {same} equal the CPU target's greedy ids "
                 f"(>= 90%), server ids == template ids on {matched}")
     return expect(matched == len(rows) == N_SAMPLES and same >= 0.9 * len(rows), measured,
-                  "the embedded server on GPU decodes differently: check BatchDecoder / load_model in "
-                  "eagle3nb/serve/engine.py")
+                  "the embedded server on GPU decodes differently: check BatchDecoder in eagle3nb/serve/engine.py, "
+                  "load_target in eagle3nb/hf.py")
 
 
 def check_embedded_spec_server(w: World) -> str:
@@ -665,29 +666,29 @@ PATHS: list[CudaPath] = [
     CudaPath("cuda_device", check_cuda_device, (), "install a CUDA build of torch in .venv"),
     CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/draft.py",), "see eagle3nb/draft.py TTTCache"),
     CudaPath("hidden_transformers", check_hidden_transformers,
-             ("eagle3nb/hidden/stage.py", "eagle3nb/hidden/capture.py", "eagle3nb/data/head.py",
-              "eagle3nb/hidden/params.py"), "see eagle3nb/hidden/stage.py run"),
-    CudaPath("autocast_bf16", check_autocast_bf16, ("eagle3nb/train/stage.py", "eagle3nb/train/params.py"),
-             "see eagle3nb/train/stage.py autocast_for"),
+             ("eagle3nb/hf.py", "eagle3nb/hidden/extract.py", "eagle3nb/hidden/capture.py", "eagle3nb/data/head.py",
+              "eagle3nb/hidden/params.py"), "see eagle3nb/hf.py load_target and eagle3nb/hidden/extract.py"),
+    CudaPath("autocast_bf16", check_autocast_bf16, ("eagle3nb/train/distributed.py", "eagle3nb/train/params.py"),
+             "see eagle3nb/train/distributed.py autocast_for"),
     CudaPath("train_step", check_train_step,
-             ("eagle3nb/train/stage.py", "eagle3nb/train/ttt.py", "eagle3nb/train/data.py",
-              "eagle3nb/train/checkpoint.py"),
-             "see eagle3nb/train/stage.py run"),
+             ("eagle3nb/train/stage.py", "eagle3nb/train/loop.py", "eagle3nb/train/distributed.py",
+              "eagle3nb/train/ttt.py", "eagle3nb/train/data.py", "eagle3nb/train/checkpoint.py"),
+             "see eagle3nb/train/loop.py Trainer"),
     CudaPath("train_recipes", check_train_recipes,
-             ("eagle3nb/train/stage.py", "eagle3nb/train/ttt.py", "eagle3nb/train/optim.py", "eagle3nb/draft.py"),
-             "see eagle3nb/train/stage.py run"),
+             ("eagle3nb/train/loop.py", "eagle3nb/train/ttt.py", "eagle3nb/train/optim.py", "eagle3nb/draft.py"),
+             "see eagle3nb/train/loop.py Trainer"),
     CudaPath("online_source", check_online_source, ("eagle3nb/hidden/online.py", "eagle3nb/train/sources.py"),
              "see eagle3nb/hidden/online.py OnlineStates"),
-    CudaPath("export", check_export, ("eagle3nb/train/stage.py", "eagle3nb/draft_checkpoint.py"),
-             "see eagle3nb/train/stage.py export and eagle3nb/draft_checkpoint.py load_draft"),
+    CudaPath("export", check_export, ("eagle3nb/train/export.py", "eagle3nb/draft_checkpoint.py"),
+             "see eagle3nb/train/export.py export and eagle3nb/draft_checkpoint.py load_draft"),
     CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept/offline.py",),
              "see eagle3nb/accept/offline.py offline_acceptance"),
     CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),
              "see eagle3nb/doctor/checks.py check_draft_sanity"),
-    CudaPath("spec_decoding", check_spec_decoding, ("eagle3nb/spec.py", "eagle3nb/accept/stage.py"),
+    CudaPath("spec_decoding", check_spec_decoding, ("eagle3nb/spec.py", "eagle3nb/accept/models.py", "eagle3nb/hf.py"),
              "see eagle3nb/spec.py"),
-    CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py",),
-             "see eagle3nb/serve/engine.py"),
+    CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py", "eagle3nb/hf.py"),
+             "see eagle3nb/serve/engine.py and eagle3nb/hf.py load_target"),
     CudaPath("embedded_spec_server", check_embedded_spec_server, ("eagle3nb/serve/spec_engine.py", "eagle3nb/spec.py"),
              "see eagle3nb/serve/spec_engine.py and eagle3nb/spec.py"),
     CudaPath("vllm_install", check_vllm_install, (), "install vLLM's GPU build into .venv-vllm-gpu"),

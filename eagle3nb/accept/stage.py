@@ -16,14 +16,12 @@ from eagle3nb import track
 from eagle3nb.accept.bench import run_benchmarks
 from eagle3nb.accept.local import prompt_token_ids, run_local
 from eagle3nb.accept.misses import summary as miss_summary
+from eagle3nb.accept.models import load_models
 from eagle3nb.accept.offline import run_offline
 from eagle3nb.accept.online import baseline_label, probe_endpoints, run_online
 from eagle3nb.accept.params import STAGE, AcceptParams
 from eagle3nb.accept.predict import prediction
 from eagle3nb.accept.report import save_figures
-from eagle3nb.data.reader import HiddenStates
-from eagle3nb.draft_checkpoint import check_fits, load_draft
-from eagle3nb.hf import DECODER, compute_device, load_target, load_tokenizer
 from eagle3nb.progress import write_json_atomic
 
 
@@ -50,31 +48,6 @@ def run(P: AcceptParams) -> dict[str, Any]:
     write_metrics(P, metrics)
     track.stage_done(P)
     return metrics
-
-
-def load_models(P: AcceptParams, need_target: bool = True):
-    """(target or None, draft, tokenizer) for the stage, after checking that the draft fits both the held-out
-    data and the target (sizes, vocabulary, aux layers), so a mismatch stops here, naming both sides. The
-    draft gets the target's embedding when its checkpoint carries none."""
-    model_dir = P.model_dir
-    tokenizer = load_tokenizer(model_dir, trust_remote_code=P.trust_remote_code)
-    data = HiddenStates(P.data_path)
-    target = None
-    if need_target:
-        target = load_target(model_dir, trust_remote_code=P.trust_remote_code, use=DECODER)
-        embed = target.get_input_embeddings().weight.detach()
-    else:
-        embed = data.embed_tokens()
-    draft = load_draft(P.draft_path, embed_tokens=embed, device=compute_device())
-    meta = data.meta
-    check_fits(draft.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
-               layer_ids=meta["layer_ids"], num_layers=meta["num_layers"], draft=f"the draft {P.draft_path}",
-               data=f"the held-out data {P.data_path}")
-    tc = json.loads((model_dir / "config.json").read_text())
-    tc = tc.get("text_config") or tc
-    check_fits(draft.config, hidden_size=tc["hidden_size"], vocab_size=tc["vocab_size"], layer_ids=None,
-               num_layers=tc["num_hidden_layers"], draft=f"the draft {P.draft_path}", data=f"the target {model_dir}")
-    return target, draft, tokenizer
 
 
 def longest_trained(P: AcceptParams) -> int | None:

@@ -196,3 +196,20 @@ def cost_text(costs: dict[str, Any]) -> str:
             f"{costs['evaluations']} times; storage {costs['storage']} at {costs['bytes_per_token']:,} bytes/token; "
             f"target throughput {f'{tps:,.0f} tokens/s' if tps else 'unknown'} from {costs['tokens_per_s_from']}. "
             "An estimate: it assumes training waits for the target and that the throughput holds.")
+
+
+def source_metrics(P: TrainParams, data, world: int) -> dict[str, Any]:
+    """Which data source trained the draft and what it cost (``source_costs``; the throughput is the one this
+    run measured when it ran the target, else 02's)."""
+    out: dict[str, Any] = {"data_source": P.data_source}
+    measured: dict[str, Any] = {}
+    if P.data_source != "stored":
+        tps = data.target_tokens / data.target_s if data.target_s > 0 else None
+        measured = {"tokens_per_s": tps, "tokens_per_s_from": "measured in this run" if tps else None}
+        out["target_forward"] = {"tokens": data.target_tokens, "seconds": data.target_s, "tokens_per_s": tps}
+    if P.data_source == "hybrid":
+        out["hybrid_cache"] = {"dir": str(P.stage_dir / CACHE_DIR), "bytes": data.cache_bytes(),
+                               "shards": len(data.cache_shards), "redone_shards": data.redone}
+    given = measured if measured.get("tokens_per_s") else {}
+    out["source_cost"] = source_costs(P, data, world, measure=False, **given)
+    return out

@@ -1,0 +1,65 @@
+"""03's export: the trained draft in the layouts vLLM, SGLang and speculators load, and the flags that serve
+it."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from eagle3nb.draft_checkpoint import EAGLE31_KEYS, draft_config_json, save_draft
+from eagle3nb.layers import to_sglang
+from eagle3nb.progress import write_json_atomic
+from eagle3nb.train.params import TrainParams
+from eagle3nb.vllm_config import eagle3_spec
+
+
+def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]:
+    """Write ``draft/`` (EAGLE-3 layout, vLLM ids), ``draft-sglang/`` (same weights, SGLang's output-of-layer
+    ids) and, on request, ``draft-speculators/`` (naming ``verifier``, the target); print the serving flags."""
+    out = P.stage_dir
+    dtype = getattr(torch, P.export_dtype)
+    draft = draft.to("cpu").eval()
+    paths: dict[str, Any] = {}
+    k = P.num_speculative_tokens
+    if P.export_format in ("eagle3", "both"):
+        vllm_dir = save_draft(draft, out / "draft", dtype=dtype, include_embed=P.export_embed_tokens)
+        sglang_dir = out / "draft-sglang"
+        sglang_dir.mkdir(exist_ok=True)
+        weights = sglang_dir / "model.safetensors"
+        weights.unlink(missing_ok=True)
+        os.link(vllm_dir / "model.safetensors", weights)
+        cfg = draft_config_json(draft, "eagle3", dtype)
+        ids = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        write_json_atomic(sglang_dir / "config.json", cfg)
+        paths.update(draft_dir=str(vllm_dir), sglang_draft_dir=str(sglang_dir))
+    if P.export_format in ("speculators", "both"):
+        paths["speculators_dir"] = str(save_draft(draft, out / "draft-speculators", format="speculators",
+                                                  dtype=dtype, include_embed=P.export_embed_tokens,
+                                                  verifier=verifier, num_speculative_tokens=k))
+    paths["serve"] = serve_commands(paths, k, eagle31=[key for key in EAGLE31_KEYS if getattr(draft.config, key)])
+    for line in paths["serve"].values():
+        print(line, flush=True)
+    return paths
+
+
+def serve_commands(paths: dict[str, Any], k: int, eagle31: list[str]) -> dict[str, str]:
+    """The flags that serve the exported draft beside its target; for an EAGLE-3.1 draft (``eagle31``: its keys
+    that are on) what an SGLang without them would do with it."""
+    cmds = {}
+    vllm_dir = paths.get("draft_dir") or paths.get("speculators_dir")
+    spec = json.dumps(eagle3_spec(vllm_dir, k))  # a parallel-drafting draft's with parallel_drafting on
+    cmds["vllm"] = f"vllm serve <target> --speculative-config '{spec}'"
+    if paths.get("sglang_draft_dir"):
+        cmds["sglang"] = (f"python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
+                          f"--speculative-draft-model-path {paths['sglang_draft_dir']} --speculative-num-steps {k} "
+                          f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+        if eagle31:
+            cmds["sglang_note"] = (f"SGLang: this is an EAGLE-3.1 draft ({', '.join(eagle31)}); an SGLang whose "
+                                   "llama_eagle3 does not read those keys loads it without them, silently, and "
+                                   "accepts less: check yours, or train with fc_norm: false, norm_output: false")
+    return cmds
