@@ -35,7 +35,8 @@ class Plant:
 
 PLANTS = [
     Plant("random-flagged-picks-unflagged", "eagle3nb/tokenview.py",
-          'hits = [r for r in matching() if r.get("flags")]', 'hits = [r for r in matching() if not r.get("flags")]',
+          'hits = [r for r in matching(category.value, flag.value) if r.get("flags")]',
+          'hits = [r for r in matching(category.value, flag.value) if not r.get("flags")]',
           ("tests/test_views.py::test_synth_sample_browser_and_static_samples",),
           "the sample browser's 'random flagged' button lands on an unflagged sample"),
     Plant("worst-sample-ignores-flags", "eagle3nb/synth/report.py", "        if hit:\n", "        if hit and False:\n",
@@ -63,7 +64,7 @@ PLANTS = [
           ("tests/test_bench_server.py::test_spec_server_samples_with_seeds_reproducibly",),
           "the speculative server verifies greedily whatever the temperature"),
     Plant("thinking-kwarg-ignored", "eagle3nb/serve/app.py",
-          "return_dict=False, **(body.chat_template_kwargs or {}))", "return_dict=False)",
+          "return_dict=False, **(body.chat_template_kwargs or {}), **more)", "return_dict=False, **more)",
           ("tests/test_serve.py::test_thinking_kwarg_changes_output_and_renders_like_template",),
           "the server renders every prompt with thinking on"),
     Plant("sigterm-recorded-as-failed", "eagle3nb/run.py", 'recs[current].update(state="killed"',
