@@ -9,7 +9,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from eagle3nb.data.reasoning import REASONING_FIELDS, extract, field
 from eagle3nb.data.split import split_holdout
 from eagle3nb.data.stream import Template
 from eagle3nb.doctor.result import FAIL, CheckResult
@@ -19,6 +18,7 @@ from eagle3nb.launch import start_server
 from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict, run_params
 from eagle3nb.paths import project_root, resolve
 from eagle3nb.synth.client import Endpoint, FatalServerError, GaveUp, base_url, chat, retried, run_sync
+from eagle3nb.synth.probe import landed
 
 PROBE_QUESTION = "What is 2+2?"
 # Token-stream probes: short questions every chat model answers briefly (the toy's own kind included).
@@ -336,17 +336,8 @@ class Context:
             ep, messages, max_completion_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=P1.seed,
             template_kwargs={} if thinking is None else self.family.template_kwargs(thinking, P1.thinking_kwarg)),
             model)
-        choice = resp.choices[0]
-        reasoning, content, source = extract(choice.message, self.family.think_tags)
-        return {
-            "messages": messages, "thinking": thinking, "kwarg": self.family.thinking_kwarg(P1.thinking_kwarg),
-            "model": model,
-            "reasoning": reasoning, "content": content, "source": source,
-            "fields": {f: field(choice.message, f) for f in REASONING_FIELDS},
-            "raw_content": field(choice.message, "content"), "finish_reason": choice.finish_reason,
-            "max_tokens": max_tokens,
-            "prompt_token_ids": field(resp, "prompt_token_ids"), "token_ids": field(choice, "token_ids"),
-        }
+        return {"messages": messages, "thinking": thinking, "kwarg": self.family.thinking_kwarg(P1.thinking_kwarg),
+                "model": model, "max_tokens": max_tokens, **landed(resp, self.family.think_tags)}
 
 
 class Subset:
