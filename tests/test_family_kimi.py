@@ -142,10 +142,11 @@ def test_kimi_rotary_fix_in_vllms_process():
 
 @requires_vllm()
 def test_kimi_synth_vllm_parser(kimi_vllm, kimi, tmp_path):
-    """01 through the real vLLM with Kimi's parser: every finished record has its reasoning split out, opens
-    with the think marker, ends the turn, and matches the template's rendering exactly unless its stream closed
-    the reasoning twice (then 01 flags it). vLLM's CPU MLA kernel gap (test_kimi_hidden_vllm) makes answers
-    ramble (measured 4 of 8 past 96 tokens, where transformers' toy finishes all): those count truncated."""
+    """01 through the real vLLM with Kimi's parser, greedy: the records finish within 256 tokens as transformers'
+    toy does (before the rotary fix vLLM's answers rambled: 4 of 8 past 96 tokens), each has its reasoning split
+    out, opens with the think marker, ends the turn, and matches the template's rendering exactly unless its
+    stream closed the reasoning twice (then 01 flags it). 7 of 8, not 8: a float tie may flip a greedy token on
+    another CPU."""
     from eagle3nb.data.samples import load_samples
     from eagle3nb.data.stream import Template
     from eagle3nb.synth.stage import run
@@ -154,7 +155,7 @@ def test_kimi_synth_vllm_parser(kimi_vllm, kimi, tmp_path):
     rows = load_samples(tmp_path / "01", statuses=("ok", "truncated", "no_reasoning", "error"))
     statuses = [r["status"] for r in rows]
     print(f"kimi through vLLM: {statuses.count('ok')} of {len(rows)} finished within 256 tokens")
-    assert len(rows) == 8 and set(statuses) <= {"ok", "truncated"} and statuses.count("ok") >= 3, statuses
+    assert len(rows) == 8 and set(statuses) <= {"ok", "truncated"} and statuses.count("ok") >= 7, statuses
     assert all(r["token_source"] == "server" for r in rows)
     tpl = Template(kimi, True)
     start, end = tpl.think_ids
@@ -163,11 +164,11 @@ def test_kimi_synth_vllm_parser(kimi_vllm, kimi, tmp_path):
     for r in ok:
         completion = r["input_ids"][r["loss_mask"].index(1):]
         assert r["reasoning"] and completion[0] == start and completion[-1] == tpl.end_id, r["id"]
-        # A stream that closes its reasoning twice (the rambling model does) cannot be the template's rendering
-        # of the parsed reasoning and answer: 01 flags it ids_match false; every other one matches exactly.
+        # A stream that closes its reasoning twice cannot be the template's rendering of the parsed reasoning
+        # and answer: 01 flags it ids_match false; every other one matches exactly.
         assert r["ids_match"] is (completion.count(end) == 1), (r["id"], completion.count(end))
         single += completion.count(end) == 1
-    assert single >= 3, [r["id"] for r in ok]
+    assert single >= 7, [r["id"] for r in ok]
 
 
 def test_kimi_hidden_inprocess(kimi, kimi_trained):
