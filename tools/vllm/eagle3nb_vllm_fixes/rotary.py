@@ -78,6 +78,7 @@ def install() -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
+        log.info("eagle3nb: not a CPU: vLLM's rotary kernels left alone")
         return
     from vllm import _custom_ops as ops
 
