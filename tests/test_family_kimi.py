@@ -241,45 +241,49 @@ def test_kimi_local_lossless(kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
 
 
-def greedy_reply_is_transformers(kimi: Path, base_url: str, max_tokens: int) -> list[int]:
-    """A chat request at temperature 0 to ``base_url``: its prompt is the template's, its tokens are transformers'
-    greedy tokens from that prompt (a prefix of them where the server stops on its own). Returns the tokens."""
+def greedy_replies_are_transformers(kimi: Path, base_url: str, n: int, max_tokens: int) -> list[list[int]]:
+    """Chat requests at temperature 0 to ``base_url`` for ``n`` held-out prompts: each prompt is the template's,
+    each answer transformers' greedy tokens from it (a prefix of them where the server stops on its own) with the
+    reasoning split out. Returns the answers' tokens."""
     import httpx
     from transformers import AutoModelForCausalLM
 
     from eagle3nb.data.stream import Template
 
-    messages = held_out(1)[0]["messages"]
     tpl = Template(kimi, True)
-    prompt = tpl.prompt_ids(messages)
     model = AutoModelForCausalLM.from_pretrained(kimi, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=max_tokens, do_sample=False)[0, len(prompt):].tolist()
     served = httpx.get(base_url + "/models").json()["data"][0]["id"]
-    reply = httpx.post(base_url + "/chat/completions", timeout=120, json={
-        "model": served, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-        "return_token_ids": True}).json()
-    choice = reply["choices"][0]
-    assert reply["prompt_token_ids"] == prompt
-    assert choice["token_ids"] == want[:len(choice["token_ids"])], (choice["token_ids"], want)
-    assert choice["message"]["reasoning"] and tpl.think_ids[0] in choice["token_ids"]
-    return choice["token_ids"]
+    answers = []
+    for p in held_out(n):
+        prompt = tpl.prompt_ids(p["messages"])
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=max_tokens, do_sample=False)[0, len(prompt):].tolist()
+        reply = httpx.post(base_url + "/chat/completions", timeout=120, json={
+            "model": served, "messages": p["messages"], "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}).json()
+        choice = reply["choices"][0]
+        assert reply["prompt_token_ids"] == prompt
+        assert choice["token_ids"] == want[:len(choice["token_ids"])], (choice["token_ids"], want)
+        assert choice["message"]["reasoning"] and tpl.think_ids[0] in choice["token_ids"]
+        answers.append(choice["token_ids"])
+    return answers
 
 
 def test_kimi_embedded_server(kimi, kimi_embedded):
     """The embedded server on toy:kimi splits the reasoning at Kimi's markers and returns transformers' greedy
     tokens."""
-    assert len(greedy_reply_is_transformers(kimi, kimi_embedded.base_url, 48)) > 4
+    assert len(greedy_replies_are_transformers(kimi, kimi_embedded.base_url, 1, 48)[0]) > 4
 
 
 @requires_vllm()
 def test_kimi_vllm_greedy_is_transformers(kimi_vllm, kimi):
-    """vLLM on toy:kimi (its MLA path, the rotary embedding included) answers a chat prompt with transformers'
-    greedy tokens, token for token: the CPU rotary kernel mis-rotated MLA's strided views until the project's
-    vLLM plugin (tools/vllm/eagle3nb_vllm_fixes/rotary.py) handed it 2-D copies (stock vLLM diverged after 2
-    tokens)."""
-    assert len(greedy_reply_is_transformers(kimi, kimi_vllm["plain"].base_url, 48)) >= 28
+    """vLLM on toy:kimi (its MLA path, the rotary embedding included) answers chat prompts with transformers'
+    greedy tokens, token for token (4 prompts, ~24 tokens each): the CPU rotary kernel mis-rotated MLA's strided
+    views until the project's vLLM plugin (tools/vllm/eagle3nb_vllm_fixes/rotary.py) handed it 2-D copies (stock
+    vLLM left transformers' tokens after 2)."""
+    answers = greedy_replies_are_transformers(kimi, kimi_vllm["plain"].base_url, 4, 48)
+    assert min(map(len, answers)) > 4 and sum(map(len, answers)) >= 56, list(map(len, answers))
 
 
 @requires_vllm()
