@@ -90,12 +90,63 @@ def test_kimi_llama_draft_beside_mla_target_is_refused_before_vllm_starts(kimi, 
     assert "--speculative-config" in vllm_args(kimi, "eagle3", draft_dir=tmp_path / "draft", cpu=False)
 
 
+# Run in vLLM's own Python: the rotary kernel on toy:kimi's MLA layouts (q's rope part of [T, H, 64 + 64], k_pe
+# sliced from the 576-wide latent, DeepSeek's interleaved style) and Llama's 2-D qkv split, against vLLM's own
+# PyTorch formula; stock first, then after vLLM loads its general plugins (the project's, through PYTHONPATH).
+ROTARY_CHECK = """
+import json, torch
+from vllm import _custom_ops as ops
+from vllm.plugins import load_general_plugins
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+T, H, NOPE, ROPE, LATENT = 5, 2, 64, 64, 512
+inv = 1.0 / (10000.0 ** (torch.arange(0, ROPE, 2, dtype=torch.float) / ROPE))
+freqs = torch.outer(torch.arange(64, dtype=torch.float), inv)
+cache, pos = torch.cat((freqs.cos(), freqs.sin()), -1), torch.arange(T) + 3
+def error(q_of, k_of, q, k, neox):
+    want_q, want_k = q.clone(), k.clone()
+    q_of(want_q)[:], k_of(want_k)[:] = RotaryEmbedding.forward_static(pos, q_of(q), k_of(k), ROPE, ROPE, cache, neox)
+    ops.rotary_embedding(pos, q_of(q), k_of(k), ROPE, cache, neox)
+    return max(float((q - want_q).abs().max()), float((k - want_k).abs().max()))
+def errors():
+    g = torch.Generator().manual_seed(0)
+    mla = error(lambda q: q[..., NOPE:], lambda kv: kv[:, None, LATENT:], torch.randn(T, H, NOPE + ROPE, generator=g),
+                torch.randn(T, LATENT + ROPE, generator=g), False)
+    qkv = torch.randn(T, 3 * H * ROPE, generator=g)
+    llama = error(lambda x: x[:, :H * ROPE], lambda x: x[:, H * ROPE:2 * H * ROPE], qkv, qkv.clone(), True)
+    return {"mla": mla, "llama": llama}
+stock = errors()
+load_general_plugins()
+print(json.dumps({"stock": stock, "fixed": errors(), "wrapped": hasattr(ops.rotary_embedding, "eagle3nb_wrapped")}))
+"""
+
+
+@requires_vllm()
+def test_kimi_rotary_fix_in_vllms_process():
+    """vLLM 0.32's CPU rotary kernel mis-rotates MLA's 3-D strided views (and writes into the latent beside
+    k_pe) while reading Llama's 2-D views right; the project's vLLM plugin, loaded the way vLLM loads it, makes
+    the MLA layout exact. (~15 s: one vLLM import.)"""
+    import os
+    import subprocess
+
+    from eagle3nb import paths
+    from eagle3nb.serve.vllm import vllm_python
+
+    env = {**os.environ, "PYTHONPATH": str(paths.project_root() / "tools" / "vllm")}
+    out = subprocess.run([str(vllm_python()), "-c", ROTARY_CHECK], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    print(f"vLLM CPU rotary, max abs error: {got}")
+    assert got["stock"]["mla"] > 0.1 and got["stock"]["llama"] < 1e-5, got  # the defect, where it is
+    assert got["wrapped"] and got["fixed"]["mla"] < 1e-5 and got["fixed"]["llama"] < 1e-5, got
+
+
 @requires_vllm()
 def test_kimi_synth_vllm_parser(kimi_vllm, kimi, tmp_path):
-    """01 through the real vLLM with Kimi's parser: every finished record has its reasoning split out, opens
-    with the think marker, ends the turn, and matches the template's rendering exactly unless its stream closed
-    the reasoning twice (then 01 flags it). vLLM's CPU MLA kernel gap (test_kimi_hidden_vllm) makes answers
-    ramble (measured 4 of 8 past 96 tokens, where transformers' toy finishes all): those count truncated."""
+    """01 through the real vLLM with Kimi's parser, greedy: the records finish within 256 tokens as transformers'
+    toy does (before the rotary fix vLLM's answers rambled: 4 of 8 past 96 tokens), each has its reasoning split
+    out, opens with the think marker, ends the turn, and matches the template's rendering exactly unless its
+    stream closed the reasoning twice (then 01 flags it). 7 of 8, not 8: a float tie may flip a greedy token on
+    another CPU."""
     from eagle3nb.data.samples import load_samples
     from eagle3nb.data.stream import Template
     from eagle3nb.synth.stage import run
@@ -104,7 +155,7 @@ def test_kimi_synth_vllm_parser(kimi_vllm, kimi, tmp_path):
     rows = load_samples(tmp_path / "01", statuses=("ok", "truncated", "no_reasoning", "error"))
     statuses = [r["status"] for r in rows]
     print(f"kimi through vLLM: {statuses.count('ok')} of {len(rows)} finished within 256 tokens")
-    assert len(rows) == 8 and set(statuses) <= {"ok", "truncated"} and statuses.count("ok") >= 3, statuses
+    assert len(rows) == 8 and set(statuses) <= {"ok", "truncated"} and statuses.count("ok") >= 7, statuses
     assert all(r["token_source"] == "server" for r in rows)
     tpl = Template(kimi, True)
     start, end = tpl.think_ids
@@ -113,11 +164,11 @@ def test_kimi_synth_vllm_parser(kimi_vllm, kimi, tmp_path):
     for r in ok:
         completion = r["input_ids"][r["loss_mask"].index(1):]
         assert r["reasoning"] and completion[0] == start and completion[-1] == tpl.end_id, r["id"]
-        # A stream that closes its reasoning twice (the rambling model does) cannot be the template's rendering
-        # of the parsed reasoning and answer: 01 flags it ids_match false; every other one matches exactly.
+        # A stream that closes its reasoning twice cannot be the template's rendering of the parsed reasoning
+        # and answer: 01 flags it ids_match false; every other one matches exactly.
         assert r["ids_match"] is (completion.count(end) == 1), (r["id"], completion.count(end))
         single += completion.count(end) == 1
-    assert single >= 3, [r["id"] for r in ok]
+    assert single >= 7, [r["id"] for r in ok]
 
 
 def test_kimi_hidden_inprocess(kimi, kimi_trained):
@@ -144,10 +195,9 @@ def test_kimi_hidden_inprocess(kimi, kimi_trained):
 @requires_vllm()
 def test_kimi_hidden_vllm(kimi_vllm, kimi, tmp_path):
     """02 through vLLM's extract_hidden_states on the MLA target: the same samples, ids and layers as the
-    in-process backend, equal where attention has one key (position 0: embedding, MLA value path, MoE, norms).
-    Later positions differ beyond float noise on vLLM 0.32's CPU reference MLA kernel (no AMX: measured 1e-2
-    relative on random weights; transformers' forward matches a hand-written MLA to 1e-7): the measured gap is
-    printed, and the family table names this limit."""
+    in-process backend, and the same states up to float noise at every position (the smoke toy's tolerance,
+    test_vllm_backend_equals_transformers_backend). Before the project's rotary fix vLLM agreed at position 0
+    only (its rotation is the identity) and was 0.4 relative apart after it."""
     import shutil
 
     from eagle3nb.data.reader import HiddenStates
@@ -164,11 +214,11 @@ def test_kimi_hidden_vllm(kimi_vllm, kimi, tmp_path):
     gaps = []
     for i in range(len(a)):
         x, y = a[i], b[i]
-        assert x["id"] == y["id"] and torch.equal(x["input_ids"], y["input_ids"])
-        torch.testing.assert_close(x["aux"][0], y["aux"][0], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(x["final"][0], y["final"][0], rtol=1e-4, atol=1e-4)
-        gaps.append(float((x["aux"] - y["aux"]).norm() / y["aux"].norm()))
-    print(f"vLLM CPU MLA vs transformers, aux states: relative gap {min(gaps):.2e}..{max(gaps):.2e}")
+        assert x["id"] == y["id"] and torch.equal(x["input_ids"], y["input_ids"]) and len(x["input_ids"]) > 16
+        gaps.append(max(float((x["aux"] - y["aux"]).abs().max()), float((x["final"] - y["final"]).abs().max())))
+        torch.testing.assert_close(x["aux"], y["aux"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x["final"], y["final"], rtol=1e-4, atol=1e-4)
+    print(f"vLLM CPU MLA vs transformers: max abs state difference {max(gaps):.2e}")
 
 
 def test_kimi_train(kimi_trained):
@@ -191,38 +241,56 @@ def test_kimi_local_lossless(kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
 
 
-def test_kimi_embedded_server(kimi, kimi_embedded):
-    """The embedded server on toy:kimi splits the reasoning at Kimi's markers and returns transformers' greedy
-    tokens."""
+def greedy_replies_are_transformers(kimi: Path, base_url: str, n: int, max_tokens: int) -> list[list[int]]:
+    """Chat requests at temperature 0 to ``base_url`` for ``n`` held-out prompts: each prompt is the template's,
+    each answer transformers' greedy tokens from it (a prefix of them where the server stops on its own) with the
+    reasoning split out. Returns the answers' tokens."""
     import httpx
     from transformers import AutoModelForCausalLM
 
     from eagle3nb.data.stream import Template
 
-    messages = held_out(1)[0]["messages"]
     tpl = Template(kimi, True)
-    prompt = tpl.prompt_ids(messages)
     model = AutoModelForCausalLM.from_pretrained(kimi, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
-    server = kimi_embedded
-    served = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
-    reply = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
-        "model": served, "messages": messages, "max_tokens": 48, "temperature": 0.0,
-        "return_token_ids": True}).json()
-    choice = reply["choices"][0]
-    assert reply["prompt_token_ids"] == prompt
-    assert choice["token_ids"] == want[:len(choice["token_ids"])] and len(choice["token_ids"]) > 4
-    assert choice["message"]["reasoning"] and tpl.think_ids[0] in choice["token_ids"]
+    served = httpx.get(base_url + "/models").json()["data"][0]["id"]
+    answers = []
+    for p in held_out(n):
+        prompt = tpl.prompt_ids(p["messages"])
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=max_tokens, do_sample=False)[0, len(prompt):].tolist()
+        reply = httpx.post(base_url + "/chat/completions", timeout=120, json={
+            "model": served, "messages": p["messages"], "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}).json()
+        choice = reply["choices"][0]
+        assert reply["prompt_token_ids"] == prompt
+        assert choice["token_ids"] == want[:len(choice["token_ids"])], (choice["token_ids"], want)
+        assert choice["message"]["reasoning"] and tpl.think_ids[0] in choice["token_ids"]
+        answers.append(choice["token_ids"])
+    return answers
+
+
+def test_kimi_embedded_server(kimi, kimi_embedded):
+    """The embedded server on toy:kimi splits the reasoning at Kimi's markers and returns transformers' greedy
+    tokens."""
+    assert len(greedy_replies_are_transformers(kimi, kimi_embedded.base_url, 1, 48)[0]) > 4
+
+
+@requires_vllm()
+def test_kimi_vllm_greedy_is_transformers(kimi_vllm, kimi):
+    """vLLM on toy:kimi (its MLA path, the rotary embedding included) answers chat prompts with transformers'
+    greedy tokens, token for token (4 prompts, ~24 tokens each): the CPU rotary kernel mis-rotated MLA's strided
+    views until the project's vLLM plugin (tools/vllm/eagle3nb_vllm_fixes/rotary.py) handed it 2-D copies (stock
+    vLLM left transformers' tokens after 2)."""
+    answers = greedy_replies_are_transformers(kimi, kimi_vllm["plain"].base_url, 4, 48)
+    assert min(map(len, answers)) > 4 and sum(map(len, answers)) >= 56, list(map(len, answers))
 
 
 @requires_vllm()
 def test_kimi_vllm_eagle3(kimi_vllm, kimi, kimi_trained):
-    """vLLM serves 03's MLA draft beside Kimi's architecture and reports acceptance from its own counters. Its
-    acceptance stays below local decoding's (measured 1.83 vs 3.08): the draft learned transformers' states and
-    vLLM's CPU MLA kernel computes others (test_kimi_hidden_vllm), so the bar is "clearly accepting" (an
-    untrained or misread draft gives ~1.0), not the 10% agreement the Llama toy meets."""
+    """vLLM serves 03's MLA draft beside Kimi's architecture and reports acceptance from its own counters, within
+    10% of local decoding on the same prompts (both greedy, the same states since the rotary fix: measured 3.095
+    both; before it vLLM measured 1.83 against 3.08, the target's and the MLA draft's rotary both mis-rotated)."""
     from eagle3nb.accept.online import bench_endpoint
 
     prompts = held_out(16)
@@ -231,4 +299,6 @@ def test_kimi_vllm_eagle3(kimi_vllm, kimi, kimi_trained):
     assert row["errors"] == 0 and row["metrics_engine"] == "vllm", row
     local = local_acceptance(kimi, kimi_trained["out"] / "03_train" / "draft", prompts, SERVED_TOKENS)
     print(f"kimi: vLLM acceptance length {row['acceptance_length']:.3f}, local {local['acceptance_length']:.3f}")
-    assert row["acceptance_length"] > 1.25, row
+    assert local["acceptance_length"] > 1.5, local
+    assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.10 * local["acceptance_length"], \
+        (row["acceptance_length"], local["acceptance_length"])
