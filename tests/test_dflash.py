@@ -291,27 +291,48 @@ def train(m, rows: list[dict], steps: int, weighting: str) -> list[float]:
     return losses
 
 
+@pytest.fixture(scope="module")
+def trained(one_thread, target, target_config, data):
+    """``trained(markov_rank, weighting)``: a drafter after ``STEPS`` steps, its losses and its untrained held-out
+    offline acceptance (each trained once per module)."""
+    from eagle3nb.drafts.dflash.offline import offline_acceptance
+
+    done: dict[tuple[int, str], tuple] = {}
+
+    def get(markov_rank: int, weighting: str) -> tuple:
+        if (markov_rank, weighting) not in done:
+            m = drafter(target, target_config, markov_rank)
+            before = offline_acceptance(m, items(data["heldout"], m.config.aux_layer_ids))
+            done[markov_rank, weighting] = (m, train(m, data["train"], STEPS, weighting), before)
+        return done[markov_rank, weighting]
+
+    return get
+
+
+def prompt_of(row: dict) -> list[int]:
+    return row["input_ids"][row["loss_mask"] == 0].tolist()
+
+
 @pytest.mark.parametrize(("markov_rank", "weighting"), [(0, "decay"), (8, "dpace")], ids=["dflash", "dspark-dpace"])
-def test_training_lifts_offline_acceptance_and_decoding_stays_lossless(one_thread, target, target_config, data,
-                                                                      markov_rank, weighting):
-    """A minute of training on the toy's states: the loss falls, held-out offline acceptance (by block position,
-    tau for the block) rises above the untrained draft's, greedy block decoding returns the target's own greedy
-    tokens, and the offline simulation of that decode replays its rounds exactly."""
+def test_training_lifts_offline_acceptance_and_decoding_stays_lossless(trained, target, data, markov_rank,
+                                                                      weighting):
+    """A few seconds of training on the toy's states: the loss falls, held-out offline acceptance (by block
+    position, tau for the block) rises above the untrained draft's, greedy block decoding returns the target's own
+    greedy tokens, and the offline simulation of that decode replays its rounds exactly."""
     from eagle3nb.drafts.dflash.drafting import generate
     from eagle3nb.drafts.dflash.offline import block_hits, offline_acceptance, rounds
     from eagle3nb.spec import plain_generate
 
-    m = drafter(target, target_config, markov_rank)
-    held = items(data["heldout"], m.config.aux_layer_ids)
-    before = offline_acceptance(m, held)
-    losses = train(m, data["train"], STEPS, weighting)
-    after = offline_acceptance(m, held)
+    m, losses, before = trained(markov_rank, weighting)
+    after = offline_acceptance(m, items(data["heldout"], m.config.aux_layer_ids))
+    print(f"{m.config.method} {weighting}: loss {losses[0]:.3f} -> {sum(losses[-10:]) / 10:.3f}; held-out tau "
+          f"{before['acceptance_length']:.3f} -> {after['acceptance_length']:.3f} "
+          f"{[round(a, 3) for a in after['per_position']]}")
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:3]) / 3
     assert len(after["per_position"]) == m.config.drafts_per_block
     assert after["acceptance_length"] > before["acceptance_length"] + 0.3
     assert after["per_position"][0] > before["per_position"][0] + 0.25
-    row = data["heldout"][0]
-    prompt = row["input_ids"][row["loss_mask"] == 0].tolist()
+    prompt = prompt_of(data["heldout"][0])
     decoded = generate(target, m, prompt, NEW_TOKENS)
     assert decoded.tokens == plain_generate(target, prompt, NEW_TOKENS)
     assert decoded.acceptance_length > 1.0
@@ -324,3 +345,42 @@ def test_training_lifts_offline_acceptance_and_decoding_stays_lossless(one_threa
                  "logits": o.logits[0]}], m.config.aux_layer_ids)[0]
     simulated = rounds(*block_hits(m, it["aux"], seq, mask, it["target_argmax"]))
     assert simulated and simulated == decoded.accepted[:len(simulated)]
+
+
+@requires_vllm()
+def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, tmp_path):
+    """vLLM 0.32's CPU build serves the trained DFlash export (``method: dflash``, block - 1 speculative tokens):
+    its greedy completions are the target's own, and its spec-decode counters give the acceptance length local
+    block decoding measures on the same prompts, within 10%."""
+    import httpx
+
+    from eagle3nb.accept.online import metrics_url, scrape
+    from eagle3nb.drafts.dflash.drafting import generate
+    from eagle3nb.drafts.dflash.layouts import save
+    from eagle3nb.formulas import spec_counters, spec_delta
+    from eagle3nb.serve.vllm import start_vllm
+    from eagle3nb.spec import plain_generate
+
+    m = trained(0, "decay")[0]
+    prompts = [prompt_of(r) for r in data["heldout"]]
+    local = [generate(target, m, p, NEW_TOKENS) for p in prompts]
+    local_accepted = [n for d in local for n in d.accepted]
+    local_tau = 1 + sum(local_accepted) / len(local_accepted)
+    with start_vllm(toy_smoke, "dflash", draft_dir=save(m, tmp_path / "draft"),
+                    num_speculative_tokens=m.config.drafts_per_block) as handle:
+        model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
+        murl = metrics_url(handle.base_url)
+        before = spec_counters(scrape(murl))
+        served = []
+        for ids in prompts:
+            reply = httpx.post(handle.base_url + "/completions", timeout=300, json={
+                "model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}).json()
+            served.append(reply["choices"][0]["token_ids"])
+        acc = spec_delta(before, spec_counters(scrape(murl)))
+    print(f"vLLM dflash: acceptance length {acc['acceptance_length']:.3f} ({acc['accepted']:.0f} of "
+          f"{acc['draft_tokens']:.0f} drafted, {acc['drafts']:.0f} drafts), local {local_tau:.3f}")
+    assert served == [plain_generate(target, p, NEW_TOKENS) for p in prompts]
+    assert [d.tokens for d in local] == served
+    assert acc["engine"] == "vllm" and acc["drafts"] > 0, acc
+    assert abs(acc["acceptance_length"] - local_tau) <= 0.1 * local_tau, (acc["acceptance_length"], local_tau)
