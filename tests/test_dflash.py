@@ -198,7 +198,7 @@ from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_lay
 VllmConfig._validate_v1_model_runner = lambda self: None
 target, out, drafts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 report, ready = {}, False
-for method, draft in drafts.items():
+for label, (method, draft) in drafts.items():
     cfg = EngineArgs(model=target, dtype="float32", max_model_len=256, enforce_eager=True, speculative_config={
         "method": method, "model": draft, "num_speculative_tokens": 3}).create_engine_config()
     arch = cfg.speculative_config.draft_model_config.hf_config.architectures
@@ -213,43 +213,47 @@ for method, draft in drafts.items():
         for p in params.values():
             p.data.fill_(float("nan"))
         model.load_weights(load_file(f"{draft}/model.safetensors").items())
-    save_file({n: p.detach().contiguous() for n, p in params.items()}, f"{out}/{method}.safetensors")
-    report[method] = {"class": cls.__name__, "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
-                      "unset": sorted(n for n, p in params.items() if torch.isnan(p).any())}
+    save_file({n: p.detach().contiguous() for n, p in params.items()}, f"{out}/{label}.safetensors")
+    report[label] = {"class": cls.__name__, "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
+                     "causal": [layer.self_attn.causal for layer in model.model.layers],
+                     "unset": sorted(n for n, p in params.items() if torch.isnan(p).any())}
 print("REPORT" + json.dumps(report))
 """
 
 
 @requires_vllm()
-def test_vllm_loads_both_exports_onto_its_own_parameters(tmp_path, target, target_config, toy_smoke):
-    """vLLM 0.32's ``DFlashQwen3ForCausalLM`` and ``Qwen3DSparkForCausalLM``, built from their configs and loading
-    our exports with their own ``load_weights`` (its environment, no server): every parameter holds our values
-    (q/k/v, gate/up stacked; Markov w2 and the vocab-sized tables padded by vLLM), the only ones left unset are the
-    target's embedding and head (shared from the target at serve time) and the unused ``mask_embedding``, and
-    vLLM reads back our aux layer ids from ``dflash_config.target_layer_ids``."""
+def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target_config, toy_smoke):
+    """vLLM 0.32's ``DFlashQwen3ForCausalLM`` and ``Qwen3DSparkForCausalLM``, built from the configs of both layouts
+    (its speculators parser for ours) and loading our exports with their own ``load_weights`` (its environment, no
+    server): every parameter holds our values (q/k/v, gate/up stacked; vocab-sized tables padded by vLLM), the
+    only ones left unset are the target's embedding and head (shared from the target at serve time) and the
+    unused ``mask_embedding``, vLLM reads back our aux layer ids, and every layer attends bidirectionally."""
     from safetensors.torch import load_file
 
     from eagle3nb.drafts.dflash.layouts import save
     from eagle3nb.serve.vllm import vllm_python
 
-    drafts = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8)}
-    dirs = {k: str(save(m, tmp_path / k)) for k, m in drafts.items()}
-    done = subprocess.run([str(vllm_python()), "-c", VLLM_LOAD, str(toy_smoke), str(tmp_path), json.dumps(dirs)],
+    models = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8)}
+    drafts = {f"{method}-{layout}": [method, str(save(m, tmp_path / f"{method}-{layout}", layout))]
+              for method, m in models.items() for layout in ("vllm", "speculators")}
+    done = subprocess.run([str(vllm_python()), "-c", VLLM_LOAD, str(toy_smoke), str(tmp_path), json.dumps(drafts)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.split("REPORT", 1)[1])
-    assert {k: v["class"] for k, v in report.items()} == {"dflash": "DFlashQwen3ForCausalLM",
-                                                         "dspark": "Qwen3DSparkForCausalLM"}
-    for method, m in drafts.items():
-        assert report[method]["aux"] == m.config.aux_layer_ids
-        assert report[method]["unset"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
-        ours = load_file(Path(dirs[method]) / "model.safetensors")
+    cls = {"dflash": "DFlashQwen3ForCausalLM", "dspark": "Qwen3DSparkForCausalLM"}
+    assert {k: v["class"] for k, v in report.items()} == {k: cls[m] for k, (m, _) in drafts.items()}
+    for label, (method, folder) in drafts.items():
+        m = models[method]
+        assert report[label]["aux"] == m.config.aux_layer_ids
+        assert report[label]["causal"] == [False] * m.config.num_layers
+        assert report[label]["unset"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
+        ours = load_file(Path(folder) / "model.safetensors")
         want: dict[str, list[torch.Tensor]] = {}
         for k in m.state_dict():  # module order: q, k, v and gate, up stack in vLLM's order
             if k in ours:
                 want.setdefault(vllm_name(k), []).append(ours[k])
-        theirs = load_file(tmp_path / f"{method}.safetensors")
-        assert set(want) == set(theirs) - set(report[method]["unset"])
+        theirs = load_file(tmp_path / f"{label}.safetensors")
+        assert set(want) == set(theirs) - set(report[label]["unset"])
         for name, parts in want.items():
             full = torch.cat(parts)
             assert torch.equal(theirs[name][:full.shape[0]], full), name  # vocab-sized rows padded to 64
