@@ -17,7 +17,7 @@ PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
 CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "draft", "draft_checkpoint", "spec",
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
-        "plan", "track")
+        "plan", "track", "drafts")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 TOP = ("serve", "doctor", "run", "render", "cli", "__main__")
 # A stage reads what an earlier stage wrote through eagle3nb.data, never through that stage's package. The only

@@ -28,7 +28,7 @@ from eagle3nb.toy.real_tokenizers import HARMONY_ENV, harmony_encodings
 from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
-MODES = ("plain", "no_parser", "extract", "eagle3")
+MODES = ("plain", "no_parser", "extract", "eagle3", "dflash")
 
 
 def vllm_python() -> Path:
@@ -55,10 +55,11 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with its family's
     reasoning parser, e.g. ``kimi_k2``), ``no_parser`` (the story's mistake), ``extract`` (02's
     ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
-    ``eagle3`` (the target serving the draft in ``draft_dir``). ``family``: the target's (auto: detected from
-    ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None: this machine's); ``tools``: also
-    parse tool calls with the family's tool-call parser (conversations with tools, 01's ``multi_turn``);
-    ``speculative``: more keys of ``eagle3``'s ``--speculative-config`` (vLLM's own names, e.g.
+    ``eagle3`` (the target serving the draft in ``draft_dir``), ``dflash`` (the target serving the DFlash block
+    drafter in ``draft_dir``: ``num_speculative_tokens`` its block size - 1, docs/block-drafters.md). ``family``:
+    the target's (auto: detected from ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None:
+    this machine's); ``tools``: also parse tool calls with the family's tool-call parser (conversations with
+    tools, 01's ``multi_turn``); ``speculative``: more keys of the ``--speculative-config`` (vLLM's own names, e.g.
     ``{"draft_sample_method": "probabilistic"}`` for sampled drafting)."""
     if mode not in MODES:
         raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
@@ -91,6 +92,12 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
                              f"is {'/'.join(draft_archs) or 'not an MLA draft'}: train it with draft_attention: mla")
         args += ["--speculative-config",
                  json.dumps({**eagle3_spec(draft_dir, num_speculative_tokens), **(speculative or {})})]
+    if mode == "dflash":
+        if draft_dir is None:
+            raise ValueError("dflash mode needs draft_dir (a DFlash draft in vLLM's layout)")
+        args += ["--speculative-config", json.dumps({"method": "dflash", "model": str(draft_dir),
+                                                     "num_speculative_tokens": num_speculative_tokens,
+                                                     **(speculative or {})})]
     return args
 
 

@@ -1,0 +1,135 @@
+"""A block drafter on disk, in the two layouts its engines read. Both hold the same tensors under the same
+names (vLLM's ``DFlashQwen3Model`` / ``Qwen3DSparkModel`` and speculators' ``DFlashDraftModel`` /
+``DSparkDraftModel`` agree): ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``...{q,k}_norm``, ``layers.{i}.mlp.{gate,up,
+down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``, ``fc``, ``hidden_norm``, ``norm``, and for DSpark
+``markov_head.markov_w{1,2}`` and ``confidence_head.proj`` (weight and bias). Neither file carries the target's
+``embed_tokens`` or ``lm_head``: vLLM shares the target's when they are absent, speculators reloads them from the
+verifier, and ``load`` takes them from the caller.
+
+The configs differ:
+
+- ``vllm`` (vLLM 0.32's native layout): a Qwen3 config of the draft (``num_hidden_layers`` its layers) with
+  ``architectures`` ``DFlashDraftModel`` / ``Qwen3DSparkModel``, ``block_size``, and ``dflash_config {mask_token_id,
+  target_layer_ids, block_size, causal}``. ``target_layer_ids`` are DFlash's output-of-layer ids: ours minus one
+  (vLLM adds the one back, ``eagle3_utils.get_eagle3_aux_layers_from_config``). DSpark adds ``markov_rank``,
+  ``enable_confidence_head``, ``confidence_head_with_markov`` and ``sample_from_anchor`` (true, its default).
+- ``speculators`` (0.9.0): ``speculators_model_type`` dflash / dspark, a ``transformer_layer_config``,
+  ``aux_hidden_state_layer_ids`` in *our* convention (vLLM's speculators parser subtracts the one), and
+  ``sliding_window_non_causal: true``: vLLM's parser sets ``dflash_config.causal`` to its negation for every layer,
+  so the speculators default (false) would be served causal although speculators trains full-attention layers
+  bidirectionally.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3nb.draft import DraftMismatchError
+from eagle3nb.draft_checkpoint import WEIGHTS_FILE, _read_tensors
+from eagle3nb.drafts.dflash.model import DFlashConfig, DFlashDraft
+from eagle3nb.layers import from_sglang
+from eagle3nb.progress import write_json_atomic
+
+LAYOUTS = ("vllm", "speculators")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
+TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written
+
+
+def qwen3_dict(cfg: DFlashConfig) -> dict[str, Any]:
+    """The draft's layers as a Qwen3 config (what vLLM's DFlash model and speculators' layers are built from)."""
+    return {
+        "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "num_hidden_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+    }
+
+
+def config_json(cfg: DFlashConfig, layout: str = "vllm", verifier: str | None = None) -> dict[str, Any]:
+    """The config.json of ``layout`` (one of :data:`LAYOUTS`)."""
+    dspark = cfg.markov_rank > 0
+    heads = {"markov_rank": cfg.markov_rank, "enable_confidence_head": True,
+             "confidence_head_with_markov": True} if dspark else {}
+    if layout == "vllm":
+        return {"architectures": [ARCHITECTURES[cfg.method]], **qwen3_dict(cfg), "draft_vocab_size": cfg.vocab_size,
+                "target_hidden_size": cfg.target_hidden_size, "block_size": cfg.block_size, **heads,
+                **({"sample_from_anchor": True} if dspark else {}),
+                "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
+                                  "block_size": cfg.block_size, "causal": cfg.causal}}
+    if layout == "speculators":
+        return {"architectures": ["DSparkSpeculator" if dspark else "DFlashSpeculator"],
+                "speculators_model_type": cfg.method, "speculators_version": "0.9.0",
+                "transformer_layer_config": qwen3_dict(cfg), "draft_vocab_size": cfg.vocab_size,
+                "block_size": cfg.block_size, "target_hidden_size": cfg.target_hidden_size,
+                "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "mask_token_id": cfg.mask_token_id,
+                "sliding_window_non_causal": not cfg.causal, "sample_from_anchor": cfg.sample_from_anchor,
+                **heads, **({"markov_head_type": "vanilla"} if dspark else {}),
+                "speculators_config": {
+                    "algorithm": cfg.method, "default_proposal_method": "greedy",
+                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.drafts_per_block}],
+                    "verifier": {"name_or_path": verifier, "architectures": []}}}
+    raise ValueError(f"layout {layout!r}: use one of {LAYOUTS}")
+
+
+def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFlashConfig:
+    """The draft's shape from either layout's config.json."""
+    if "speculators_model_type" in d:
+        q, ids, causal = d["transformer_layer_config"], list(d["aux_hidden_state_layer_ids"]), \
+            not d.get("sliding_window_non_causal", True)
+        mask, block = d["mask_token_id"], d["block_size"]
+    elif "dflash_config" in d:
+        q, dc = d, d["dflash_config"]
+        ids, causal = from_sglang(dc["target_layer_ids"]), bool(dc.get("causal", False))
+        mask, block = dc["mask_token_id"], d.get("block_size", dc.get("block_size"))
+    else:
+        raise DraftMismatchError(f"{path}: neither a vLLM DFlash/DSpark config (dflash_config) nor a speculators one")
+    theta = (q.get("rope_parameters") or {}).get("rope_theta", q.get("rope_theta", 1_000_000.0))
+    return DFlashConfig(
+        hidden_size=q["hidden_size"], intermediate_size=q["intermediate_size"],
+        num_attention_heads=q["num_attention_heads"], num_key_value_heads=q["num_key_value_heads"],
+        head_dim=q["head_dim"], num_layers=q["num_hidden_layers"], vocab_size=q["vocab_size"],
+        target_hidden_size=d.get("target_hidden_size") or q["hidden_size"], aux_layer_ids=ids,
+        mask_token_id=int(mask), block_size=int(block), causal=causal, rope_theta=float(theta),
+        rms_norm_eps=q["rms_norm_eps"], max_position_embeddings=q["max_position_embeddings"],
+        markov_rank=int(d.get("markov_rank", 0)))
+
+
+def save(model: DFlashDraft, path: str | Path, layout: str = "vllm", dtype: torch.dtype | None = None,
+         verifier: str | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in ``layout``, without the target's embedding and head."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = config_json(model.config, layout, verifier)
+    tensors = {name: (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous()
+               for name, t in model.state_dict().items() if name not in TARGET_TENSORS}
+    tmp = path / f".{WEIGHTS_FILE}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / WEIGHTS_FILE)
+    write_json_atomic(path / "config.json", config)
+    return path
+
+
+def load(path: str | Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> DFlashDraft:
+    """A drafter from either layout, on the target's ``embed_tokens`` and ``lm_head`` [V, H]; every tensor the
+    config implies must be in the file, with its shape."""
+    path = Path(path)
+    cfg = config_from_json(json.loads((path / "config.json").read_text()), path / "config.json")
+    model = DFlashDraft(cfg)
+    tensors = _read_tensors(path)
+    want = {k: v.shape for k, v in model.state_dict().items() if k not in TARGET_TENSORS}
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    bad = [f"{k} {tuple(tensors[k].shape)} != {tuple(s)}" for k, s in want.items()
+           if k in tensors and tensors[k].shape != s]
+    if missing or extra or bad:
+        raise DraftMismatchError(f"{path}: tensors do not fit config.json: missing {missing}, unexpected {extra}, "
+                                 f"shapes {bad}")
+    model.load_state_dict({**tensors, "embed_tokens.weight": embed_tokens, "lm_head.weight": lm_head})
+    return model

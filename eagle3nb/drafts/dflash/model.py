@@ -1,0 +1,265 @@
+"""The DFlash block drafter (arXiv 2602.06036) and DSpark on its backbone (arXiv 2607.05147), as vLLM 0.32's
+``qwen3_dflash.py`` / ``qwen3_dspark.py`` and speculators 0.9.0 run them. No I/O here: ``layouts`` reads and
+writes checkpoints.
+
+Read top to bottom like the paper:
+
+1. ``fc`` fuses the target's states at ``aux_layer_ids`` (concatenated low..high) and ``hidden_norm`` normalises
+   the result: the *context* features, one per target position [B, T, H].
+2. A block is the anchor token (the last token the target verified) then ``block_size - 1`` copies of
+   ``mask_token_id``, at the rotary positions after the context. It runs through ``num_layers`` Qwen3 decoder
+   layers (per-head ``q_norm``/``k_norm``, SwiGLU). In every layer the block's queries attend to the context's
+   keys/values (that layer's own ``k_proj``/``v_proj``/``k_norm`` applied to the context features: no
+   ``input_layernorm`` on them) ahead of the block's own keys; the block attends within itself non-causally
+   (``causal=False``, the default) and sees only the context *before* its anchor.
+3. ``norm`` then the target's ``lm_head`` (frozen, like the target's ``embed_tokens``) give the logits.
+   DFlash: block slot j >= 1 predicts the token at the anchor's position + j (the anchor slot predicts nothing),
+   so a block drafts ``block_size - 1`` tokens. DSpark (``markov_rank > 0``) samples from the anchor, as vLLM's
+   DSpark speculator does by default: slot j predicts the token at anchor + j + 1, ``block_size`` drafts.
+4. DSpark adds ``markov_w1`` [V, r] and ``markov_w2`` [r, V]: the logits of slot j get ``markov_w2(markov_w1[prev])``,
+   prev the token drafted at slot j-1 (the anchor for slot 0), so the block is sampled left to right; and a
+   confidence head ``proj([h; markov_w1[prev]])`` estimating each slot's acceptance.
+
+The ``# shape:`` comments use B batch, T context positions, N blocks per row, S block size, H the draft's hidden
+size, H_t the target's, nh / nkv query / key-value heads of size d, V the target's vocabulary, r the Markov rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3nb.draft import MLP, DraftMismatchError, RMSNorm, rotate_half
+from eagle3nb.layers import to_sglang
+
+
+@dataclass
+class DFlashConfig:
+    """The draft's shape. ``aux_layer_ids`` are in our one convention (HF ``hidden_states`` index == vLLM's
+    eagle aux ids, ``eagle3nb.layers``); the checkpoint's ``dflash_config.target_layer_ids`` are those minus one
+    (:meth:`target_layer_ids`)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int  # the target's: the draft reads its embedding and writes through its lm_head
+    target_hidden_size: int
+    aux_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 8
+    causal: bool = False  # vLLM's dflash_config.causal: within-block causal attention (default: bidirectional)
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    markov_rank: int = 0  # > 0: DSpark (the Markov head of this rank, and the confidence head)
+
+    @property
+    def method(self) -> str:
+        """vLLM's ``--speculative-config`` method: ``dspark`` with a Markov head, else ``dflash``."""
+        return "dspark" if self.markov_rank > 0 else "dflash"
+
+    @property
+    def sample_from_anchor(self) -> bool:
+        """Whether the anchor slot predicts (DSpark, vLLM's default for it) or only the mask slots do (DFlash)."""
+        return self.markov_rank > 0
+
+    @property
+    def drafts_per_block(self) -> int:
+        """Tokens one block proposes: vLLM's ``num_speculative_tokens``."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """DFlash's own ids (``dflash_config.target_layer_ids``): the layer whose *output* is read, 0-based; vLLM
+        adds one to each (eagle3_utils.get_eagle3_aux_layers_from_config), which gives back ``aux_layer_ids``."""
+        return to_sglang(self.aux_layer_ids)
+
+
+def default_aux_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """The peers' spread (z-lab's DFlash, SpecForge, speculators' DFlash scripts): ``count`` target layers evenly
+    from 1 to L-3 in DFlash's output-of-layer numbering (the middle layer alone for one), returned in ours (+1)."""
+    if count == 1:
+        return [num_target_layers // 2 + 1]
+    start, end = 1, num_target_layers - 3
+    if end <= start:
+        raise ValueError(f"a {num_target_layers}-layer target is too shallow for the spread 1..L-3")
+    return [round(start + i * (end - start) / (count - 1)) + 1 for i in range(count)]
+
+
+def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (neox-style) rotary tables for integer ``positions`` [...]: cos, sin [..., d]."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    ang = positions.float()[..., None] * inv  # shape: [..., d/2]
+    ang = torch.cat([ang, ang], dim=-1)  # shape: [..., d]
+    return ang.cos(), ang.sin()
+
+
+class BlockAttention(nn.Module):
+    """Qwen3 attention whose keys/values are the context's (projected from its features) then the block's."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        nh, nkv, d, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.nh, self.nkv, self.d = nh, nkv, d
+        self.q_proj = nn.Linear(H, nh * d, bias=False)
+        self.k_proj = nn.Linear(H, nkv * d, bias=False)
+        self.v_proj = nn.Linear(H, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, H, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values of ``x`` [B, L, H] at the rotary tables [B, L, d]."""
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, L, self.nkv, self.d)).transpose(1, 2)  # shape: [B, nkv, L, d]
+        v = self.v_proj(x).view(B, L, self.nkv, self.d).transpose(1, 2)  # shape: [B, nkv, L, d]
+        return k * cos[:, None] + rotate_half(k) * sin[:, None], v
+
+    def forward(self, x, ctx, rot_q, rot_ctx, mask):
+        """x [B, Q, H] the block slots (normed), ctx [B, T, H] the context features, rot_* (cos, sin) tables,
+        mask [B, Q, T+Q] bool (True: may attend)."""
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.d)).transpose(1, 2)  # shape: [B, nh, Q, d]
+        q = q * rot_q[0][:, None] + rotate_half(q) * rot_q[1][:, None]
+        k_ctx, v_ctx = self.kv(ctx, *rot_ctx)  # shape: [B, nkv, T, d] each
+        k_blk, v_blk = self.kv(x, *rot_q)  # shape: [B, nkv, Q, d] each
+        k = torch.cat([k_ctx, k_blk], 2).repeat_interleave(self.nh // self.nkv, 1)  # shape: [B, nh, T+Q, d]
+        v = torch.cat([v_ctx, v_blk], 2).repeat_interleave(self.nh // self.nkv, 1)  # shape: [B, nh, T+Q, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # shape: [B, nh, Q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.nh * self.d))  # shape: [B, Q, H]
+
+
+class BlockLayer(nn.Module):
+    """One Qwen3 decoder layer over the block: pre-norm attention (context ahead), pre-norm SwiGLU."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = BlockAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, ctx, rot_q, rot_ctx, mask):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rot_q, rot_ctx, mask)  # shape: [B, Q, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, Q, H]
+
+
+def block_mask(anchor_pos: torch.Tensor, ctx_valid: torch.Tensor, block_size: int, causal: bool) -> torch.Tensor:
+    """[B, N*S, T+N*S] bool: slot (n, j) sees context position t < anchor_pos[n] (and valid), and the slots of
+    its own block (only j' <= j when ``causal``). anchor_pos [B, N], ctx_valid [B, T] bool."""
+    B, N = anchor_pos.shape
+    T, S = ctx_valid.shape[1], block_size
+    t = torch.arange(T, device=anchor_pos.device)
+    ctx = (t[None, None] < anchor_pos[..., None]) & ctx_valid[:, None]  # shape: [B, N, T]
+    ctx = ctx.repeat_interleave(S, 1)  # shape: [B, N*S, T]
+    q = torch.arange(N * S, device=anchor_pos.device)
+    own = (q[:, None] // S) == (q[None] // S)  # shape: [N*S, N*S]
+    if causal:
+        own = own & (q[None] <= q[:, None])
+    return torch.cat([ctx, own[None].expand(B, -1, -1)], 2)  # shape: [B, N*S, T+N*S]
+
+
+class DFlashDraft(nn.Module):
+    """The block drafter: ``context(aux)`` once per sequence, then ``forward`` any number of blocks in one pass."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # the target's head, frozen
+        if cfg.markov_rank > 0:  # DSpark (vLLM's markov_head.* and confidence_head.proj)
+            self.markov_head = nn.Module()
+            self.markov_head.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+            nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)
+            self.markov_head.markov_w2 = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
+            nn.init.zeros_(self.markov_head.markov_w2.weight)  # starts as plain DFlash
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+
+    def set_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Copy the target's embedding [V, H] and lm_head [V, H] (the draft trains neither)."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed_tokens)
+            self.lm_head.weight.copy_(lm_head)
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """[B, T, n*H_t] the target's aux states (low..high) -> the context features [B, T, H]."""
+        if aux.shape[-1] != self.fc.in_features:
+            raise DraftMismatchError(
+                f"aux states have width {aux.shape[-1]} but the draft's fc expects {len(self.config.aux_layer_ids)} "
+                f"x target_hidden_size = {self.fc.in_features}: the states and the draft come from different targets")
+        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))  # shape: [B, T, H]
+
+    def block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[B, N] anchor tokens -> [B, N, S]: each anchor then ``block_size - 1`` mask tokens."""
+        out = torch.full((*anchors.shape, self.config.block_size), self.config.mask_token_id,
+                         dtype=torch.long, device=anchors.device)  # shape: [B, N, S]
+        out[..., 0] = anchors
+        return out
+
+    def forward(self, ctx: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor,
+                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks in one pass. ctx [B, T, H] context features at positions 0..T-1; anchors [B, N] the anchor
+        tokens at positions anchor_pos [B, N] (each block sees the context before its anchor); ctx_valid [B, T]
+        (None: all). Returns the post-norm states [B, N, S, H] (``logits`` turns them into token scores)."""
+        cfg, dev = self.config, ctx.device
+        B, T, _ = ctx.shape
+        N, S = anchors.shape[1], cfg.block_size
+        valid = torch.ones(B, T, dtype=torch.bool, device=dev) if ctx_valid is None else ctx_valid.bool()
+        h = self.embed_tokens(self.block_ids(anchors)).view(B, N * S, -1).to(ctx.dtype)  # shape: [B, N*S, H]
+        pos_q = (anchor_pos[..., None] + torch.arange(S, device=dev)).view(B, N * S)  # shape: [B, N*S]
+        rot_q = rope(pos_q, cfg.head_dim, cfg.rope_theta)  # shape: 2 x [B, N*S, d]
+        rot_ctx = rope(torch.arange(T, device=dev).expand(B, T), cfg.head_dim, cfg.rope_theta)  # shape: 2 x [B, T, d]
+        mask = block_mask(anchor_pos, valid, S, cfg.causal)  # shape: [B, N*S, T+N*S]
+        for layer in self.layers:
+            h = layer(h, ctx, rot_q, rot_ctx, mask)  # shape: [B, N*S, H]
+        return self.norm(h).view(B, N, S, -1)  # shape: [B, N, S, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] through the target's head (DSpark's Markov bias is added by the caller)."""
+        return self.lm_head(hidden)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """DSpark: [...] previous tokens -> the logit bias [..., V] (``markov_w2 @ markov_w1[prev]``)."""
+        return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
+
+    def confidence_logit(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """DSpark: the confidence head's logit [...] for states [..., H] after tokens prev [...]."""
+        feats = torch.cat([hidden, self.markov_head.markov_w1(prev).to(hidden.dtype)], -1)  # shape: [..., H+r]
+        return self.confidence_head.proj(feats).squeeze(-1)
+
+
+def from_target(target_config: dict[str, Any], *, num_layers: int = 1, block_size: int = 8,
+                mask_token_id: int | None = None, aux_layer_ids: list[int] | None = None,
+                markov_rank: int = 0, **over: Any) -> DFlashConfig:
+    """A draft shaped like the target's layers (``target_config``: its config.json, a ``text_config`` read
+    through): hidden size, heads, MLP width and eps the target's; ``aux_layer_ids`` the peers' spread over as
+    many target layers as draft layers; ``mask_token_id`` the target's pad token when not given."""
+    tc = target_config.get("text_config") or target_config
+    L = tc["num_hidden_layers"]
+    mask = mask_token_id if mask_token_id is not None else tc.get("pad_token_id")
+    if mask is None:
+        raise ValueError("the target has no pad_token_id: give mask_token_id (a token id the target never emits)")
+    heads = tc["num_attention_heads"]
+    return DFlashConfig(
+        hidden_size=tc["hidden_size"], intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=tc.get("num_key_value_heads", heads),
+        head_dim=tc.get("head_dim") or tc["hidden_size"] // heads, num_layers=num_layers,
+        vocab_size=tc["vocab_size"], target_hidden_size=tc["hidden_size"],
+        aux_layer_ids=aux_layer_ids or default_aux_layer_ids(L, max(num_layers, 1)), mask_token_id=int(mask),
+        block_size=block_size, rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=tc.get("max_position_embeddings", 4096), markov_rank=markov_rank, **over)
+
