@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3nb.draft import DraftCache, DraftMismatchError, Eagle3Config, Eagle3Draft, TTTCache
-from eagle3nb.draft_checkpoint import check_fits, load_draft, save_draft
+from eagle3nb.drafts import DraftMismatchError, check_fits, load_draft
+from eagle3nb.drafts.eagle3.layouts import save_draft
+from eagle3nb.drafts.eagle3.model import DraftCache, Eagle3Config, Eagle3Draft, TTTCache
 
 H, V, VD, T = 32, 50, 20, 12
 # The draft variants every decoding test holds: Llama attention, DeepSeek's latent attention with and without a

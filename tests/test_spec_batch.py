@@ -18,7 +18,7 @@ def pair(toy_smoke, trained):
     from transformers import AutoModelForCausalLM
 
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     target = AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
     draft = load_draft(trained["out"] / "03_train" / "draft",
@@ -36,7 +36,9 @@ def _prompts(toy_smoke, n: int) -> list[list[int]]:
 
 def test_rows_joining_and_leaving_between_rounds_decode_like_the_target_alone(pair, toy_smoke):
     """Greedy rows admitted at different rounds, each stopping at its own EOS or length, equal plain decoding."""
-    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder, plain_generate
+    from eagle3nb.spec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.spec.reference import plain_generate
+    from eagle3nb.spec.verify import Sampling
 
     target, draft, eos = pair
     prompts, limits = _prompts(toy_smoke, 6), [60, 9, 60, 17, 60, 33]
@@ -73,7 +75,8 @@ def test_rows_joining_and_leaving_between_rounds_decode_like_the_target_alone(pa
 
 def test_a_seeded_sampled_row_does_not_depend_on_its_batch(pair, toy_smoke):
     """Rejection sampling per row with the row's own generator: the same tokens alone and among other rows."""
-    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder
+    from eagle3nb.spec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.spec.verify import Sampling
 
     target, draft, _ = pair
     dec = SpecDecoder(target, draft, K)

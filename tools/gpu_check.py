@@ -281,9 +281,9 @@ class World:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from eagle3nb.draft_checkpoint import load_draft
+        from eagle3nb.accept.local import compare_with_plain
+        from eagle3nb.drafts import load_draft
         from eagle3nb.hf import from_pretrained
-        from eagle3nb.spec import compare_with_plain
 
         target = from_pretrained(AutoModelForCausalLM, self.toy, trust_remote_code=False, dtype=torch.float32)
         _, ids, eos = self.prompts
@@ -311,7 +311,7 @@ def check_cuda_device(w: World) -> str:
 def check_ttt_attention(w: World) -> str:
     import torch
 
-    from eagle3nb.draft import TTTCache
+    from eagle3nb.drafts.eagle3.model import TTTCache
 
     g = torch.Generator().manual_seed(0)
     B, nh, T, d, steps = 2, 4, 384, 32, 4
@@ -432,7 +432,7 @@ def check_online_source(w: World) -> str:
 def check_export(w: World) -> str:
     import torch
 
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
     from eagle3nb.train.checkpoint import checkpoints
 
     res = w.served()
@@ -450,7 +450,7 @@ def check_export(w: World) -> str:
 def check_offline_acceptance(w: World) -> str:
     from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.data.reader import HiddenStates
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     data = HiddenStates(w.data()["cpu-fp32"])
     gpu, cpu = (offline_acceptance(load_draft(w.draft_dir, device=dev), data, K, K + 1, temperature=1.0)
@@ -473,7 +473,7 @@ def check_draft_sanity(w: World) -> str:
     from eagle3nb.data.split import split_holdout
     from eagle3nb.doctor import run_checks
     from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     data_dir = w.data()["cpu-fp32"]
     run = w.work / "doctor-run"
@@ -495,9 +495,9 @@ def check_draft_sanity(w: World) -> str:
 
 
 def check_spec_decoding(w: World) -> str:
+    from eagle3nb.accept.local import compare_with_plain, measure_costs
     from eagle3nb.accept.stage import load_models
     from eagle3nb.params import from_dict
-    from eagle3nb.spec import compare_with_plain, measure_costs
 
     target, draft, _ = load_models(from_dict("04_acceptance", {
         "model_path": str(w.toy), "draft_dir": str(w.draft_dir), "data_dir": str(w.data()["cpu-fp32"]),

@@ -22,7 +22,7 @@ from eagle3nb.accept.params import STAGE, AcceptParams
 from eagle3nb.accept.predict import prediction
 from eagle3nb.accept.report import save_figures
 from eagle3nb.data.reader import HiddenStates
-from eagle3nb.draft_checkpoint import check_fits, load_draft
+from eagle3nb.drafts import check_fits, load_draft
 from eagle3nb.hf import from_pretrained
 from eagle3nb.progress import write_json_atomic
 

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from eagle3nb.draft_checkpoint import EAGLE31_KEYS, draft_config_json, save_draft
+from eagle3nb import drafts
+from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.layers import to_sglang
 from eagle3nb.params import StageError
@@ -28,7 +29,6 @@ from eagle3nb.train.optim import build_optimizer
 from eagle3nb.train.params import TrainParams
 from eagle3nb.train.report import read_metrics, save_figures
 from eagle3nb.train.sources import CACHE_DIR, open_data, source_costs
-from eagle3nb.train.ttt import TTTObjective
 from eagle3nb.vllm_config import eagle3_spec
 
 
@@ -123,7 +123,7 @@ def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate(objective: TTTObjective, data, batches: list[list[int]], P: TrainParams, device: torch.device,
+def evaluate(objective: torch.nn.Module, data, batches: list[list[int]], P: TrainParams, device: torch.device,
              rank: int = 0, world: int = 1, targets: DeviceTargets | None = None) -> dict[str, Any]:
     """Held-out loss, per-step accuracy (draft argmax == target argmax) and simulated acceptance length."""
     was = objective.training
@@ -220,7 +220,7 @@ def _checkpoint(ckpt_dir: Path, step: int, keep: int, tr: "Trainer", config: dic
         old.unlink()
 
 
-def _distributed(objective: TTTObjective, device: torch.device):
+def _distributed(objective: torch.nn.Module, device: torch.device):
     """The objective wrapped for torchrun: gradients all-reduced across processes."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -308,7 +308,7 @@ class Trainer:
     device: torch.device
     data: Any
     draft: Any
-    objective: TTTObjective
+    objective: torch.nn.Module
     model: Any  # the objective, or its DDP wrapper
     targets: DeviceTargets
     params: list[torch.nn.Parameter] | None = None
@@ -319,7 +319,7 @@ class Trainer:
     @classmethod
     def on(cls, P: TrainParams, rank: int, world: int, device: torch.device, data, draft) -> "Trainer":
         draft.to(device)
-        objective = TTTObjective(draft, P.ttt_steps, P.step_decay, P.loss, P.lk_eta)
+        objective = drafts.of(draft).objective(draft, P)
         model = _distributed(objective, device) if world > 1 else objective
         return cls(P, rank, world, device, data, draft, objective, model, DeviceTargets(data, device))
 
@@ -521,20 +521,20 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
     paths: dict[str, Any] = {}
     k = P.num_speculative_tokens
     if P.export_format in ("eagle3", "both"):
-        vllm_dir = save_draft(draft, out / "draft", dtype=dtype, include_embed=P.export_embed_tokens)
+        vllm_dir = drafts.of(draft).save(draft, out / "draft", dtype=dtype, include_embed=P.export_embed_tokens)
         sglang_dir = out / "draft-sglang"
         sglang_dir.mkdir(exist_ok=True)
         weights = sglang_dir / "model.safetensors"
         weights.unlink(missing_ok=True)
         os.link(vllm_dir / "model.safetensors", weights)
-        cfg = draft_config_json(draft, "eagle3", dtype)
+        cfg = drafts.of(draft).config_json(draft, "eagle3", dtype)
         ids = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
         cfg["eagle_aux_hidden_state_layer_ids"] = ids
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
         write_json_atomic(sglang_dir / "config.json", cfg)
         paths.update(draft_dir=str(vllm_dir), sglang_draft_dir=str(sglang_dir))
     if P.export_format in ("speculators", "both"):
-        paths["speculators_dir"] = str(save_draft(draft, out / "draft-speculators", format="speculators",
+        paths["speculators_dir"] = str(drafts.of(draft).save(draft, out / "draft-speculators", format="speculators",
                                                   dtype=dtype, include_embed=P.export_embed_tokens,
                                                   verifier=verifier, num_speculative_tokens=k))
     paths["serve"] = serve_commands(paths, k, eagle31=[key for key in EAGLE31_KEYS if getattr(draft.config, key)])
