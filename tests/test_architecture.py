@@ -223,7 +223,7 @@ def test_draft_packages_share_one_shape_and_are_registered():
         assert get(name).name == name and METHODS[name] == f"eagle3nb.drafts.{name}"
     found = {(m, d) for m, deps in graph().items() for d in deps if not m.startswith("eagle3nb.drafts")
              and d.startswith("eagle3nb.drafts.") and d.split(".")[2] in METHODS}
-    assert sorted(found - METHOD_IMPORTS.keys()) == [], "call the algorithm through eagle3nb.drafts (get, of, load_draft)"
+    assert sorted(found - METHOD_IMPORTS.keys()) == [], "call the algorithm through eagle3nb.drafts: get, of, ..."
     assert sorted(METHOD_IMPORTS.keys() - found) == [], "an exception no import needs any more: remove it"
 
 

@@ -1,4 +1,4 @@
-"""eagle3nb.draft and eagle3nb.draft_checkpoint: decoding cache, the training-time-test attention, checkpoint
+"""eagle3nb.drafts.eagle3 (model and layouts): decoding cache, the training-time-test attention, checkpoint
 layouts, fit errors."""
 
 from __future__ import annotations
