@@ -527,11 +527,7 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
         weights = sglang_dir / "model.safetensors"
         weights.unlink(missing_ok=True)
         os.link(vllm_dir / "model.safetensors", weights)
-        cfg = drafts.of(draft).config_json(draft, "eagle3", dtype)
-        ids = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
-        cfg["eagle_aux_hidden_state_layer_ids"] = ids
-        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
-        write_json_atomic(sglang_dir / "config.json", cfg)
+        write_json_atomic(sglang_dir / "config.json", drafts.of(draft).config_json(draft, "sglang", dtype))
         paths.update(draft_dir=str(vllm_dir), sglang_draft_dir=str(sglang_dir))
     if P.export_format in ("speculators", "both"):
         paths["speculators_dir"] = str(drafts.of(draft).save(draft, out / "draft-speculators", format="speculators",

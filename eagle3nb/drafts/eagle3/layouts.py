@@ -5,10 +5,11 @@ EAGLE-3 layout (``midlayer.*``, config ``LlamaForCausalLMEagle3`` + ``eagle_conf
 AQ-MedAI drafters and SpecForge exports use it) and the speculators layout (``layers.0.*``,
 ``speculators_model_type: eagle3``). A draft of ``num_layers`` > 1 writes every layer as ``layers.{i}.*`` in both
 layouts, the names vLLM's eagle3 models give their ``num_hidden_layers`` layers (a one-layer EAGLE-3 export keeps
-``midlayer.*``, byte for byte as before); SGLang reads the EAGLE-3 layout with its own layer ids (03's
-``draft-sglang/``). A parallel-drafting (P-EAGLE) draft adds what vLLM 0.32's llama_eagle3 /
-deepseek_eagle3 load under ``parallel_drafting``: the config key ``mask_token_id`` and the tensor ``mask_hidden``
-[1, 3 x target_hidden_size] (EAGLE-3 layout only: vLLM's speculators ``peagle`` parser drops EAGLE-3.1's keys).
+``midlayer.*``, byte for byte as before); SGLang reads the EAGLE-3 layout with its own layer ids
+(``draft_config_json(model, "sglang")``, 03's ``draft-sglang/``). A parallel-drafting (P-EAGLE) draft adds what
+vLLM 0.32's llama_eagle3 / deepseek_eagle3 load under ``parallel_drafting``: the config key ``mask_token_id`` and
+the tensor ``mask_hidden`` [1, 3 x target_hidden_size] (EAGLE-3 layout only: vLLM's speculators ``peagle`` parser
+drops EAGLE-3.1's keys).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, read_tensors
 from eagle3nb.drafts.eagle3.model import MLA_KEYS, Eagle3Config, Eagle3Draft
 from eagle3nb.families import MLA_ARCHS
+from eagle3nb.layers import to_sglang
 from eagle3nb.progress import write_json_atomic
 
 # config.json architectures of a Llama midlayer (the first is what we write); an MLA one's: families.MLA_ARCHS.
@@ -146,7 +148,15 @@ def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, devic
 
 def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.dtype | None = None,
                       verifier: str | None = None, num_speculative_tokens: int = 3) -> dict[str, Any]:
-    """The config.json vLLM/SGLang (``eagle3``) or speculators (``speculators``) expect for this draft."""
+    """The config.json vLLM (``eagle3``), SGLang (``sglang``: the same with its output-of-layer ids) or speculators
+    (``speculators``) expect for this draft."""
+    if format == "sglang":
+        d = draft_config_json(model, "eagle3", dtype)
+        if "eagle_aux_hidden_state_layer_ids" in d:
+            ids = to_sglang(d["eagle_aux_hidden_state_layer_ids"])
+            d["eagle_aux_hidden_state_layer_ids"] = ids
+            d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        return d
     cfg = model.config
     dtype = dtype or model.fc.weight.dtype
     dtype_name = str(dtype).removeprefix("torch.")
@@ -188,7 +198,7 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
                 "verifier": {"name_or_path": verifier, "architectures": []},
             },
         }
-    raise ValueError(f"format must be 'eagle3' or 'speculators', got {format!r}")
+    raise ValueError(f"format must be 'eagle3', 'sglang' or 'speculators', got {format!r}")
 
 
 def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dtype: torch.dtype | None = None,
