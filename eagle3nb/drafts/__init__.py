@@ -9,7 +9,7 @@ its step in the batched decoder, ``offline.py`` 04's offline acceptance simulati
 - ``name`` (the method's name in a draft's config: vLLM's speculative-config ``method``, speculators'
   ``speculators_model_type``), ``title``, ``claims(config_dict) -> bool`` (does it read this config.json);
 - ``load(dir, embed_tokens=None, device="cpu", dtype=torch.float32) -> model`` and ``save(model, dir,
-  format=formats[0], dtype=None, include_embed=True, verifier=None, num_speculative_tokens=3) -> dir``,
+  format, dtype=None, include_embed=True, verifier=None, num_speculative_tokens=3) -> dir``,
   ``config_json(model, format, dtype=None, verifier=None, num_speculative_tokens=3) -> dict``;
 - ``objective(model, P) -> nn.Module`` whose ``forward(batch)`` returns (loss, stats [4, steps]: loss sum, loss
   positions, correct, scored positions), batch as 03 builds it (``aux``, ``input_ids``, ``loss_mask``,
@@ -61,7 +61,8 @@ def method_of(config: dict[str, Any], where: str = "config.json") -> DraftMethod
             return method
     what = (f"speculators_model_type {config['speculators_model_type']!r}" if config.get("speculators_model_type")
             else f"architecture {', '.join(config.get('architectures') or [])}")
-    raise DraftMismatchError(f"{where}: {what} is not a draft this package reads (methods: {', '.join(METHODS)})")
+    known = ", ".join(f"{name} ({get(name).title})" for name in METHODS)
+    raise DraftMismatchError(f"{where}: {what} is not a draft this package reads (methods: {known})")
 
 
 def load_draft(path: str | Path, **kwargs: Any) -> Any:

@@ -53,7 +53,6 @@ class DraftMethod:
     name: str  # vLLM's speculative-config "method", a speculators config's speculators_model_type
     title: str  # how papers and people write it, for messages
     claims: Callable[[dict[str, Any]], bool]  # does this method read a draft whose config.json is this dict
-    formats: tuple[str, ...]  # the layouts ``save`` writes, the first the default
     load: Callable[..., nn.Module]  # (dir, embed_tokens=None, device="cpu", dtype=float32) -> the model, eval
     save: Callable[..., Path]  # (model, dir, format, dtype, include_embed, verifier, num_speculative_tokens)
     config_json: Callable[..., dict[str, Any]]  # (model, format, dtype, verifier, num_speculative_tokens)
