@@ -21,7 +21,8 @@ its step in the batched decoder, ``offline.py`` 04's offline acceptance simulati
 Every model has a ``method`` attribute (its name here) and a ``config`` with ``vocab_size``, ``draft_vocab_size``,
 ``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the
 decoder, the embedded server, the doctor and the export call only this module: :func:`get` by name, :func:`of` a
-model, :func:`load_draft` a folder. A new algorithm is its package plus one line in ``METHODS``.
+model, :func:`method_of` a config.json, :func:`load_draft` a folder (03's EAGLE-3 parameters aside, the imports
+``tests/test_architecture.py`` names). A new algorithm is its package plus one line in ``METHODS``.
 """
 
 from __future__ import annotations
