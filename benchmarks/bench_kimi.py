@@ -57,7 +57,7 @@ def timed(fn, repeats: int = 2) -> float:
 
 
 def kimi_config(hidden: int = H):
-    from eagle3nb.draft import Eagle3Config
+    from eagle3nb.drafts.eagle3.model import Eagle3Config
 
     return Eagle3Config(hidden_size=hidden, intermediate_size=I_ if hidden == H else 3 * hidden,
                         num_attention_heads=NH if hidden == H else hidden // 128, num_key_value_heads=NH if hidden == H
@@ -155,7 +155,7 @@ def measure_modules(T: int) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from eagle3nb.draft import Eagle3Draft, TTTCache
+    from eagle3nb.drafts.eagle3.model import Eagle3Draft, TTTCache
 
     cfg = kimi_config()
     with torch.device("meta"):
@@ -208,8 +208,8 @@ def measure_ttt_overhead(T: int) -> float:
     (256): seconds per token per TTT step of everything but the wide matmuls (loss, norms, rotary, lookups)."""
     import torch
 
-    from eagle3nb.draft import Eagle3Draft
-    from eagle3nb.train.ttt import TTTObjective
+    from eagle3nb.drafts.eagle3.model import Eagle3Draft
+    from eagle3nb.drafts.eagle3.objective import TTTObjective
 
     draft = Eagle3Draft(kimi_config(256))
     draft.set_vocab(torch.arange(VD) * 5 - torch.arange(VD), torch.arange(V) % 5 == 0)

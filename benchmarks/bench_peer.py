@@ -129,11 +129,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from eagle3nb.accept.offline import chain_logits, offline_acceptance
+    from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.data.head import read_head_tensors
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.split import split_holdout
-    from eagle3nb.draft_checkpoint import load_draft, save_draft
+    from eagle3nb.drafts import load_draft
+    from eagle3nb.drafts.eagle3.layouts import save_draft
+    from eagle3nb.drafts.eagle3.offline import chain_logits
     from eagle3nb.params import from_dict
     from eagle3nb.toy import resolve_model_path
     from eagle3nb.train.stage import run as train_run

@@ -46,12 +46,14 @@ from eagle3nb.data.prompts import load_prompts  # noqa: E402
 from eagle3nb.data.reader import HiddenStates  # noqa: E402
 from eagle3nb.data.split import split_holdout  # noqa: E402
 from eagle3nb.data.stream import Template  # noqa: E402
-from eagle3nb.draft_checkpoint import load_draft  # noqa: E402
+from eagle3nb.drafts import load_draft  # noqa: E402
 from eagle3nb.errors import UserError  # noqa: E402
 from eagle3nb.hf import DECODER, load_target  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
 from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
-from eagle3nb.spec import SpecCounters, SpecDecoder, plain_generate  # noqa: E402
+from eagle3nb.spec.batch import SpecDecoder  # noqa: E402
+from eagle3nb.spec.reference import plain_generate  # noqa: E402
+from eagle3nb.spec.verify import SpecCounters  # noqa: E402
 from eagle3nb.toy import shipped  # noqa: E402
 from eagle3nb.train.stage import run  # noqa: E402
 from testkit.heldout import greedy_hidden_states  # noqa: E402

@@ -44,10 +44,10 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from eagle3nb.accept.local import compare_with_plain, measure_costs
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft_checkpoint import load_draft
-    from eagle3nb.spec import compare_with_plain, measure_costs
+    from eagle3nb.drafts import load_draft
     from eagle3nb.toy import resolve_model_path
 
     model_dir = resolve_model_path(args.model)

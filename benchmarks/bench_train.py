@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from eagle3nb.draft import Eagle3Config, Eagle3Draft
-from eagle3nb.train.ttt import TTTObjective
+from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
+from eagle3nb.drafts.eagle3.objective import TTTObjective
 
 H, HEADS, HEAD_DIM, INTER, V, VD, STEPS, B, T = 512, 8, 64, 1536, 32000, 8192, 7, 2, 512
 GOAL = 0.6

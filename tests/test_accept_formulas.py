@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from eagle3nb.accept.offline import conditional_alphas, expected_acceptance, simulate_rounds, summarize_chain
+from eagle3nb.accept.offline import conditional_alphas, simulate_rounds, summarize_chain
 from eagle3nb.accept.predict import predict, speedup_by_k
 from eagle3nb.accept.verdict import likely_causes, verdict
+from eagle3nb.drafts.base import expected_acceptance
 from eagle3nb.formulas import spec_delta, tau_iid
 from eagle3nb.params import ParamsError, from_dict
 

@@ -26,7 +26,7 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
 
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
     from eagle3nb.train.stage import run
     from testkit.heldout import greedy_hidden_states
 
@@ -44,7 +44,7 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
 
 
 def test_greedy_speculative_decoding_is_identical_to_the_target_on_many_prompts(world):
-    from eagle3nb.spec import SpecDecoder
+    from eagle3nb.spec.batch import SpecDecoder
 
     target, draft = world["target"], world["draft"]
     for k in (1, 4):
@@ -62,7 +62,8 @@ def test_greedy_speculative_decoding_is_identical_to_the_target_on_many_prompts(
 def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
     """Chi-square test on the first two generated tokens of one prompt, speculative vs the target's own
     distribution (exact, from its logits): the second token comes from a draft-and-verify round."""
-    from eagle3nb.spec import SpecBatch, SpecDecoder, probs_at
+    from eagle3nb.spec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.spec.verify import probs_at
 
     target, draft, p = world["target"], world["draft"], world["prompts"][0]
     T = 1.0
@@ -89,8 +90,9 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
 def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
     """Same data: offline chains (teacher-forced by the target's greedy tokens) and real decoding see the same
     inputs, so the rounds they imply agree exactly, and the acceptance lengths closely."""
-    from eagle3nb.accept.offline import chain_acceptance, offline_acceptance, simulate_rounds
-    from eagle3nb.spec import compare_with_plain
+    from eagle3nb.accept.local import compare_with_plain
+    from eagle3nb.accept.offline import offline_acceptance, simulate_rounds
+    from eagle3nb.drafts.eagle3.offline import chain_acceptance
 
     k = 3
     data, draft, target = world["data"], world["draft"], world["target"]
@@ -121,7 +123,8 @@ def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
 def test_sampled_offline_acceptance_is_one_minus_tv_against_the_targets_full_distribution(world):
     """At T=1 the offline acceptance of a position equals sum_v min(p_v, q_v) with p the target's own softmax
     over its whole vocabulary (from a fresh forward pass) and q the draft's, placed on the target vocabulary."""
-    from eagle3nb.accept.offline import chain_acceptance, chain_logits, offline_acceptance, target_probs_for
+    from eagle3nb.accept.offline import offline_acceptance, target_probs_for
+    from eagle3nb.drafts.eagle3.offline import chain_acceptance, chain_logits
 
     data, draft, target = world["data"], world["draft"], world["target"]
     off = offline_acceptance(draft, data, 3, 3, temperature=1.0)
@@ -147,7 +150,7 @@ def test_stage_reuses_finished_steps_until_the_drafts_content_changes(world, toy
     from transformers import AutoTokenizer
 
     from eagle3nb.accept.offline import run_offline
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     draft_dir = tmp_path / "draft"
     shutil.copytree(world["root"] / "03" / "draft", draft_dir)
@@ -212,7 +215,8 @@ def test_benchmark_sets_answer_later_turns_on_policy(world):
     decoder's output), the counters split by turn and category adding up to the set's."""
     from eagle3nb.accept.bench import answer_of, decode_set
     from eagle3nb.data.prompts import load_prompts
-    from eagle3nb.spec import SpecCounters, SpecDecoder
+    from eagle3nb.spec.batch import SpecDecoder
+    from eagle3nb.spec.verify import SpecCounters
 
     target, draft, tpl, eos = world["target"], world["draft"], world["tpl"], world["eos"]
     dec = SpecDecoder(target, draft, 3)

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
-CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "draft", "draft_checkpoint", "spec",
+CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "drafts", "spec",
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
         "plan", "track", "drafts")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
@@ -28,6 +28,19 @@ STAGE_IMPORTS = {
     ("eagle3nb.hidden.vllm_backend", "eagle3nb.synth.client"):
         "02's extraction requests go through 01's endpoints and retry policy (with_retries, classify), not a second "
         "retry loop",
+}
+# Every draft algorithm's package has these files (eagle3nb/drafts/__init__.py says what each holds).
+DRAFT_ROLES = ("__init__.py", "model.py", "objective.py", "layouts.py", "drafting.py", "offline.py")
+# Modules outside eagle3nb/drafts/ that import one algorithm's package instead of the registry -> why.
+METHOD_IMPORTS = {
+    ("eagle3nb.train.build", "eagle3nb.drafts.eagle3.model"):
+        "03's draft_attention / fc_norm / num_layers / parallel_drafting params shape a fresh EAGLE-3 draft",
+    ("eagle3nb.train.build", "eagle3nb.drafts.eagle3.layouts"):
+        "03's EAGLE-3.1 params (EAGLE31_KEYS) default on for a fresh draft and must match a fine-tuned one",
+    ("eagle3nb.train.checkpoint", "eagle3nb.drafts.eagle3.layouts"):
+        "a resumed run's settings leave EAGLE-3.1's keys out when off, as every run before them",
+    ("eagle3nb.train.stage", "eagle3nb.drafts.eagle3.layouts"):
+        "the SGLang serve command warns about an EAGLE-3.1 draft's keys",
 }
 # Third-party packages a module may import inside a function: heavy ones, kept off the CLI's start-up path.
 HEAVY = {"torch", "transformers", "safetensors", "fastapi", "uvicorn", "matplotlib", "pandas", "numpy", "openai",
@@ -220,6 +233,23 @@ def test_stage_packages_share_one_shape(stage):
     main = (folder / "__main__.py").read_text()
     assert "from eagle3nb.stage_cli import main" in main
     assert len((folder / "__init__.py").read_text().splitlines()) <= 15
+
+
+def test_draft_packages_share_one_shape_and_are_registered():
+    """One package per draft algorithm, the same files in each, each in the registry under its own name, and the
+    registry the only way in from outside eagle3nb/drafts/ (the named exceptions, still needed)."""
+    from eagle3nb.drafts import METHODS, get
+
+    packages = sorted(p.name for p in (PKG / "drafts").iterdir() if (p / "__init__.py").exists())
+    assert packages == sorted(METHODS)
+    for name in packages:
+        missing = [role for role in DRAFT_ROLES if not (PKG / "drafts" / name / role).exists()]
+        assert missing == [], f"eagle3nb/drafts/{name}/ lacks {missing}"
+        assert get(name).name == name and METHODS[name] == f"eagle3nb.drafts.{name}"
+    found = {(m, d) for m, deps in graph().items() for d in deps if not m.startswith("eagle3nb.drafts")
+             and d.startswith("eagle3nb.drafts.") and d.split(".")[2] in METHODS}
+    assert sorted(found - METHOD_IMPORTS.keys()) == [], "call the algorithm through eagle3nb.drafts: get, of, ..."
+    assert sorted(METHOD_IMPORTS.keys() - found) == [], "an exception no import needs any more: remove it"
 
 
 def test_architecture_doc_names_only_paths_that_exist():

@@ -325,7 +325,7 @@ def test_training_lifts_offline_acceptance_and_decoding_stays_lossless(trained, 
     greedy tokens, and the offline simulation of that decode replays its rounds exactly."""
     from eagle3nb.drafts.dflash.drafting import generate
     from eagle3nb.drafts.dflash.offline import block_hits, offline_acceptance, rounds
-    from eagle3nb.spec import plain_generate
+    from eagle3nb.spec.reference import plain_generate
 
     m, losses, before = trained(markov_rank, weighting)
     after = offline_acceptance(m, items(data["heldout"], m.config.aux_layer_ids))
@@ -363,7 +363,7 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     from eagle3nb.drafts.dflash.layouts import save
     from eagle3nb.formulas import spec_counters, spec_delta
     from eagle3nb.serve.vllm import start_vllm
-    from eagle3nb.spec import plain_generate
+    from eagle3nb.spec.reference import plain_generate
 
     m = trained(0, "decay")[0]
     prompts = [prompt_of(r) for r in data["heldout"]]

@@ -1,4 +1,4 @@
-"""eagle3nb.draft and eagle3nb.draft_checkpoint: decoding cache, the training-time-test attention, checkpoint
+"""eagle3nb.drafts.eagle3 (model and layouts): decoding cache, the training-time-test attention, checkpoint
 layouts, fit errors."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3nb.draft import DraftCache, DraftMismatchError, Eagle3Config, Eagle3Draft, TTTCache
-from eagle3nb.draft_checkpoint import check_fits, load_draft, save_draft
+from eagle3nb.drafts import DraftMismatchError, check_fits, load_draft
+from eagle3nb.drafts.eagle3.layouts import save_draft
+from eagle3nb.drafts.eagle3.model import DraftCache, Eagle3Config, Eagle3Draft, TTTCache
 
 H, V, VD, T = 32, 50, 20, 12
 # The draft variants every decoding test holds: Llama attention, DeepSeek's latent attention with and without a
@@ -199,7 +200,7 @@ def test_unknown_or_incomplete_draft_architectures_are_named(tmp_path):
     save_draft(tiny_draft(), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["MedusaModel"]}))
-    with pytest.raises(DraftMismatchError, match="MedusaModel is not an EAGLE-3 draft this package reads"):
+    with pytest.raises(DraftMismatchError, match="architecture MedusaModel is not a draft this package reads"):
         load_draft(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
     with pytest.raises(DraftMismatchError, match="MLA draft .* without kv_lora_rank"):

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from test_draft import H, inputs, tiny_draft
 
-from eagle3nb.draft_checkpoint import load_draft, save_draft
+from eagle3nb.drafts import load_draft
+from eagle3nb.drafts.eagle3.layouts import save_draft
 
 V31 = {"fc_norm": True, "norm_output": True}
 

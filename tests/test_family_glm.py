@@ -357,8 +357,8 @@ def test_glm_train(trained, target_dir, hidden):
 def test_glm_local_lossless(trained, synth, glm):
     """04's local speculative decoding on the Glm4Moe target: greedy output identical to transformers' generate,
     with drafts accepted (the draft learned these prompts)."""
-    from eagle3nb.draft_checkpoint import load_draft
-    from eagle3nb.spec import compare_with_plain
+    from eagle3nb.accept.local import compare_with_plain
+    from eagle3nb.drafts import load_draft
 
     rows = [json.loads(line) for line in (synth / "samples-00000.jsonl").read_text().splitlines()]
     prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in rows]

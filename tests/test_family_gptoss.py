@@ -253,10 +253,10 @@ def test_gpt_oss_vllm_eagle3(vllm, synth, trained, gpt_oss):
     same rounds up to float ties: within 15% (measured: equal, 163 of 273 drafted tokens both), and every
     continuation the target's own (the data is the target's greedy output; the smallest top-1/top-2 logit margin
     on it is 5.5e-3, far above vLLM's ~1e-4 state gap, so no greedy token flips)."""
+    from eagle3nb.accept.local import compare_with_plain
     from eagle3nb.accept.online import metrics_url, scrape
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
     from eagle3nb.formulas import spec_counters, spec_delta
-    from eagle3nb.spec import compare_with_plain
 
     handle = started(vllm, "eagle3")
     rows = [json.loads(line) for line in (synth / "samples-00000.jsonl").read_text().splitlines()]

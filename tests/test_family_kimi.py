@@ -77,8 +77,8 @@ def test_kimi_toy_is_kimis_architecture(kimi):
 def test_kimi_llama_draft_beside_mla_target_is_refused_before_vllm_starts(kimi, tmp_path):
     """vLLM's CPU build cannot serve a Llama-attention draft beside an MLA target (no common KV block size):
     the launcher says so in one line, naming the parameter, instead of a worker traceback a minute later."""
-    from eagle3nb.draft import Eagle3Config, Eagle3Draft
-    from eagle3nb.draft_checkpoint import save_draft
+    from eagle3nb.drafts.eagle3.layouts import save_draft
+    from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
     from eagle3nb.errors import InputError
     from eagle3nb.serve.vllm import vllm_args
 

@@ -268,9 +268,9 @@ def trained(hidden, tmp_path_factory) -> Path:
 def test_gpt_oss_train_and_local_lossless(trained, records, model, tok, gptoss):
     """03 trains a draft shaped from the toy's GptOss config, and 04's local speculative decoding with it on
     01's prompts is lossless: greedy output identical to the target's own, past the sliding window."""
+    from eagle3nb.accept.local import compare_with_plain
     from eagle3nb.data.samples import load_samples
-    from eagle3nb.draft_checkpoint import load_draft
-    from eagle3nb.spec import compare_with_plain
+    from eagle3nb.drafts import load_draft
 
     target = json.loads((gptoss / "config.json").read_text())
     cfg = json.loads((trained / "draft" / "config.json").read_text())
@@ -294,7 +294,7 @@ def test_gpt_oss_offline_acceptance_by_channel(trained, hidden, tok):
     two together are every judged position."""
     from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.data.reader import HiddenStates
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
     from eagle3nb.families import get, specials
 
     data = HiddenStates(hidden)

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 from test_draft import VD, T, inputs, tiny_draft
 
-from eagle3nb.draft_checkpoint import load_draft, save_draft
+from eagle3nb.drafts import load_draft
+from eagle3nb.drafts.eagle3.layouts import save_draft
 
 from worlds import requires_vllm
 
@@ -40,7 +41,7 @@ def test_the_ttt_unroll_trains_the_one_pass_vllm_runs(variant):
     """The TTT objective of a P-EAGLE draft scores, at every step i and position t, the logits of vLLM's one
     causal pass over [tokens 0..t, i mask slots] (cross-entropy sums and greedy hits equal, per step); gradients
     reach mask_hidden; a sequential draft's unroll on the same weights scores other logits."""
-    from eagle3nb.train.ttt import TTTObjective
+    from eagle3nb.drafts.eagle3.objective import TTTObjective
 
     m = tiny_draft(mask_token_id=MASK, **variant)
     aux, ids, _ = inputs(B=1, seed=3)
@@ -72,7 +73,7 @@ def test_export_is_what_vllms_loader_reads_and_reads_back(tmp_path):
     proposer and llama_eagle3 read (the served test below runs them); the speculative config switches parallel
     drafting on for such a draft only; load_draft
     reads it back (same logits); a speculators export is refused in one line."""
-    from eagle3nb.draft import DraftMismatchError
+    from eagle3nb.drafts import DraftMismatchError
     from eagle3nb.vllm_config import eagle3_spec
 
     m = tiny_draft(mask_token_id=MASK, fc_norm=True)
@@ -104,7 +105,8 @@ def test_our_decoder_drafts_the_one_pass_losslessly_and_batched_rows_as_alone(to
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.spec import SpecDecoder, plain_generate
+    from eagle3nb.spec.batch import SpecDecoder
+    from eagle3nb.spec.reference import plain_generate
 
     m = smoke_draft(toy_smoke, 1)
     mask_id = m.config.vocab_size - 1

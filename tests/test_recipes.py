@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 from test_draft import MLA, T, inputs, tiny_draft
 
-from eagle3nb.draft import DraftCache, TTTCache
-from eagle3nb.draft_checkpoint import load_draft, save_draft
+from eagle3nb.drafts import load_draft
+from eagle3nb.drafts.eagle3.layouts import save_draft
+from eagle3nb.drafts.eagle3.model import DraftCache, TTTCache
 
 from worlds import requires_vllm
 
@@ -121,7 +122,7 @@ def test_deeper_draft_export_maps_onto_vllms_layers_with_vllms_own_mapper(tmp_pa
 
 def smoke_draft(toy, num_layers: int):
     """A seeded random draft of ``num_layers`` for the shipped smoke toy, on its embedding and lm_head."""
-    from eagle3nb.draft import Eagle3Config, Eagle3Draft
+    from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 
     tc = json.loads((toy / "config.json").read_text())
     tc = tc.get("text_config") or tc
@@ -146,7 +147,8 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.spec import SpecDecoder, plain_generate
+    from eagle3nb.spec.batch import SpecDecoder
+    from eagle3nb.spec.reference import plain_generate
 
     draft = load_draft(save_draft(smoke_draft(toy_smoke, 2), tmp_path / "draft"))
     assert draft.config.num_layers == 2
@@ -162,7 +164,8 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
 def assert_batched_rows_draft_as_alone(dec, prompts: list[list[int]], runs) -> None:
     """Two rows start a batch, a third joins at the second round (padding, merges, holes in every layer's cache):
     each drafts in its first rounds exactly what it drafted alone (``runs``: ``dec.generate`` of each prompt)."""
-    from eagle3nb.spec import Sampling, SpecBatch
+    from eagle3nb.spec.batch import SpecBatch
+    from eagle3nb.spec.verify import Sampling
 
     alone = [r.drafted_per_round for r in runs]
     batch = SpecBatch(dec)
@@ -210,7 +213,7 @@ def by_definition(loss: str, z: torch.Tensor, p: torch.Tensor, eta: float) -> to
 
 @pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda"])
 def test_each_loss_is_its_definition_zero_at_the_target_and_has_gradients(loss):
-    from eagle3nb.train.ttt import divergence
+    from eagle3nb.drafts.eagle3.objective import divergence
 
     g = torch.Generator().manual_seed(3)
     z = (torch.randn(2, 3, 7, generator=g) * 2).requires_grad_()
@@ -228,7 +231,7 @@ def test_each_loss_is_its_definition_zero_at_the_target_and_has_gradients(loss):
 
 def test_the_default_loss_trains_on_soft_cross_entropy_kl_plus_the_targets_entropy():
     """forward_kl, the default, keeps EAGLE-3's fused soft cross-entropy: KL(p||q) + H(p), the same gradient."""
-    from eagle3nb.train.ttt import SoftCrossEntropy, divergence
+    from eagle3nb.drafts.eagle3.objective import SoftCrossEntropy, divergence
 
     g = torch.Generator().manual_seed(4)
     z = torch.randn(2, 5, 9, generator=g).requires_grad_()
@@ -256,7 +259,7 @@ def ttt_batch(m, seed: int = 5, B: int = 2) -> dict[str, torch.Tensor]:
 def test_a_short_ttt_run_lowers_each_loss(loss):
     """25 AdamW steps of the TTT unroll on one micro-batch lower the loss it trains on by a fifth or more (the
     draft fits one batch easily; measured: 53-80% lower), and the stats report that loss."""
-    from eagle3nb.train.ttt import TTTObjective
+    from eagle3nb.drafts.eagle3.objective import TTTObjective
 
     m = tiny_draft(num_layers=2 if loss == "lk_lambda" else 1).train()
     obj = TTTObjective(m, steps=3, decay=0.8, loss=loss, eta=3.0)

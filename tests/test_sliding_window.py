@@ -121,7 +121,7 @@ def own_continuations(target, tokenizer, n: int, new_tokens: int, out: Path) -> 
 
 def _draft(target):
     """A random EAGLE-3 draft for ``target`` (its vocabulary whole, so d2t is the identity)."""
-    from eagle3nb.draft import Eagle3Config, Eagle3Draft
+    from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 
     torch.manual_seed(1)
     V, L = target.config.vocab_size, target.config.num_hidden_layers
@@ -156,7 +156,8 @@ def _hint(draft, sequences: list[list[int]]):
 def _continuous(target, draft, prompts: list[list[int]], limits: list[int]):
     """Rows join one or two per other round and leave at their own limit: (outputs, batch sizes, ragged rounds,
     counters)."""
-    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder
+    from eagle3nb.spec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.spec.verify import Sampling
 
     batch = SpecBatch(SpecDecoder(target, draft, K))
     outs: dict[int, list[int]] = {}
@@ -206,7 +207,7 @@ def test_greedy_continuous_batching_equals_generate_across_the_window(name, prom
 @torch.inference_mode()
 def test_one_sequence_generate_equals_generate(gpt_oss, prompts):
     """``SpecDecoder.generate`` (compare_with_plain's path, a batch of one) on the longest prompt."""
-    from eagle3nb.spec import SpecDecoder
+    from eagle3nb.spec.batch import SpecDecoder
 
     ref = _generate(gpt_oss, prompts[-1], 30)
     draft = _hint(_draft(gpt_oss), [prompts[-1] + ref])
@@ -244,7 +245,7 @@ def _serve_in_two_waves(engine, prompts: list[list[int]]) -> list:
 def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, tokenizer, prompts, tmp_path):
     """The embedded server's ``--draft`` path: its Engine thread with a SpecEngine over a saved draft, requests
     submitted in two waves (the second joins a running batch), each request's token ids equal generate's."""
-    from eagle3nb.draft_checkpoint import save_draft
+    from eagle3nb.drafts.eagle3.layouts import save_draft
     from eagle3nb.serve.engine import Engine, Metrics
     from eagle3nb.serve.spec_engine import SpecEngine
 

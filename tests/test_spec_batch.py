@@ -1,4 +1,4 @@
-"""Continuous batching of speculative decoding (``eagle3nb.spec.SpecBatch``, the embedded server's ``--draft``
+"""Continuous batching of speculative decoding (``eagle3nb.spec.batch.SpecBatch``, the embedded server's ``--draft``
 engine): rows of different lengths that accept different numbers of drafts, join and leave between rounds, and
 still decode exactly what they would alone."""
 
@@ -18,7 +18,7 @@ def pair(toy_smoke, trained):
     from transformers import AutoModelForCausalLM
 
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     target = AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
     draft = load_draft(trained["out"] / "03_train" / "draft",
@@ -36,7 +36,9 @@ def _prompts(toy_smoke, n: int) -> list[list[int]]:
 
 def test_rows_joining_and_leaving_between_rounds_decode_like_the_target_alone(pair, toy_smoke):
     """Greedy rows admitted at different rounds, each stopping at its own EOS or length, equal plain decoding."""
-    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder, plain_generate
+    from eagle3nb.spec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.spec.reference import plain_generate
+    from eagle3nb.spec.verify import Sampling
 
     target, draft, eos = pair
     prompts, limits = _prompts(toy_smoke, 6), [60, 9, 60, 17, 60, 33]
@@ -73,7 +75,8 @@ def test_rows_joining_and_leaving_between_rounds_decode_like_the_target_alone(pa
 
 def test_a_seeded_sampled_row_does_not_depend_on_its_batch(pair, toy_smoke):
     """Rejection sampling per row with the row's own generator: the same tokens alone and among other rows."""
-    from eagle3nb.spec import Sampling, SpecBatch, SpecDecoder
+    from eagle3nb.spec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.spec.verify import Sampling
 
     target, draft, _ = pair
     dec = SpecDecoder(target, draft, K)
@@ -131,3 +134,26 @@ def test_spec_server_batches_concurrent_requests_and_answers_like_the_plain_serv
     assert [len(g) for g in got] != [len(got[0])] * len(got)  # different lengths really
     by_size = {int(labels["batch_size"]): v for labels, v in rounds if "batch_size" in labels}
     assert sum(v for s, v in by_size.items() if s >= 3) >= 5, by_size
+
+
+def test_the_reference_decoder_decodes_like_the_batched_one(pair, toy_smoke):
+    """``eagle3nb.spec.reference`` (one sequence, no padding, no draft cache) and the batched decoder give the same
+    tokens and the same accepted drafts every round: greedy (both the target's own output), and sampled with the
+    same seed (both draw from the generator in the same order: first token, k drafts, verification)."""
+    from eagle3nb.spec.batch import SpecDecoder
+    from eagle3nb.spec.reference import plain_generate, reference_generate
+
+    target, draft, eos = pair
+    dec = SpecDecoder(target, draft, K)
+    outputs: dict[float, list[list[int]]] = {}
+    for temperature in (0.0, 0.9):
+        for i, prompt in enumerate(_prompts(toy_smoke, 2)):
+            ref, rounds = reference_generate(target, draft, prompt, K, 40, temperature, [eos],
+                                             torch.Generator().manual_seed(i))
+            res = dec.generate(prompt, 40, temperature, [eos], torch.Generator().manual_seed(i))
+            assert (ref, rounds) == (res.tokens, res.accepted_per_round), (temperature, i)
+            assert sum(rounds) > 0  # drafts were accepted, so the draft's numbers were compared too
+            if temperature == 0.0:
+                assert ref == plain_generate(target, prompt, 40, eos_token_ids=[eos])
+            outputs.setdefault(temperature, []).append(ref)
+    assert outputs[0.9] != outputs[0.0]  # the sampled path ran

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.split import split_holdout
-from eagle3nb.draft import DraftMismatchError
-from eagle3nb.draft_checkpoint import load_draft, save_draft
+from eagle3nb.drafts import DraftMismatchError, load_draft
+from eagle3nb.drafts.eagle3.layouts import save_draft
 from eagle3nb.params import from_dict
 from eagle3nb.train.checkpoint import ResumeMismatch, checkpoints
 from eagle3nb.train.data import DeviceTargets

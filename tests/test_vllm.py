@@ -95,7 +95,8 @@ def vllm(toy_smoke, tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafts(trained, tmp_path_factory) -> dict[str, Path]:
     """The trained draft as 03 exports it, and the same weights in speculators' layout."""
-    from eagle3nb.draft_checkpoint import load_draft, save_draft
+    from eagle3nb.drafts import load_draft
+    from eagle3nb.drafts.eagle3.layouts import save_draft
 
     ours = trained["out"] / "03_train" / "draft"
     spec = save_draft(load_draft(ours), tmp_path_factory.mktemp("speculators"), format="speculators",
@@ -255,10 +256,10 @@ def held_out(n: int) -> list[dict]:
 
 def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_tokens: int) -> dict:
     """04's local speculative decoding (our decoder, greedy) on the same prompts vLLM gets."""
+    from eagle3nb.accept.local import compare_with_plain
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.spec import compare_with_plain
 
     tpl = Template(toy_smoke, True)
     ids = [tpl.prompt_ids(p["messages"]) for p in prompts]

@@ -105,12 +105,12 @@ def test_vllm_serves_the_recipe_greedy_as_the_target_with_the_acceptance_decoded
     counters' acceptance is within 10% of our local speculative decoding of the same draft on the same prompts."""
     import httpx
 
+    from eagle3nb.accept.local import compare_with_plain
     from eagle3nb.accept.online import first_model, metrics_url, scrape
     from eagle3nb.data.stream import Template
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
     from eagle3nb.formulas import spec_counters, spec_delta
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.spec import compare_with_plain
 
     server, draft_dir = recipes["servers"][name], recipes["drafts"][name]
     tpl = Template(toy_smoke, True)

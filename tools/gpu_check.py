@@ -32,7 +32,7 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``online_source``: 03 with ``data_source: online`` on cuda (``hidden.online.OnlineStates``: the target computes
   each micro-batch's states on the GPU, fp32) vs stored fp32 states trained on cuda: initial held-out loss within
   1e-4, final within 1e-3.
-- ``export``: 03's export of a draft trained on cuda; ``draft_checkpoint.load_draft(device="cuda")`` equals the last
+- ``export``: 03's export of a draft trained on cuda; ``drafts.load_draft(device="cuda")`` equals the last
   checkpoint's weights exactly, and the SGLang copy is written.
 - ``offline_acceptance``: 04 ``accept.offline.offline_acceptance`` with the draft and the target head on cuda vs CPU:
   greedy alpha_i within 0.02 (argmax ties), expected sampled alpha_i (temperature 1) within 1e-3.
@@ -282,9 +282,9 @@ class World:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from eagle3nb.draft_checkpoint import load_draft
+        from eagle3nb.accept.local import compare_with_plain
+        from eagle3nb.drafts import load_draft
         from eagle3nb.hf import from_pretrained
-        from eagle3nb.spec import compare_with_plain
 
         target = from_pretrained(AutoModelForCausalLM, self.toy, trust_remote_code=False, dtype=torch.float32)
         _, ids, eos = self.prompts
@@ -312,7 +312,7 @@ def check_cuda_device(w: World) -> str:
 def check_ttt_attention(w: World) -> str:
     import torch
 
-    from eagle3nb.draft import TTTCache
+    from eagle3nb.drafts.eagle3.model import TTTCache
 
     g = torch.Generator().manual_seed(0)
     B, nh, T, d, steps = 2, 4, 384, 32, 4
@@ -330,7 +330,8 @@ def check_ttt_attention(w: World) -> str:
             ("fused bf16", rel(fused16, ref), 2e-2), ("element-wise bf16", rel(elem16, ref), 2e-2)]
     measured = ", ".join(within(n, e, lim) for n, e, lim in errs) + f" (vs CPU fp32, {steps} TTT steps, T={T})"
     expect(all(e <= lim for _, e, lim in errs), measured,
-           "fix TTTCache.attend in eagle3nb/draft.py: its fused (dense) path must equal the element-wise one")
+           "fix TTTCache.attend in eagle3nb/drafts/eagle3/model.py: its fused (dense) path must equal the "
+           "element-wise one")
     return expect(torch.equal(default, fused16), measured + "; the cuda default is NOT the fused path",
                   "TTTCache(dense=None) must take the fused path on CUDA (long sequences do not fit otherwise)")
 
@@ -389,7 +390,7 @@ def check_autocast_bf16(w: World) -> str:
                 f"after {SHORT_STEPS} steps")
     return expect(on and math.isfinite(a["final_loss"]) and e0 <= 2e-2 and e1 <= 1e-1, measured,
                   "bf16 autocast training drifts from fp32: check autocast_for in eagle3nb/train/distributed.py "
-                  "and the float() casts of the loss in eagle3nb/train/ttt.py")
+                  "and the float() casts of the loss in eagle3nb/drafts/eagle3/objective.py")
 
 
 def loss_gaps(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -416,8 +417,8 @@ def check_train_recipes(w: World) -> str:
         f"{name} {within('initial', e0, 1e-4)}, {within('final', e1, RECIPES[name][1])}"
         for name, (e0, e1) in gaps.items())
     return expect(all(e0 <= 1e-4 and e1 <= RECIPES[name][1] for name, (e0, e1) in gaps.items()), measured,
-                  "a recipe trains differently on GPU: see eagle3nb/draft.py (fc_norm, the deeper layers), "
-                  "eagle3nb/train/ttt.py divergence and eagle3nb/train/optim.py")
+                  "a recipe trains differently on GPU: see eagle3nb/drafts/eagle3/model.py (fc_norm, the deeper "
+                  "layers), eagle3nb/drafts/eagle3/objective.py divergence and eagle3nb/train/optim.py")
 
 
 def check_online_source(w: World) -> str:
@@ -433,7 +434,7 @@ def check_online_source(w: World) -> str:
 def check_export(w: World) -> str:
     import torch
 
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
     from eagle3nb.train.checkpoint import checkpoints
 
     res = w.served()
@@ -451,7 +452,7 @@ def check_export(w: World) -> str:
 def check_offline_acceptance(w: World) -> str:
     from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.data.reader import HiddenStates
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     data = HiddenStates(w.data()["cpu-fp32"])
     gpu, cpu = (offline_acceptance(load_draft(w.draft_dir, device=dev), data, K, K + 1, temperature=1.0)
@@ -462,8 +463,9 @@ def check_offline_acceptance(w: World) -> str:
                 f"{gpu['greedy']['acceptance_length']:.3f} (CPU {cpu['greedy']['acceptance_length']:.3f}) on "
                 f"{gpu['samples']} samples")
     return expect(g <= 2e-2 and s <= 1e-3, measured,
-                  "04 offline on GPU differs from CPU: check the .to(device) moves in eagle3nb/accept/offline.py "
-                  "(chain_acceptance, target_probs_for)")
+                  "04 offline on GPU differs from CPU: check the .to(device) moves in "
+                  "eagle3nb/drafts/eagle3/offline.py (chain_acceptance) and eagle3nb/accept/offline.py "
+                  "(target_probs_for)")
 
 
 def check_draft_sanity(w: World) -> str:
@@ -474,7 +476,7 @@ def check_draft_sanity(w: World) -> str:
     from eagle3nb.data.split import split_holdout
     from eagle3nb.doctor import run_checks
     from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     data_dir = w.data()["cpu-fp32"]
     run = w.work / "doctor-run"
@@ -496,9 +498,9 @@ def check_draft_sanity(w: World) -> str:
 
 
 def check_spec_decoding(w: World) -> str:
+    from eagle3nb.accept.local import compare_with_plain, measure_costs
     from eagle3nb.accept.models import load_models
     from eagle3nb.params import from_dict
-    from eagle3nb.spec import compare_with_plain, measure_costs
 
     target, draft, _ = load_models(from_dict("04_acceptance", {
         "model_path": str(w.toy), "draft_dir": str(w.draft_dir), "data_dir": str(w.data()["cpu-fp32"]),
@@ -506,20 +508,21 @@ def check_spec_decoding(w: World) -> str:
     _, ids, eos = w.prompts
     greedy = compare_with_plain(target, draft, ids, K, MAX_TOKENS, 0.0, eos)
     expect(greedy["identical_to_target"], f"greedy speculative output differs from the target's on prompts "
-           f"{greedy['mismatched_prompts']}", "SpecDecoder on CUDA is not lossless: check eagle3nb/spec.py")
+           f"{greedy['mismatched_prompts']}", "SpecDecoder on CUDA is not lossless: check eagle3nb/spec/batch.py")
     measured = "greedy lossless, " + w.within_local(greedy["acceptance_length"], 0.05, "eagle3nb.spec on cuda")
     try:
         sampled = compare_with_plain(target, draft, ids[:4], K, MAX_TOKENS, 0.8, eos)
     except Exception as e:
         print(f"\n--- spec_decoding, temperature 0.8 ---\n{traceback.format_exc()}", file=w.log, flush=True)
         raise Mismatch(f"{measured}; but sampling (temperature 0.8) raised {type(e).__name__}: {_first_line(e)}",
-                       "sampled speculative decoding fails on CUDA: fix eagle3nb/spec.py (traceback in "
-                       "gpu_check.log; e.g. a CPU torch.Generator drawing from CUDA probabilities)") from e
+                       "sampled speculative decoding fails on CUDA: fix eagle3nb/spec/ and "
+                       "eagle3nb/drafts/eagle3/drafting.py (traceback in gpu_check.log; e.g. a CPU "
+                       "torch.Generator drawing from CUDA probabilities)") from e
     costs = measure_costs(target, draft, K)
     return expect(costs["cost_ratio"] > 0 and math.isfinite(costs["overhead"]),
                   f"{measured}; sampled tau {sampled['acceptance_length']:.3f}; "
                   f"c={costs['cost_ratio']:.3f}, overhead {costs['overhead']:.3f}",
-                  "measure_costs in eagle3nb/spec.py gives no usable costs on CUDA")
+                  "measure_costs in eagle3nb/accept/local.py gives no usable costs on CUDA")
 
 
 def check_embedded_server(w: World) -> str:
@@ -555,7 +558,7 @@ def check_embedded_spec_server(w: World) -> str:
     for r, how in ((greedy, "greedy"), (sampled, "temperature 0.8")):
         expect(r["errors"] == 0, f"{r['errors']} of {r['requests']} {how} requests failed: {r.get('first_error')}",
                "the speculative engine fails on GPU: see the server log named in gpu_check.log "
-               "(eagle3nb/serve/spec_engine.py, eagle3nb/spec.py)")
+               "(eagle3nb/serve/spec_engine.py, eagle3nb/spec/)")
     return w.within_local(greedy["acceptance_length"] or 0.0, 0.15, "the embedded speculative server") + \
         f"; sampled acceptance length {fmt(sampled['acceptance_length'])}"
 
@@ -664,7 +667,8 @@ class CudaPath:
 
 PATHS: list[CudaPath] = [
     CudaPath("cuda_device", check_cuda_device, (), "install a CUDA build of torch in .venv"),
-    CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/draft.py",), "see eagle3nb/draft.py TTTCache"),
+    CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/drafts/eagle3/model.py",),
+             "see eagle3nb/drafts/eagle3/model.py TTTCache"),
     CudaPath("hidden_transformers", check_hidden_transformers,
              ("eagle3nb/hf.py", "eagle3nb/hidden/extract.py", "eagle3nb/hidden/capture.py", "eagle3nb/data/head.py",
               "eagle3nb/hidden/params.py"), "see eagle3nb/hf.py load_target and eagle3nb/hidden/extract.py"),
@@ -672,32 +676,38 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/train/distributed.py autocast_for"),
     CudaPath("train_step", check_train_step,
              ("eagle3nb/train/stage.py", "eagle3nb/train/loop.py", "eagle3nb/train/distributed.py",
-              "eagle3nb/train/ttt.py", "eagle3nb/train/data.py", "eagle3nb/train/checkpoint.py"),
+              "eagle3nb/drafts/eagle3/objective.py", "eagle3nb/train/data.py", "eagle3nb/train/checkpoint.py"),
              "see eagle3nb/train/loop.py Trainer"),
     CudaPath("train_recipes", check_train_recipes,
-             ("eagle3nb/train/loop.py", "eagle3nb/train/ttt.py", "eagle3nb/train/optim.py", "eagle3nb/draft.py"),
+             ("eagle3nb/train/loop.py", "eagle3nb/drafts/eagle3/objective.py", "eagle3nb/train/optim.py",
+              "eagle3nb/drafts/eagle3/model.py"),
              "see eagle3nb/train/loop.py Trainer"),
     CudaPath("online_source", check_online_source, ("eagle3nb/hidden/online.py", "eagle3nb/train/sources.py"),
              "see eagle3nb/hidden/online.py OnlineStates"),
-    CudaPath("export", check_export, ("eagle3nb/train/export.py", "eagle3nb/draft_checkpoint.py"),
-             "see eagle3nb/train/export.py export and eagle3nb/draft_checkpoint.py load_draft"),
-    CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept/offline.py",),
+    CudaPath("export", check_export, ("eagle3nb/train/export.py", "eagle3nb/drafts/eagle3/layouts.py"),
+             "see eagle3nb/train/export.py export and eagle3nb/drafts/eagle3/layouts.py load_draft"),
+    CudaPath("offline_acceptance", check_offline_acceptance,
+             ("eagle3nb/accept/offline.py", "eagle3nb/drafts/eagle3/offline.py"),
              "see eagle3nb/accept/offline.py offline_acceptance"),
     CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),
              "see eagle3nb/doctor/checks.py check_draft_sanity"),
-    CudaPath("spec_decoding", check_spec_decoding, ("eagle3nb/spec.py", "eagle3nb/accept/models.py", "eagle3nb/hf.py"),
-             "see eagle3nb/spec.py"),
+    CudaPath("spec_decoding", check_spec_decoding,
+             ("eagle3nb/spec/batch.py", "eagle3nb/spec/padded.py", "eagle3nb/spec/reference.py",
+              "eagle3nb/drafts/eagle3/drafting.py", "eagle3nb/accept/local.py", "eagle3nb/accept/models.py",
+              "eagle3nb/hf.py"),
+             "see eagle3nb/spec/batch.py and eagle3nb/drafts/eagle3/drafting.py"),
     CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py", "eagle3nb/hf.py"),
              "see eagle3nb/serve/engine.py and eagle3nb/hf.py load_target"),
-    CudaPath("embedded_spec_server", check_embedded_spec_server, ("eagle3nb/serve/spec_engine.py", "eagle3nb/spec.py"),
-             "see eagle3nb/serve/spec_engine.py and eagle3nb/spec.py"),
+    CudaPath("embedded_spec_server", check_embedded_spec_server,
+             ("eagle3nb/serve/spec_engine.py", "eagle3nb/spec/batch.py"),
+             "see eagle3nb/serve/spec_engine.py and eagle3nb/spec/batch.py"),
     CudaPath("vllm_install", check_vllm_install, (), "install vLLM's GPU build into .venv-vllm-gpu"),
     CudaPath("vllm_hidden_states", check_vllm_hidden_states, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),
              "see eagle3nb/vllm_config.py connector_config", needs="vllm_install"),
     CudaPath("vllm_eagle3", check_vllm_eagle3, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),
              "see eagle3nb/serve/vllm.py vllm_args", needs="vllm_install"),
-    CudaPath("vllm_recipes", check_vllm_recipes, ("eagle3nb/serve/vllm.py", "eagle3nb/draft_checkpoint.py"),
-             "see eagle3nb/draft_checkpoint.py save_draft (the layers and fc_norm names)", needs="vllm_install"),
+    CudaPath("vllm_recipes", check_vllm_recipes, ("eagle3nb/serve/vllm.py", "eagle3nb/drafts/eagle3/layouts.py"),
+             "see eagle3nb/drafts/eagle3/layouts.py save_draft (the layers and fc_norm names)", needs="vllm_install"),
 ]
 
 

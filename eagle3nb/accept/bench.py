@@ -18,7 +18,8 @@ from eagle3nb.data.reasoning import split_inline
 from eagle3nb.data.stream import Template
 from eagle3nb.data.turns import answer_message, turn_inputs
 from eagle3nb.progress import Progress
-from eagle3nb.spec import SpecCounters, SpecDecoder
+from eagle3nb.spec.batch import SpecDecoder
+from eagle3nb.spec.verify import SpecCounters
 
 TURN_GROUPS = ("first turn", "later turns")
 

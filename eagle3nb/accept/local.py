@@ -1,10 +1,14 @@
 """04's local check: the target and the draft decode the same prompts here, plainly and speculatively
-(``eagle3nb.spec``, greedy), so the output must be token-for-token the target's; it also measures the costs the
-prediction uses (draft step / target step, verify overhead)."""
+(``eagle3nb.spec``, greedy), so the output must be token-for-token the target's (``compare_with_plain``); it also
+measures the costs the prediction uses (draft step / target step, verify overhead: ``measure_costs``)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.misses import ROUNDS, local_records, with_pieces, write_records
@@ -12,7 +16,9 @@ from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.stream import Template
 from eagle3nb.progress import Progress
-from eagle3nb.spec import compare_with_plain, measure_costs
+from eagle3nb.spec.batch import SpecDecoder
+from eagle3nb.spec.reference import plain_generate
+from eagle3nb.spec.verify import SpecCounters, is_greedy
 
 
 def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:
@@ -43,3 +49,92 @@ def run_local(P: AcceptParams, target, draft, tokenizer) -> dict[str, Any]:
     records = local_records(prompts, local, rows)
     write_records(P.stage_dir / ROUNDS, [with_pieces(r, tokenizer, "local", P.target_family) for r in records])
     return local
+
+
+def _crop(cache, length: int) -> None:
+    """Crop a transformers cache to ``length`` tokens (negative = tokens to remove, valid in 4.x and 5.x)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+
+def compare_with_plain(target, draft, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,
+                       temperature: float = 0.0, eos_token_ids: Sequence[int] = (), seed: int = 0,
+                       progress=None) -> dict[str, Any]:
+    """Decode every prompt plainly and speculatively, side by side: identical outputs (greedy), counters,
+    tokens/s of each and the speedup. The local, lossless ground truth for the offline prediction."""
+    dec = SpecDecoder(target, draft, k)
+    if prompts:  # warm-up, untimed: first calls pay one-time allocation and dispatch costs
+        plain_generate(target, prompts[0], 4)
+        dec.generate(prompts[0], 4)
+    counters = SpecCounters(k)
+    plain_s = spec_s = 0.0
+    plain_tokens = spec_tokens = 0
+    mismatches: list[int] = []
+    rounds: list[list[int]] = []
+    drafted: list[list[list[int]]] = []
+    outputs: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        g = torch.Generator().manual_seed(seed + i)
+        t0 = time.perf_counter()
+        ref = plain_generate(target, prompt, max_new_tokens, temperature, eos_token_ids, g)
+        plain_s += time.perf_counter() - t0
+        g = torch.Generator().manual_seed(seed + i)
+        res = dec.generate(prompt, max_new_tokens, temperature, eos_token_ids, g)
+        spec_s += res.seconds
+        plain_tokens += len(ref)
+        spec_tokens += len(res.tokens)
+        counters.merge(res.counters)
+        rounds.append(res.accepted_per_round)
+        drafted.append(res.drafted_per_round)
+        outputs.append(res.tokens)
+        if res.tokens != ref:
+            mismatches.append(i)
+        if progress is not None:
+            progress.update(1, acceptance_length=counters.summary()["acceptance_length"])
+    plain_tps = plain_tokens / plain_s if plain_s else 0.0
+    spec_tps = spec_tokens / spec_s if spec_s else 0.0
+    return {
+        "k": k, "temperature": temperature, "prompts": len(prompts),
+        **counters.summary(),
+        "identical_to_target": not mismatches if is_greedy(temperature) else None,
+        "mismatched_prompts": mismatches,
+        "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
+        "speedup": spec_tps / plain_tps if plain_tps else None,
+        "accepted_per_round": rounds, "drafted_per_round": drafted, "outputs": outputs,
+    }
+
+
+@torch.inference_mode()
+def measure_costs(target, draft, k: int, context: int = 128, repeats: int = 20) -> dict[str, float]:
+    """Wall-clock costs on this machine, relative to one plain target decode step at ``context`` tokens:
+    ``cost_ratio`` c = one draft step / one target step; ``overhead`` = verifying k+1 tokens / one target
+    step - 1 (the extra the verify pass costs). They enter speedup = tau / (1 + k*c + overhead)."""
+    from transformers import DynamicCache
+
+    dec = SpecDecoder(target, draft, k)
+    dev = dec.device
+    ids = torch.randint(0, target.config.vocab_size, (1, context), device=dev)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats
+
+    cache = DynamicCache()
+    out = target(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i] for i in dec.layer_ids], dim=-1)
+    one, many = ids[:, -1:], ids[:, -(k + 1):]
+
+    def target_step(x):
+        target(input_ids=x, cache=cache, use_cache=True, output_hidden_states=True)
+        _crop(cache, context)
+
+    t_step = timed(lambda: target_step(one))
+    t_verify = timed(lambda: target_step(many))
+    t_draft = timed(dec.drafting.step_timer(aux, ids))
+    return {"target_step_s": t_step, "verify_s": t_verify, "draft_step_s": t_draft,
+            "cost_ratio": t_draft / t_step, "overhead": max(0.0, t_verify / t_step - 1.0), "context": context}

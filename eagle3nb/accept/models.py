@@ -7,7 +7,7 @@ import json
 
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.reader import HiddenStates
-from eagle3nb.draft_checkpoint import check_fits, load_draft
+from eagle3nb.drafts import check_fits, load_draft
 from eagle3nb.hf import DECODER, compute_device, load_target, load_tokenizer
 
 

@@ -1,6 +1,6 @@
-"""04's offline acceptance (no server): on held-out hidden states, chain drafts of length K from every position with the
-training-time-test attention (step j at position t sees the verified features 0..t and its own chain), and
-compare each step with the target. Greedy: accepted iff the draft's argmax (mapped to the target vocab) is the
+"""04's offline acceptance (no server): on held-out hidden states, the draft's algorithm chains drafts of length K
+from every position (``chain_acceptance`` of its ``eagle3nb.drafts`` package) and compares each step with the
+target. Greedy: accepted iff the draft's argmax (mapped to the target vocab) is the
 target's argmax. Sampling at temperature T: the expected acceptance of rejection sampling, sum_v min(p, q) =
 1 - TV(p, q). alpha_i is *conditional*: P(step i accepted | steps < i accepted); tau(k) = 1 + sum_i prod_j
 alpha_j (eagle3nb.formulas). Steps are teacher-forced with the data's tokens, which are exactly what an
@@ -14,13 +14,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from eagle3nb import drafts
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.misses import POSITIONS, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.split import split_holdout
 from eagle3nb.data.turns import parse_turn
-from eagle3nb.draft import TTTCache
 from eagle3nb.errors import InputError
 from eagle3nb.families import specials
 from eagle3nb.formulas import tau_from_conditional
@@ -31,83 +31,11 @@ from eagle3nb.progress import Progress
 SEGMENTS = {1: "reasoning", 2: "answer"}
 
 
-def chain_logits(draft, aux, input_ids, steps: int):
-    """Draft logits of a K-step chain from every position, in parallel (training-time-test attention), one
-    step at a time (a generator, so only one step's logits are held).
-
-    aux [T, 3H], input_ids [T]. Step j at position t feeds the token t+1+j and predicts token t+2+j; yields
-    ``steps`` tensors [T-1, draft_vocab] on the draft's device. Positions follow decoding: step j sits at
-    position t + j. A parallel-drafting draft's steps j >= 1 read the mask token and feature (its mask slots)."""
-    import torch
-
-    dev = draft.fc.weight.device
-    T = input_ids.shape[0]
-    cache = TTTCache()
-    pos = torch.arange(T - 1, device=dev)[None]
-    hidden = draft.fuse(aux[None, :-1].to(dev))
-    input_ids = input_ids.to(dev)
-    for j in range(steps):
-        ids = torch.zeros(T - 1, dtype=torch.long, device=dev)
-        ids[: max(0, T - 1 - j)] = input_ids[1 + j:]
-        inputs, hidden = draft.unroll_inputs(j, ids[None], hidden)  # shape: [1, T-1], [1, T-1, H]
-        hidden, logits = draft(hidden, inputs, pos + j, cache=cache)
-        yield logits[0].float()
-
-
-def expected_acceptance(q, p):
-    """Probability that rejection sampling accepts a token drawn from q when the target's distribution is p
-    (both over the same tokens, last axis): sum_v min(p_v, q_v) = 1 - TV(p, q) when p sums to 1."""
-    import torch
-
-    return torch.minimum(q, p).sum(-1)
-
-
-def chain_acceptance(draft, item: dict, target_argmax, target_probs, steps: int, temperature: float) -> dict:
-    """Per start position t: greedy acceptance [K, T-1] (0/1), expected sampled acceptance [K, T-1] (when
-    ``target_probs`` [T, draft_vocab] at ``temperature`` is given), validity [K, T-1] (step j counts
-    only when the tokens t+2..t+2+j exist and are all generated ones, i.e. in the loss mask), and the first
-    step's ``guess`` [T-1] (the draft's token t+2, target ids; -1 where none) beside the target's own ``target``
-    [T-1] (its argmax for token t+2): what the miss view shows where the draft was wrong."""
-    import torch
-
-    dev = draft.fc.weight.device
-    ids, mask = item["input_ids"], item["loss_mask"].bool().to(dev)
-    target_argmax = target_argmax.to(dev)
-    target_probs = target_probs.to(dev) if target_probs is not None else None
-    T = ids.shape[0]
-    n = T - 1
-    greedy = torch.zeros(steps, n, device=dev)
-    sampled = torch.zeros(steps, n, device=dev) if target_probs is not None else None
-    valid = torch.zeros(steps, n, dtype=torch.bool, device=dev)
-    ok = torch.ones(n, dtype=torch.bool, device=dev)
-    guess = torch.full((n,), -1, dtype=torch.long, device=dev)
-    with torch.no_grad():  # evaluation only, whoever calls it
-        for j, lg in enumerate(chain_logits(draft, item["aux"], ids, steps)):
-            m = n - 1 - j  # positions t whose step-j target (the target's distribution at t+1+j) exists
-            if m <= 0:
-                break
-            tgt = torch.zeros(n, dtype=torch.bool, device=dev)
-            tgt[:m] = mask[2 + j:]
-            ok = ok & tgt
-            valid[j] = ok
-            pred = draft.draft_to_target(lg[:m].argmax(-1))
-            greedy[j, :m] = (pred == target_argmax[1 + j: 1 + j + m]).float()
-            if j == 0:
-                guess[:m] = pred
-            if sampled is not None:
-                q = torch.softmax(lg[:m] / temperature, dim=-1)
-                sampled[j, :m] = expected_acceptance(q, target_probs[1 + j: 1 + j + m])
-    target = torch.full((n,), -1, dtype=torch.long)
-    target[:n - 1] = target_argmax[1:n].cpu()
-    return {"greedy": greedy.cpu(), "sampled": sampled.cpu() if sampled is not None else None,
-            "valid": valid.cpu(), "guess": guess.cpu(), "target": target}
-
-
 def simulate_rounds(greedy, valid, mask, k: int) -> list[int]:
     """Accepted drafts per round when decoding the sample greedily with chains of ``k``: the first round starts
     where generation starts, each next one n+1 tokens later, as in real decoding. Rounds whose chain would run
     past the sample's generated tokens are not simulated. On the target's own greedy output this reproduces
-    the rounds of real speculative decoding exactly (``eagle3nb.spec``)."""
+    the rounds of real speculative decoding exactly (``eagle3nb.spec.batch``)."""
     gen = mask.nonzero()
     if len(gen) == 0:
         return []
@@ -243,7 +171,8 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
     if not indices:
         raise InputError("no held-out samples to measure on: extract hidden states of held-out prompts (02) and "
                          "set data_dir, or raise 03_train's holdout_fraction")
-    head = data.lm_head().float().to(draft.fc.weight.device) if temperature > 0 else None
+    method = drafts.of(draft)  # its chains: eagle3nb.drafts.<method>.offline
+    head = data.lm_head().float().to(draft.d2t.device) if temperature > 0 else None
     prog = Progress(stage_dir, len(indices), "offline acceptance", "samples") if stage_dir else None
     parts: dict[str, list] = {"greedy": [], "sampled": [], "valid": [], "segment": [], "category": [], "turn": [],
                               "rounds": [], "position": []}
@@ -256,7 +185,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
                 skipped += 1
                 continue
             probs = target_probs_for(draft, data, item, temperature, head) if temperature > 0 else None
-            r = chain_acceptance(draft, item, data.target_argmax(item), probs, max_k, temperature)
+            r = method.chain_acceptance(draft, item, data.target_argmax(item), probs, max_k, temperature)
             parts["rounds"] += simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k)
             ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
             seg = segments(ids, mask) if segments is not None else [2 if m else 0 for m in mask]

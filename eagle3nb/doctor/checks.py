@@ -666,7 +666,7 @@ def chance_acceptance(data) -> float:
 
 def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     from eagle3nb.accept.offline import offline_acceptance
-    from eagle3nb.draft_checkpoint import load_draft
+    from eagle3nb.drafts import load_draft
 
     drafts = [d for label, d in ctx.drafts if label == "draft"]
     if not drafts:

@@ -1,1 +1,76 @@
-"""Draft algorithms, one package each (the lead merges the registry keyed by the draft config's method)."""
+"""Draft algorithms, one package each, and the registry every caller reaches them through.
+
+Each package ``eagle3nb/drafts/<method>/`` has the same files (as vllm-project/speculators'
+``src/speculators/models/<algo>/``): ``model.py`` the model (no I/O, ``# shape:`` lines), ``objective.py`` its
+training objective, ``layouts.py`` its checkpoint layouts (ours, vLLM's, speculators', SGLang's), ``drafting.py``
+its step in the batched decoder, ``offline.py`` 04's offline acceptance simulation, and ``__init__.py`` whose
+``METHOD`` is its ``eagle3nb.drafts.base.DraftMethod``:
+
+- ``name`` (the method's name in a draft's config: vLLM's speculative-config ``method``, speculators'
+  ``speculators_model_type``), ``title``, ``claims(config_dict) -> bool`` (does it read this config.json);
+- ``load(dir, embed_tokens=None, device="cpu", dtype=torch.float32) -> model`` and ``save(model, dir,
+  format, dtype=None, include_embed=True, verifier=None, num_speculative_tokens=3) -> dir``,
+  ``config_json(model, format, dtype=None, verifier=None, num_speculative_tokens=3) -> dict``;
+- ``objective(model, P) -> nn.Module`` whose ``forward(batch)`` returns (loss, stats [4, steps]: loss sum, loss
+  positions, correct, scored positions), batch as 03 builds it (``aux``, ``input_ids``, ``loss_mask``,
+  ``target_argmax``, ``target_probs``);
+- ``drafting(model, k, device) -> Drafting`` (``prefill``, ``propose``, ``step_timer``: ``eagle3nb.drafts.base``);
+- ``chain_acceptance(model, item, target_argmax, target_probs, steps, temperature) -> dict`` (``greedy`` /
+  ``sampled`` / ``valid`` [steps, T-1], ``guess`` / ``target`` [T-1]) for one held-out sample.
+
+Every model has a ``method`` attribute (its name here) and a ``config`` with ``vocab_size``, ``draft_vocab_size``,
+``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the
+decoder, the embedded server, the doctor and the export call only this module: :func:`get` by name, :func:`of` a
+model, :func:`method_of` a config.json, :func:`load_draft` a folder (03's EAGLE-3 parameters aside, the imports
+``tests/test_architecture.py`` names). A new algorithm is its package plus one line in ``METHODS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, check_fits
+
+__all__ = ["METHODS", "DraftMethod", "DraftMismatchError", "check_fits", "get", "load_draft", "method_of", "of"]
+
+# method name -> the package whose METHOD it is; the first claims a config.json before the others.
+METHODS = {
+    "eagle3": "eagle3nb.drafts.eagle3",
+}
+
+
+def get(name: str) -> DraftMethod:
+    """The draft algorithm called ``name``."""
+    if name not in METHODS:
+        raise DraftMismatchError(f"unknown draft method {name!r}; known: {', '.join(METHODS)}")
+    return importlib.import_module(METHODS[name]).METHOD
+
+
+def of(model: Any) -> DraftMethod:
+    """The algorithm of a draft model (its ``method`` attribute)."""
+    return get(model.method)
+
+
+def method_of(config: dict[str, Any], where: str = "config.json") -> DraftMethod:
+    """The algorithm that reads a draft whose config.json is ``config``."""
+    for name in METHODS:
+        method = get(name)
+        if method.claims(config):
+            return method
+    what = (f"speculators_model_type {config['speculators_model_type']!r}" if config.get("speculators_model_type")
+            else f"architecture {', '.join(config.get('architectures') or [])}")
+    known = ", ".join(f"{name} ({get(name).title})" for name in METHODS)
+    raise DraftMismatchError(f"{where}: {what} is not a draft this package reads (methods: {known})")
+
+
+def load_draft(path: str | Path, **kwargs: Any) -> Any:
+    """Load the draft in folder ``path`` with its algorithm's ``load`` (``embed_tokens``, ``device``, ``dtype``)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} not found; point at a draft checkpoint folder (config.json + "
+                                "model.safetensors)")
+    return method_of(json.loads(cfg_file.read_text()), str(path)).load(path, **kwargs)

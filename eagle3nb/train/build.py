@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from eagle3nb.draft import MLA_KEYS, DraftMismatchError, Eagle3Config, Eagle3Draft
-from eagle3nb.draft_checkpoint import EAGLE31_KEYS, check_fits, load_draft
+from eagle3nb.drafts import DraftMismatchError, check_fits, load_draft
+from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
+from eagle3nb.drafts.eagle3.model import MLA_KEYS, Eagle3Config, Eagle3Draft
 from eagle3nb.families import is_mla
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.train.checkpoint import checkpoints

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3nb.draft_checkpoint import EAGLE31_KEYS
+from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.params import StageError
 from eagle3nb.train.params import CURVE_KEYS, TrainParams
 

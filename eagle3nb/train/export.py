@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from eagle3nb.draft_checkpoint import EAGLE31_KEYS, draft_config_json, save_draft
-from eagle3nb.layers import to_sglang
+from eagle3nb import drafts
+from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.progress import write_json_atomic
 from eagle3nb.train.params import TrainParams
 from eagle3nb.vllm_config import eagle3_spec
@@ -25,20 +25,16 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
     paths: dict[str, Any] = {}
     k = P.num_speculative_tokens
     if P.export_format in ("eagle3", "both"):
-        vllm_dir = save_draft(draft, out / "draft", dtype=dtype, include_embed=P.export_embed_tokens)
+        vllm_dir = drafts.of(draft).save(draft, out / "draft", dtype=dtype, include_embed=P.export_embed_tokens)
         sglang_dir = out / "draft-sglang"
         sglang_dir.mkdir(exist_ok=True)
         weights = sglang_dir / "model.safetensors"
         weights.unlink(missing_ok=True)
         os.link(vllm_dir / "model.safetensors", weights)
-        cfg = draft_config_json(draft, "eagle3", dtype)
-        ids = to_sglang(cfg["eagle_aux_hidden_state_layer_ids"])
-        cfg["eagle_aux_hidden_state_layer_ids"] = ids
-        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
-        write_json_atomic(sglang_dir / "config.json", cfg)
+        write_json_atomic(sglang_dir / "config.json", drafts.of(draft).config_json(draft, "sglang", dtype))
         paths.update(draft_dir=str(vllm_dir), sglang_draft_dir=str(sglang_dir))
     if P.export_format in ("speculators", "both"):
-        paths["speculators_dir"] = str(save_draft(draft, out / "draft-speculators", format="speculators",
+        paths["speculators_dir"] = str(drafts.of(draft).save(draft, out / "draft-speculators", format="speculators",
                                                   dtype=dtype, include_embed=P.export_embed_tokens,
                                                   verifier=verifier, num_speculative_tokens=k))
     paths["serve"] = serve_commands(paths, k, eagle31=[key for key in EAGLE31_KEYS if getattr(draft.config, key)])

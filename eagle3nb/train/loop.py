@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3nb import drafts
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress
@@ -26,7 +27,6 @@ from eagle3nb.train.distributed import all_reduce, autocast_for, print_rank0, wr
 from eagle3nb.train.optim import build_optimizer
 from eagle3nb.train.params import TrainParams
 from eagle3nb.train.report import read_metrics
-from eagle3nb.train.ttt import TTTObjective
 
 
 class TrainingDiverged(StageError):
@@ -75,7 +75,7 @@ def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate(objective: TTTObjective, data, batches: list[list[int]], P: TrainParams, device: torch.device,
+def evaluate(objective: torch.nn.Module, data, batches: list[list[int]], P: TrainParams, device: torch.device,
              rank: int = 0, world: int = 1, targets: DeviceTargets | None = None) -> dict[str, Any]:
     """Held-out loss, per-step accuracy (draft argmax == target argmax) and simulated acceptance length."""
     was = objective.training
@@ -205,7 +205,7 @@ class Trainer:
     device: torch.device
     data: Any
     draft: Any
-    objective: TTTObjective
+    objective: torch.nn.Module
     model: Any  # the objective, or its DDP wrapper
     targets: DeviceTargets
     params: list[torch.nn.Parameter] | None = None
@@ -216,7 +216,7 @@ class Trainer:
     @classmethod
     def on(cls, P: TrainParams, rank: int, world: int, device: torch.device, data, draft) -> "Trainer":
         draft.to(device)
-        objective = TTTObjective(draft, P.ttt_steps, P.step_decay, P.loss, P.lk_eta)
+        objective = drafts.of(draft).objective(draft, P)
         model = wrap(objective, device) if world > 1 else objective
         return cls(P, rank, world, device, data, draft, objective, model, DeviceTargets(data, device))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3nb.drafts.dflash.model import DFlashDraft
-from eagle3nb.spec import _crop, verify_greedy
+from eagle3nb.spec.verify import verify_greedy
 
 
 @torch.no_grad()
@@ -74,7 +74,8 @@ def generate(target, model: DFlashDraft, prompt_ids: Sequence[int], max_new_toke
         out = target(input_ids=feed, cache=cache, use_cache=True, output_hidden_states=True)
         n, nxt = verify_greedy(torch.tensor(block, device=dev), out.logits[0])
         aux = torch.cat([aux, _aux(out, ids)[:n + 1]])  # the anchor and the accepted drafts are verified
-        _crop(cache, aux.shape[0])
+        if cache.get_seq_length() > aux.shape[0]:  # the rejected drafts leave the target's cache
+            cache.crop(aux.shape[0] - cache.get_seq_length())  # negative: tokens to remove
         result.accepted.append(n)
         for t in [*block[:n], nxt]:
             if len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids:

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from eagle3nb.draft import DraftMismatchError
-from eagle3nb.draft_checkpoint import WEIGHTS_FILE, _read_tensors
+from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, read_tensors
 from eagle3nb.drafts.dflash.model import DFlashConfig, DFlashDraft
 from eagle3nb.layers import from_sglang
 from eagle3nb.progress import write_json_atomic
@@ -123,7 +122,7 @@ def load(path: str | Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) ->
     path = Path(path)
     cfg = config_from_json(json.loads((path / "config.json").read_text()), path / "config.json")
     model = DFlashDraft(cfg)
-    tensors = _read_tensors(path)
+    tensors = read_tensors(path)
     want = {k: v.shape for k, v in model.state_dict().items() if k not in TARGET_TENSORS}
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     bad = [f"{k} {tuple(tensors[k].shape)} != {tuple(s)}" for k, s in want.items()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from eagle3nb.draft import Eagle3Draft, TTTCache
+from eagle3nb.drafts.eagle3.model import Eagle3Draft, TTTCache
 
 # 03's ``loss`` choices; forward_kl is EAGLE-3's soft cross-entropy (KL(p||q) + H(p): the same gradient), fused.
 LOSSES = ("forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda")
@@ -85,6 +85,11 @@ class TTTObjective(nn.Module):
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
         self.draft, self.steps, self.decay, self.loss, self.eta = draft, steps, decay, loss, eta
+
+    @classmethod
+    def from_params(cls, draft: Eagle3Draft, P) -> "TTTObjective":
+        """The unroll 03's parameters ask for (``ttt_steps``, ``step_decay``, ``loss``, ``lk_eta``)."""
+        return cls(draft, P.ttt_steps, P.step_decay, P.loss, P.lk_eta)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: aux [B,T,3H], input_ids/loss_mask/target_argmax [B,T], target_probs [B,T,Vd].

@@ -25,8 +25,8 @@ Read top to bottom like the paper:
 
 The embedding is the target's and stays frozen. The ``# shape:`` comments use B batch, T positions, H the
 draft's hidden size, H_t the target's, nh / nkv query / key-value heads of size d, I the MLP width, V the
-target's vocabulary, Vd the draft's. Loading, saving and checking that a draft fits its data:
-``eagle3nb.draft_checkpoint``.
+target's vocabulary, Vd the draft's. Loading and saving: ``layouts``; training: ``objective``; decoding:
+``drafting``; 04's offline simulation: ``offline`` (this package, ``eagle3nb.drafts.eagle3``).
 """
 
 from __future__ import annotations
@@ -39,11 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3nb.errors import InputError, UserError
-
-
-class DraftMismatchError(UserError, ValueError):
-    """A draft checkpoint that does not fit the data / target it is used with."""
+from eagle3nb.drafts.base import DraftMismatchError
+from eagle3nb.errors import InputError
 
 
 @dataclass
@@ -225,6 +222,16 @@ class DraftCache:
         for c in self.layers():
             if c.k is not None:
                 c.k, c.v = c.k[:, :, :n], c.v[:, :, :n]
+
+    def map_kv(self, fn) -> None:
+        """Every layer's keys and values become ``fn`` of them (``eagle3nb.spec.padded.PaddedKV``'s edits)."""
+        for layer in self.layers():
+            layer.k, layer.v = fn(layer.k), fn(layer.v)
+
+    def zip_kv(self, other: "DraftCache", fn) -> None:
+        """Every layer's keys and values become ``fn`` of them and ``other``'s (same depth), layer by layer."""
+        for la, lb in zip(self.layers(), other.layers()):
+            la.k, la.v = fn(la.k, lb.k), fn(la.v, lb.v)
 
 
 class TTTCache:
@@ -453,6 +460,8 @@ def attention(cfg: Eagle3Config, width: int) -> nn.Module:
 
 class Eagle3Draft(nn.Module):
     """EAGLE-3 draft: ``fuse`` the target's aux states once, then ``forward`` one step at a time."""
+
+    method = "eagle3"  # its name in the eagle3nb.drafts registry
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()

@@ -1,14 +1,15 @@
-"""A draft on disk, and whether it fits the data it is used with.
+"""An EAGLE-3 draft on disk.
 
 Two checkpoint layouts load and save (docs/DESIGN-FACTS.md "The checkpoint layout vLLM and SGLang load"): the
 EAGLE-3 layout (``midlayer.*``, config ``LlamaForCausalLMEagle3`` + ``eagle_config``; vLLM and SGLang load it,
 AQ-MedAI drafters and SpecForge exports use it) and the speculators layout (``layers.0.*``,
 ``speculators_model_type: eagle3``). A draft of ``num_layers`` > 1 writes every layer as ``layers.{i}.*`` in both
 layouts, the names vLLM's eagle3 models give their ``num_hidden_layers`` layers (a one-layer EAGLE-3 export keeps
-``midlayer.*``, byte for byte as before). :func:`check_fits` compares a draft's shape with the target's data and
-names both sides of every mismatch. A parallel-drafting (P-EAGLE) draft adds what vLLM 0.32's llama_eagle3 /
-deepseek_eagle3 load under ``parallel_drafting``: the config key ``mask_token_id`` and the tensor ``mask_hidden``
-[1, 3 x target_hidden_size] (EAGLE-3 layout only: vLLM's speculators ``peagle`` parser drops EAGLE-3.1's keys).
+``midlayer.*``, byte for byte as before); SGLang reads the EAGLE-3 layout with its own layer ids
+(``draft_config_json(model, "sglang")``, 03's ``draft-sglang/``). A parallel-drafting (P-EAGLE) draft adds what
+vLLM 0.32's llama_eagle3 / deepseek_eagle3 load under ``parallel_drafting``: the config key ``mask_token_id`` and
+the tensor ``mask_hidden`` [1, 3 x target_hidden_size] (EAGLE-3 layout only: vLLM's speculators ``peagle`` parser
+drops EAGLE-3.1's keys).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Any
 
 import torch
 
-from eagle3nb.draft import MLA_KEYS, DraftMismatchError, Eagle3Config, Eagle3Draft
+from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, read_tensors
+from eagle3nb.drafts.eagle3.model import MLA_KEYS, Eagle3Config, Eagle3Draft
 from eagle3nb.families import MLA_ARCHS
-from eagle3nb.layers import default_aux_layer_ids, from_sglang
+from eagle3nb.layers import to_sglang
 from eagle3nb.progress import write_json_atomic
 
-WEIGHTS_FILE = "model.safetensors"
 # config.json architectures of a Llama midlayer (the first is what we write); an MLA one's: families.MLA_ARCHS.
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # EAGLE-3.1's config keys, top-level in both layouts (vLLM 0.32 reads them in llama_eagle3 / deepseek_eagle3, and
@@ -32,57 +33,16 @@ LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE31_KEYS = ("fc_norm", "norm_output")
 
 
-# ---- fitting a draft to its data -------------------------------------------------------------------
-
-
-def check_fits(cfg: Eagle3Config, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,
-               num_layers: int | None = None, draft_vocab_size: int | None = None,
-               draft: str = "the draft", data: str = "the data") -> None:
-    """Raise DraftMismatchError naming both sides when a draft cannot be trained/used on this target's data."""
-    problems = []
-    if cfg.target_hidden_size != hidden_size:
-        problems.append(f"target hidden size: {draft} has {cfg.target_hidden_size} (fc input "
-                        f"{3 * cfg.target_hidden_size}), {data} has {hidden_size}")
-    if cfg.vocab_size != vocab_size:
-        problems.append(f"target vocab size: {draft} has {cfg.vocab_size}, {data} has {vocab_size}")
-    if draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
-        problems.append(f"draft vocab size: {draft} has {cfg.draft_vocab_size}, {data} has {draft_vocab_size}")
-
-    ids = cfg.aux_layer_ids
-    if ids is None and num_layers is not None:
-        ids = default_aux_layer_ids(num_layers)  # what vLLM uses when a config names none
-    if layer_ids is not None and ids is not None and list(ids) != list(layer_ids):
-        hint = ""
-        if from_sglang(ids) == list(layer_ids):
-            hint = " (the draft's ids look like SGLang/SpecForge output-of-layer ids: add 1 to convert)"
-        problems.append(f"aux layer ids (HF hidden_states index == vLLM ids): {draft} has {list(ids)}, "
-                        f"{data} has {list(layer_ids)}{hint}")
-    if problems:
-        raise DraftMismatchError(
-            "the draft does not fit the data:\n  - " + "\n  - ".join(problems)
-            + "\nUse a checkpoint trained for this target (and these layers), or extract hidden states with the "
-              "checkpoint's layer ids (02_hidden_states aux_layer_ids).")
-
-
 # ---- load / save ----------------------------------------------------------------------------------
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if (path / WEIGHTS_FILE).exists():
-        return load_file(path / WEIGHTS_FILE)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(load_file(path / f))
-        return out
-    if (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
-                            "point at the draft checkpoint folder")
+def claims(d: dict[str, Any]) -> bool:
+    """Whether ``d`` (a config.json) is an EAGLE-3 draft's: a speculators config of type eagle3, or one whose
+    architectures, if it names any, are all EAGLE-3 drafts'."""
+    kind = d.get("speculators_model_type")
+    if kind is not None:
+        return kind == "eagle3"
+    return all(a in LLAMA_ARCHS + MLA_ARCHS for a in d.get("architectures") or [])
 
 
 def _config_from_json(d: dict[str, Any], path: Path) -> Eagle3Config:
@@ -158,7 +118,7 @@ def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, devic
         raise FileNotFoundError(f"{cfg_file} not found; point at a draft checkpoint folder (config.json + "
                                 "model.safetensors)")
     cfg = _config_from_json(json.loads(cfg_file.read_text()), path)
-    tensors = _normalise_names(_read_tensors(path))
+    tensors = _normalise_names(read_tensors(path))
     model = Eagle3Draft(cfg)
     expected = dict(model.state_dict())
     if "embed_tokens.weight" not in tensors:
@@ -188,7 +148,15 @@ def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, devic
 
 def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.dtype | None = None,
                       verifier: str | None = None, num_speculative_tokens: int = 3) -> dict[str, Any]:
-    """The config.json vLLM/SGLang (``eagle3``) or speculators (``speculators``) expect for this draft."""
+    """The config.json vLLM (``eagle3``), SGLang (``sglang``: the same with its output-of-layer ids) or speculators
+    (``speculators``) expect for this draft."""
+    if format == "sglang":
+        d = draft_config_json(model, "eagle3", dtype)
+        if "eagle_aux_hidden_state_layer_ids" in d:
+            ids = to_sglang(d["eagle_aux_hidden_state_layer_ids"])
+            d["eagle_aux_hidden_state_layer_ids"] = ids
+            d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        return d
     cfg = model.config
     dtype = dtype or model.fc.weight.dtype
     dtype_name = str(dtype).removeprefix("torch.")
@@ -230,7 +198,7 @@ def draft_config_json(model: Eagle3Draft, format: str = "eagle3", dtype: torch.d
                 "verifier": {"name_or_path": verifier, "architectures": []},
             },
         }
-    raise ValueError(f"format must be 'eagle3' or 'speculators', got {format!r}")
+    raise ValueError(f"format must be 'eagle3', 'sglang' or 'speculators', got {format!r}")
 
 
 def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dtype: torch.dtype | None = None,

@@ -1,0 +1,119 @@
+"""What every draft algorithm shares: the interface a package offers (``DraftMethod``, ``Drafting``), the error a
+draft that does not fit raises, fitting a draft's shape to the target's data, reading checkpoint tensors, and the
+acceptance of rejection sampling the offline simulations score with."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from eagle3nb.errors import UserError
+from eagle3nb.layers import default_aux_layer_ids, from_sglang
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from eagle3nb.spec.padded import PaddedKV
+    from eagle3nb.spec.verify import Sampling
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class DraftMismatchError(UserError, ValueError):
+    """A draft checkpoint that does not fit the data / target it is used with."""
+
+
+class Drafting(Protocol):
+    """A draft's step inside the batched decoder (``eagle3nb.spec.batch.SpecBatch``), for rows of different lengths
+    sharing one ``PaddedKV``. Each row's *pending* state is the target's aux states of its verified tokens not yet
+    fed to the draft (1..k+1 of them, right-padded), paired with the token after each."""
+
+    def prefill(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> PaddedKV:
+        """The draft's cache over new rows' prompts (aux [B, T, 3H_t], ids / pos / mask [B, T], left-padded): every
+        prompt position but the last, whose aux state opens the row's first round."""
+
+    def propose(self, kv: PaddedKV, pend_aux: torch.Tensor, pend_ids: torch.Tensor, pend_n: torch.Tensor,
+                rows: Sequence[Sampling]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """k drafted tokens per row [B, k] (target ids) and, for sampled rows, the distributions [k, V] they were
+        drawn from; only the verified positions stay in ``kv``."""
+
+    def step_timer(self, aux: torch.Tensor, ids: torch.Tensor) -> Callable[[], None]:
+        """A function that runs one drafting step after the context ``aux`` [1, T, 3H_t], ``ids`` [1, T] and undoes
+        it, for timing (what ``cost_ratio`` divides by a target step)."""
+
+
+@dataclass(frozen=True)
+class DraftMethod:
+    """One draft algorithm, as every stage, the decoder, the server and the doctor call it (``eagle3nb.drafts``)."""
+
+    name: str  # vLLM's speculative-config "method", a speculators config's speculators_model_type
+    title: str  # how papers and people write it, for messages
+    claims: Callable[[dict[str, Any]], bool]  # does this method read a draft whose config.json is this dict
+    load: Callable[..., nn.Module]  # (dir, embed_tokens=None, device="cpu", dtype=float32) -> the model, eval
+    save: Callable[..., Path]  # (model, dir, format, dtype, include_embed, verifier, num_speculative_tokens)
+    config_json: Callable[..., dict[str, Any]]  # (model, format, dtype, verifier, num_speculative_tokens)
+    objective: Callable[[nn.Module, Any], nn.Module]  # (model, 03's params) -> forward(batch) = (loss, stats)
+    drafting: Callable[..., Drafting]  # (model, k, device) -> its step in the batched decoder
+    chain_acceptance: Callable[..., dict[str, Any]]  # 04's offline simulation on one held-out sample
+
+
+def check_fits(cfg, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,
+               num_layers: int | None = None, draft_vocab_size: int | None = None,
+               draft: str = "the draft", data: str = "the data") -> None:
+    """Raise DraftMismatchError naming both sides when a draft (its config: ``target_hidden_size``, ``vocab_size``,
+    ``draft_vocab_size``, ``aux_layer_ids``) cannot be trained/used on this target's data."""
+    problems = []
+    if cfg.target_hidden_size != hidden_size:
+        problems.append(f"target hidden size: {draft} has {cfg.target_hidden_size} (fc input "
+                        f"{3 * cfg.target_hidden_size}), {data} has {hidden_size}")
+    if cfg.vocab_size != vocab_size:
+        problems.append(f"target vocab size: {draft} has {cfg.vocab_size}, {data} has {vocab_size}")
+    if draft_vocab_size is not None and cfg.draft_vocab_size != draft_vocab_size:
+        problems.append(f"draft vocab size: {draft} has {cfg.draft_vocab_size}, {data} has {draft_vocab_size}")
+
+    ids = cfg.aux_layer_ids
+    if ids is None and num_layers is not None:
+        ids = default_aux_layer_ids(num_layers)  # what vLLM uses when a config names none
+    if layer_ids is not None and ids is not None and list(ids) != list(layer_ids):
+        hint = ""
+        if from_sglang(ids) == list(layer_ids):
+            hint = " (the draft's ids look like SGLang/SpecForge output-of-layer ids: add 1 to convert)"
+        problems.append(f"aux layer ids (HF hidden_states index == vLLM ids): {draft} has {list(ids)}, "
+                        f"{data} has {list(layer_ids)}{hint}")
+    if problems:
+        raise DraftMismatchError(
+            "the draft does not fit the data:\n  - " + "\n  - ".join(problems)
+            + "\nUse a checkpoint trained for this target (and these layers), or extract hidden states with the "
+              "checkpoint's layer ids (02_hidden_states aux_layer_ids).")
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder: ``model.safetensors``, sharded safetensors, or ``pytorch_model.bin``."""
+    import torch
+    from safetensors.torch import load_file
+
+    if (path / WEIGHTS_FILE).exists():
+        return load_file(path / WEIGHTS_FILE)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(path / f))
+        return out
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
+                            "point at the draft checkpoint folder")
+
+
+def expected_acceptance(q, p):
+    """Probability that rejection sampling accepts a token drawn from q when the target's distribution is p
+    (both over the same tokens, last axis): sum_v min(p_v, q_v) = 1 - TV(p, q) when p sums to 1."""
+    import torch
+
+    return torch.minimum(q, p).sum(-1)
