@@ -11,7 +11,7 @@ from eagle3nb.errors import guarded
 
 # command -> module with register_cli(subparsers)
 CLI_MODULES = [
-    "eagle3nb.run",        # run, status
+    "eagle3nb.run.cli",    # run, status
     "eagle3nb.toy.cli",    # toy build, toy prompts
     "eagle3nb.serve.cli",  # serve
     "eagle3nb.doctor",     # doctor

@@ -319,7 +319,7 @@ def test_random_weight_draft_fails_with_ranked_causes(healthy, tmp_path):
 
 def test_server_check_names_the_engine_and_warns_on_an_untested_vllm(healthy):
     from eagle3nb import __version__
-    from eagle3nb.doctor.checks import _engine_problems
+    from eagle3nb.doctor.checks.server import _engine_problems
     from eagle3nb.vllm_config import TESTED_VERSION
 
     r = by_name(run_checks(healthy["run"], "01"))["server"]

@@ -472,7 +472,7 @@ def check_draft_sanity(w: World) -> str:
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.split import split_holdout
     from eagle3nb.doctor import run_checks
-    from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
+    from eagle3nb.doctor.checks.draft import SANITY_K, SANITY_SAMPLES
     from eagle3nb.draft_checkpoint import load_draft
 
     data_dir = w.data()["cpu-fp32"]
@@ -491,7 +491,7 @@ def check_draft_sanity(w: World) -> str:
     gap = max(abs(x - y) for x, y in zip(result.details["per_position"], cpu))
     return expect(gap <= 2e-2, f"doctor {result.status}, {within('alpha gap vs CPU', gap, 2e-2)}: {result.measured}",
                   "the doctor's draft_sanity on GPU differs from CPU offline acceptance: check "
-                  "check_draft_sanity in eagle3nb/doctor/checks.py")
+                  "check_draft_sanity in eagle3nb/doctor/checks/draft.py")
 
 
 def check_spec_decoding(w: World) -> str:
@@ -682,8 +682,8 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/train/stage.py export and eagle3nb/draft_checkpoint.py load_draft"),
     CudaPath("offline_acceptance", check_offline_acceptance, ("eagle3nb/accept/offline.py",),
              "see eagle3nb/accept/offline.py offline_acceptance"),
-    CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),
-             "see eagle3nb/doctor/checks.py check_draft_sanity"),
+    CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks/draft.py",),
+             "see eagle3nb/doctor/checks/draft.py check_draft_sanity"),
     CudaPath("spec_decoding", check_spec_decoding, ("eagle3nb/spec.py", "eagle3nb/accept/stage.py"),
              "see eagle3nb/spec.py"),
     CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py",),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb.doctor import checks
-from eagle3nb.doctor.checks import rank_causes
+from eagle3nb.doctor.checks.causes import rank_causes
 from eagle3nb.doctor.context import Context
 from eagle3nb.doctor.result import (
     CHECKS,
