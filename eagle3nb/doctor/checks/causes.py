@@ -16,7 +16,7 @@ CAUSES = {
 UNDERTRAINED = "too little training: more samples (01 max_samples) or steps (03 max_steps)"
 
 
-def _short(text: str, n: int = 140) -> str:
+def short(text: str, n: int = 140) -> str:
     return text if len(text) <= n else text[:n - 3] + "..."
 
 
@@ -26,7 +26,7 @@ def rank_causes(results: list[CheckResult]) -> list[str]:
     by_name = {r.name: r for r in results}
 
     def with_status(status: str, tag: str) -> list[str]:
-        return [f"{cause} [{name} {tag}: {_short(by_name[name].measured)}]" for name, cause in CAUSES.items()
+        return [f"{cause} [{name} {tag}: {short(by_name[name].measured)}]" for name, cause in CAUSES.items()
                 if name in by_name and by_name[name].status == status]
 
     out = with_status(FAIL, "failed") + with_status(WARN, "warned") + [UNDERTRAINED] + with_status(SKIP, "skipped")
