@@ -118,7 +118,11 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check a run's setup and artifacts for the known causes of a bad drafter",
-                              description=__doc__.split("\n\n")[0])
+                              description="Check a run's setup and artifacts for the known causes of a useless "
+                                          "drafter before the long run (the target's family, the server's reasoning "
+                                          "and token stream, thinking mode, layer ids, vocabulary, data, disk), and "
+                                          "explain a low acceptance after it (draft sanity, the causes ranked). "
+                                          "Exit 1 when a check fails.")
     p.add_argument("params_dir", help="the run's parameter folder, e.g. params/demo/")
     p.add_argument("--stage", help="only the checks for this stage (01, 02_hidden_states, ...)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

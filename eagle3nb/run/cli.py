@@ -40,7 +40,10 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--notebooks-dir", help="folder with the NN_name.ipynb notebooks (default: <project>/notebooks)")
     r.add_argument("--lock-fd", type=int, help=argparse.SUPPRESS)
     r.set_defaults(func=_cmd_run)
-    s = sub.add_parser("status", help="what a run is doing: stage states, live progress, whether it is alive")
+    s = sub.add_parser("status", help="what a run is doing: stage states, live progress, whether it is alive",
+                       description="Show what the run writing into outputs/<run>/ is doing: each stage's state and "
+                                   "times, the running stage's live progress and ETA, whether the run's process is "
+                                   "alive, and the error and failing cell of a stage that failed.")
     s.add_argument("run_out_dir", help="the run's output folder, e.g. outputs/demo/")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
     s.set_defaults(func=_cmd_status)
