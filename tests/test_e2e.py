@@ -102,7 +102,7 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
     assert list(sets) == P["benchmarks"] and sets["mt-bench"]["turns"] == 2 * P["benchmark_prompts"]
     assert all(d["acceptance_length"] >= 1.0 and len(d["per_position"]) == P["k"] for d in sets.values())
     html = (out / "04_acceptance.html").read_text()
-    assert all(f"<td>{name}</td>" in html for name in P["benchmarks"]), "the per-dataset table is in the report"
+    assert all(f"<th>{name}</th>" in html for name in P["benchmarks"]), "the per-dataset table is in the report"
     for fig in FIGURES_04:
         assert (out / "04_acceptance" / f"{fig}.png").read_bytes().startswith(b"\x89PNG"), fig
     # executed notebooks keep their plots

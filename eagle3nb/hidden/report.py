@@ -33,7 +33,7 @@ def layer_table(meta: dict):
             for r, i, s in zip(roles, ids, to_sglang(ids))]
     rows.append({"state": "final", "HF hidden_states / vLLM id": L, "SGLang / SpecForge id": L - 1,
                  "is": "after the final norm (vLLM's id L is before it; we apply the norm)"})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).set_index("state")
 
 
 def storage_table(hidden_size: int, tokens: int, num_aux: int = 3, topk: int = 32, draft_vocab_size: int = 32000):
@@ -56,7 +56,7 @@ def disk_table(metrics: dict):
         {"what": "projected before starting", "GB": metrics["projected_bytes"] / GB},
         {"what": "actual (shards + head + vocab)", "GB": metrics["total_bytes"] / GB},
         {"what": "free when it started", "GB": metrics["free_bytes"] / GB},
-    ])
+    ]).set_index("what")
 
 
 def throughput(stage_dir: str | Path, window_s: float = 30.0):

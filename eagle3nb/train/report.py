@@ -218,3 +218,8 @@ class LivePlot:
             self.handle = display(self.fig, display_id=True)
         else:
             self.handle.update(self.fig)
+
+    def clear(self) -> None:
+        """Take the live figure out of the notebook once training is done, so the report draws the curve once."""
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
