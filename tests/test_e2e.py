@@ -64,6 +64,9 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
         assert (out / f"{stage}.ipynb").exists() and (out / f"{stage}.html").exists()
         html = (out / f"{stage}.html").read_text()
         assert "validate(" not in html, "reports are rendered without input cells"
+        # the report opens with its verdict (filled in place after the run), before the check-up's table
+        assert "the verdict appears here" not in html and "<b>Pays?:</b>" in html, stage
+        assert html.index("<b>Measured:</b>") < html.index("<th>status</th>"), stage
     # 01: every prompt accounted for, the records on disk are the counted ones, most answers complete
     synth = json.loads((out / "01_synth" / "metrics.json").read_text())
     n = params("01_synth")["max_samples"]

@@ -138,6 +138,25 @@ def test_hidden_sample_browser_and_static_samples(stages):
     assert "tv-mark-cut" in static
 
 
+def test_01_and_02_reports_open_with_three_lines_from_their_metrics(stages):
+    """The headline each report opens with: what was measured, whether it pays, what next, from metrics.json."""
+    import json
+
+    from eagle3nb.figures import headline_html
+
+    m1 = json.loads((stages["01"] / "metrics.json").read_text())
+    measured, pays, nxt = synth_report.headline(m1)
+    c = m1["counts"]
+    assert f"{c['ok']} ok" in measured and f"{c['truncated']} truncated" in measured  # this run cut some answers
+    assert pays.startswith("yes" if c["ok"] and c["no_reasoning"] <= 0.1 * sum(c.values()) else "no") and "02" in nxt
+    m2 = json.loads((stages["02"] / "metrics.json").read_text())
+    measured, pays, nxt = hidden_report.headline(m2)
+    assert f"{m2['samples']} samples" in measured and f"{m2['tokens']:,} tokens" in measured
+    assert f"covers {m2['coverage']:.0%}" in pays and ("run 03_train" in nxt) == (m2["coverage"] >= 0.9)
+    box = headline_html(measured, pays, nxt).data
+    assert [re.sub("<[^>]+>", "", d) for d in box.split("<div>")[1:]][0].startswith("Measured:")
+
+
 def test_changed_table_shows_only_what_differs():
     P = from_dict("04_acceptance", {"k": 2, "max_k": 4, "endpoints": [{"label": "a", "url": "http://h:1"}],
                                     "params_file": "params/x/04_acceptance.yaml"}, check_paths=False)

@@ -22,6 +22,21 @@ GB = 1e9
 PICKS_FLOPS = 2e11
 
 
+def headline(m: dict[str, Any]) -> tuple[str, str, str]:
+    """02's verdict in three lines (what was stored, whether the draft vocabulary fits, what next) from its
+    metrics."""
+    tps = f" at {m['tokens_per_s']:,.0f} tokens/s" if m.get("tokens_per_s") else ""
+    measured = (f"hidden states of {m['samples']} samples, {m['tokens']:,} tokens{tps}: {m['total_bytes'] / GB:.2f} "
+                f"GB in {m['storage']} ({m['bytes_per_token']:,.0f} bytes/token)")
+    cov = m["coverage"]
+    if cov < 0.9:
+        return (measured, f"partly: the {m['draft_vocab_size']}-token draft vocabulary covers {cov:.0%} of the "
+                          f"trained tokens, and the rest can never be accepted",
+                "raise draft_vocab_size and run 02 again (or train on it as it is)")
+    return (measured, f"yes: the {m['draft_vocab_size']}-token draft vocabulary covers {cov:.0%} of the trained "
+                      f"tokens", "run 03_train on them")
+
+
 def layer_table(meta: dict):
     """Each stored state: its role, the HF/vLLM id, the SGLang/SpecForge id of the same tensor."""
     import pandas as pd
