@@ -26,8 +26,9 @@ def headline(m: dict[str, Any]) -> tuple[str, str, str]:
     """02's verdict in three lines (what was stored, whether the draft vocabulary fits, what next) from its
     metrics."""
     tps = f" at {m['tokens_per_s']:,.0f} tokens/s" if m.get("tokens_per_s") else ""
-    measured = (f"hidden states of {m['samples']} samples, {m['tokens']:,} tokens{tps}: {m['total_bytes'] / GB:.2f} "
-                f"GB in {m['storage']} ({m['bytes_per_token']:,.0f} bytes/token)")
+    size = f"{m['total_bytes'] / GB:.2f} GB" if m["total_bytes"] >= GB else f"{m['total_bytes'] / 1e6:.1f} MB"
+    measured = (f"hidden states of {m['samples']} samples, {m['tokens']:,} tokens{tps}: {size} in {m['storage']} "
+                f"({m['bytes_per_token']:,.0f} bytes/token)")
     cov = m["coverage"]
     if cov < 0.9:
         return (measured, f"partly: the {m['draft_vocab_size']}-token draft vocabulary covers {cov:.0%} of the "
