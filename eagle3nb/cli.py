@@ -11,7 +11,7 @@ from eagle3nb.errors import guarded
 
 # command -> module with register_cli(subparsers)
 CLI_MODULES = [
-    "eagle3nb.run",        # run, status
+    "eagle3nb.run.cli",    # run, status
     "eagle3nb.toy.cli",    # toy build, toy prompts
     "eagle3nb.serve.cli",  # serve
     "eagle3nb.doctor",     # doctor
@@ -19,8 +19,25 @@ CLI_MODULES = [
 ]
 
 
+DESCRIPTION = """\
+Train and judge EAGLE-3 speculative-decoding draft models for a reasoning LLM. The four stages are the
+notebooks notebooks/01_synth.ipynb ... 04_acceptance.ipynb (also `python -m eagle3nb.synth|hidden|train|accept
+params/<run>/`); these commands run them in order, check a run, serve a model and build the toy target."""
+
+EPILOG = """\
+examples:
+  eagle3nb run params/demo/              the four stages in order; run it again and it resumes
+  eagle3nb doctor params/mine/           check a run for the known causes of a bad drafter, before the GPU hours
+  eagle3nb run params/mine/ --detach     the same in the background: it survives the terminal closing
+  eagle3nb status outputs/mine/          what a run is doing, its live progress, whether it is alive
+  eagle3nb COMMAND --help                a command's options
+
+Docs: README.md (start there) and docs/README.md (every page, by purpose)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3nb", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="eagle3nb", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in CLI_MODULES:

@@ -24,6 +24,13 @@ REASONING_FORMATS = ("think_tags", "harmony", "none")
 # config.json architectures of an MLA EAGLE-3 draft (vLLM's model_executor/models/deepseek_eagle3.py registers
 # both; the first is what eagle3nb writes): the draft vLLM's CPU build serves beside an MLA target.
 MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+# gpt-oss's Harmony format (docs/harmony.md): a message is <|start|>{role}<|channel|>{channel}<|message|>{text}<|end|>
+# (<|return|> ends the last answer)
+HARMONY_START = "<|start|>"
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_MESSAGE = "<|message|>"
+HARMONY_END = "<|end|>"
+HARMONY_MARKERS = (HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, HARMONY_END)
 
 
 class FamilyError(InputError):
@@ -68,7 +75,7 @@ class Family:
     def text_markers(self) -> tuple[str, ...]:
         """The special tokens a generated text must keep for its reasoning to be split from its answer: the think
         tags, or Harmony's message markers."""
-        return kimi.HARMONY_MARKERS if self.harmony_channels else self.think_tags or ()
+        return HARMONY_MARKERS if self.harmony_channels else self.think_tags or ()
 
     def template_kwargs(self, thinking: bool, kwarg: str = AUTO) -> dict[str, Any]:
         """The chat_template_kwargs asking for ``thinking``: an explicit ``kwarg`` (``thinking_kwarg`` parameter)
@@ -249,9 +256,9 @@ def specials(family: Family, tokenizer: Any) -> Specials:
     start, stop = family.think_tags or (None, None)
     end = family.end_of_turn if family.end_of_turn in vocab else tokenizer.eos_token
     harmony = None
-    if family.harmony_channels and all(m in vocab for m in kimi.HARMONY_MARKERS):
+    if family.harmony_channels and all(m in vocab for m in HARMONY_MARKERS):
         channel = tuple(tokenizer.encode(family.harmony_channels[0], add_special_tokens=False))
-        harmony = (vocab[kimi.HARMONY_START], vocab[kimi.HARMONY_CHANNEL], vocab[kimi.HARMONY_MESSAGE], channel)
+        harmony = (vocab[HARMONY_START], vocab[HARMONY_CHANNEL], vocab[HARMONY_MESSAGE], channel)
     return Specials(start, stop, end, (vocab.get(start), vocab.get(stop)), vocab.get(end), harmony)
 
 
@@ -317,11 +324,11 @@ def harmony_split(text: str, channels: tuple[str, str]) -> tuple[str | None, str
     """(reasoning, content) of a Harmony turn's text (markers kept) as vLLM's openai_gptoss parser splits them:
     the reasoning channel's messages, and the answer channel's; None where there is none (yet)."""
     parts: dict[str, list[str]] = {channels[0]: [], channels[1]: []}
-    for msg in text.split(kimi.HARMONY_START):
-        head, sep, body = msg.partition(kimi.HARMONY_MESSAGE)
-        name = head.partition(kimi.HARMONY_CHANNEL)[2].split(" ")[0] if sep else ""
+    for msg in text.split(HARMONY_START):
+        head, sep, body = msg.partition(HARMONY_MESSAGE)
+        name = head.partition(HARMONY_CHANNEL)[2].split(" ")[0] if sep else ""
         if name in parts:
-            parts[name].append(body.split(kimi.HARMONY_END)[0])
+            parts[name].append(body.split(HARMONY_END)[0])
     reasoning, content = ("".join(parts[c]) for c in channels)
     return reasoning or None, content or None
 

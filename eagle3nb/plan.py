@@ -105,7 +105,8 @@ def _main(args: argparse.Namespace) -> int:
 
 def register_cli(sub) -> None:
     p = sub.add_parser("plan", help="extraction servers, GPU-hours and disk for N samples, online vs stored vs hybrid",
-                       description=__doc__.split("\n")[0])
+                       description="The plan before the bill: how many extraction servers, GPU-hours and disk N "
+                                   "samples take, per data source (stored, online, hybrid), from your own figures.")
     p.add_argument("--samples", type=int, required=True, help="samples to train on")
     p.add_argument("--tokens-per-sample", type=float, required=True, help="mean tokens per sample")
     p.add_argument("--tokens-per-s", type=float, default=None,

@@ -1,7 +1,6 @@
 """Kimi-K2.5 chat-format token strings (docs/DESIGN-FACTS.md "Kimi-K2.5 chat format"): read by the registry's
-kimi entry (``eagle3nb.families``) and the toy tokenizer, which copies Kimi's format; and Harmony's (gpt-oss's)
-message markers, read by the gpt_oss entry (docs/harmony.md). Nothing else assumes them: the stages read the
-target's family."""
+kimi entry (``eagle3nb.families``) and the toy tokenizer, which copies Kimi's format. Nothing else assumes them:
+the stages read the target's family (other families' markers, Harmony's included, live in their entries)."""
 
 from __future__ import annotations
 
@@ -15,10 +14,3 @@ THINK_END = "</think>"
 
 SPECIAL_TOKENS = [IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END, THINK_START, THINK_END]
 
-
-# Harmony: a message is <|start|>{role}<|channel|>{channel}<|message|>{text}<|end|> (<|return|> ends the last answer).
-HARMONY_START = "<|start|>"
-HARMONY_CHANNEL = "<|channel|>"
-HARMONY_MESSAGE = "<|message|>"
-HARMONY_END = "<|end|>"
-HARMONY_MARKERS = (HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE, HARMONY_END)

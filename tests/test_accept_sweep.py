@@ -66,7 +66,7 @@ def test_the_sweep_is_reused_and_drawn_one_line_per_k(sweep):
         ["online-baseline.json"] + [f"online-eagle3-k{k}.json" for k in KS]
     assert run_online(P) == rows  # no server started: each server's rows come from its file
     table = report.online_table(rows)
-    assert len(table) == len(rows) and list(table.columns[:3]) == ["endpoint", "k", "concurrency"]
+    assert len(table) == len(rows) and list(table.index.names) == ["endpoint", "k", "concurrency"]
     fig = report.plot_acceptance(rows)
     lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
     assert lines == {f"eagle3 k={k}": [r["acceptance_length"] for r in sorted(rows, key=lambda r: r["concurrency"])

@@ -21,9 +21,12 @@ from typing import Any, Callable
 import pytest
 import yaml
 
+from eagle3nb.families import names
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "sk-bad-input-5e3f9a-never-printed"
 KEY_ENV = "EAGLE3NB_BAD_INPUT_KEY"
+FAMILY_NAMES = names()
 STAGE = {"01": "01_synth", "02": "02_hidden_states", "03": "03_train", "04": "04_acceptance"}
 
 
@@ -498,3 +501,45 @@ def test_04_probes_its_endpoints_before_the_offline_work(trained, tmp_path, caps
     err = capsys.readouterr().err
     assert f"endpoint {dead} cannot be reached" in err and "Traceback" not in err, err
     assert not (tmp_path / "o" / "positions.jsonl").exists(), "the offline step ran before the endpoints were probed"
+
+
+def test_a_failed_check_up_stops_with_the_first_fix_on_its_first_line(toy_smoke, tmp_path):
+    """01's notebook stops on its strict check-up, and a terminal (papermill's, `eagle3nb run`'s log) may show the
+    stop's first line only: that line carries the first failure and its fix. The case: the server started without
+    its reasoning parser (the embedded one, as vLLM without --reasoning-parser)."""
+    from eagle3nb.doctor import DoctorError, check_stage
+    from eagle3nb.errors import user_message
+    from eagle3nb.families import detect
+    from eagle3nb.launch import start_server
+    from eagle3nb.params import from_dict, run_params
+
+    with start_server(toy_smoke, reasoning_parser=False) as bare:
+        folder = run_dir(tmp_path, **{"01": {"model_path": toy_smoke, "vllm_url": bare.url,
+                                             "output_dir": tmp_path / "o"}})
+        with pytest.raises(DoctorError) as stop:
+            check_stage("01_synth", from_dict("01_synth", run_params(folder, "01_synth")), strict=True)
+    flag = detect(toy_smoke).parser_flag("vllm")
+    for shown in (str(stop.value).splitlines()[0], user_message(stop.value).splitlines()[0]):
+        assert "server: " in shown and "message.reasoning empty" in shown and flag in shown, shown
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_a_dead_server_is_refused_at_once_naming_the_family_parser(name):
+    """01's connect on a port nothing listens on, with 01's default retry policy: a refused connection is final
+    before the work (seconds, not the minute of backoff), and the start hint names the target family's parser."""
+    import asyncio
+    import time
+
+    from eagle3nb.families import get
+    from eagle3nb.synth.client import FatalServerError, connect
+    from eagle3nb.synth.params import SynthParams
+
+    family, fields = get(name), SynthParams.model_fields
+    t0 = time.monotonic()
+    with pytest.raises(FatalServerError) as e:
+        asyncio.run(connect([f"http://127.0.0.1:{free_port()}"], "k", 5.0, None, 1, family=family,
+                            max_retries=fields["max_retries"].default, backoff_s=fields["retry_backoff_s"].default))
+    assert time.monotonic() - t0 < min(5.0, fields["retry_backoff_s"].default * 2), "waited out the backoff"
+    msg, hint = str(e.value), "" if family.reasoning == "none" else family.parser_flag()
+    assert "cannot reach" in msg and "connection refused" in msg and hint in msg
+    assert ("--reasoning-parser" in msg) == bool(hint), msg

@@ -166,7 +166,7 @@ def match_line(d) -> str:
 def report(stage_copy) -> Path:
     """01's executed notebook and report, as `eagle3nb run` writes them (outputs/<run>/01_synth.{ipynb,html})."""
     from eagle3nb.paths import outputs_root
-    from eagle3nb.run import run
+    from eagle3nb.run.execute import run
 
     params, _ = stage_copy("report")
     assert run(params, stages="01", console=False) == 0

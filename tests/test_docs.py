@@ -480,5 +480,46 @@ def test_docs_have_links():
     assert len(LINKS) >= 10, f"only {len(LINKS)} relative links found"
 
 
+# ----------------------------------------------------------------------------------- navigation
+
+README_MAX_LINES = 160
+
+
+def test_the_readme_stays_a_front_page():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move detail to docs/"
+
+
+def test_every_docs_page_and_folder_is_in_the_index():
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.partition("#")[0]).resolve() for _, target in links(index)}
+    pages = [p for p in (ROOT / "docs").iterdir() if p != index and (p.is_dir() or p.suffix == ".md")]
+    missing = [p.name for p in pages if p.resolve() not in linked]
+    assert not missing, f"docs/README.md does not list {missing}"
+    assert "docs/README.md" in {t.partition("#")[0] for _, t in links(ROOT / "README.md")}, \
+        "README.md does not link the docs index"
+
+
+def parsers(parser: argparse.ArgumentParser, path: str = "eagle3nb"):
+    """(command path, parser) of the console script and every subcommand under it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from parsers(sub, f"{path} {name}")
+
+
+def test_every_command_help_is_written_for_users():
+    """Each command's --help opens with whole sentences for a user: no docstring cut mid-sentence, no reST."""
+    from eagle3nb.cli import build_parser
+
+    seen = list(parsers(build_parser()))
+    assert len(seen) >= 9, [p for p, _ in seen]  # eagle3nb, run, status, toy x4, serve, doctor, plan
+    for path, parser in seen:
+        text = (parser.description or "").strip()
+        assert text and text[0].isupper() and text.endswith("."), f"{path} --help: {text!r}"
+        assert "``" not in text, f"{path} --help shows reST markup: {text!r}"
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -8,13 +8,14 @@ import json
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from eagle3nb.cli import main
-from eagle3nb.doctor import CHECKS, FAIL, PASS, STAGE_CHECKS, WARN, check_stage, render, run_checks
+from eagle3nb.doctor import CHECKS, FAIL, PASS, STAGE_CHECKS, WARN, DoctorError, check_stage, render, run_checks
 from eagle3nb.doctor.context import STREAM_PROBES
 from eagle3nb.synth.faults import FaultServer
 
@@ -79,15 +80,23 @@ def test_notebook_cell_runs_its_stage_checks(healthy):
 # -- 1. server -------------------------------------------------------------------------------------------------------
 
 def test_server_without_reasoning_parser_fails(toy_smoke, tmp_path):
+    from eagle3nb.errors import user_message
+    from eagle3nb.families import detect
     from eagle3nb.launch import start_server
+    from eagle3nb.params import from_dict, run_params
 
     with start_server(toy_smoke, reasoning_parser=False) as bare:
         run = write_run(tmp_path / "run", {"01_synth": {"model_path": toy_smoke, "vllm_url": bare.url,
                                                         "max_completion_tokens": 128}})
         r = by_name(run_checks(run, "01"))["server"]
+        with pytest.raises(DoctorError) as stop:  # the notebook's strict check-up
+            check_stage("01_synth", from_dict("01_synth", run_params(run, "01_synth")), strict=True)
     assert r.status == FAIL, r
     assert "without a reasoning parser" in r.measured and "message.reasoning empty" in r.measured
     assert "--reasoning-parser kimi_k2" in r.fix
+    # the stop's first line (all a terminal may show) carries the first failure and its fix, flag included
+    first = user_message(stop.value).splitlines()[0]
+    assert "server" in first and detect(toy_smoke).parser_flag("vllm") in first and r.fix in first, first
 
 
 # Faults a loaded server produces now and then: not a 400 (no retry fixes it) nor a hang (it only costs time).
@@ -117,12 +126,29 @@ def test_server_that_keeps_failing_or_is_dead_fails_after_the_retries(toy_smoke,
     assert r.status == FAIL and "gave up after 3 attempts" in r.measured, r
     # 3 probes x (max_retries + 1): the openai client adds no retries of its own, later checks reuse the failure
     assert len(down.served) == 9
+
+
+def test_dead_server_is_unreachable_in_seconds_under_the_default_retries(toy_smoke, tmp_path):
+    """A refused connection (nothing listens) is final before the work: 01's default policy would first wait out
+    its backoff on each probe (at least half of every delay, jittered), the check-up says so at once."""
+    from eagle3nb.families import detect
+    from eagle3nb.synth.client import BACKOFF_CAP_S
+    from eagle3nb.synth.params import SynthParams
+
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    r = by_name(run_checks(flaky_run(tmp_path / "dead", toy_smoke, dead), "01"))["server"]
-    assert r.status == FAIL and "not reachable" in r.measured and "gave up after 3 attempts" in r.measured, r
-    assert "start the server" in r.fix
+    run = write_run(tmp_path / "dead", {"01_synth": {"model_path": toy_smoke, "vllm_url": dead}})
+    fields = SynthParams.model_fields
+    retries, backoff = fields["max_retries"].default, fields["retry_backoff_s"].default
+    old_wait = sum(0.5 * min(BACKOFF_CAP_S, backoff * 2**i) for i in range(retries))  # the least one probe waited
+    run_checks(write_run(tmp_path / "warm", {"01_synth": {"model_path": toy_smoke, "vllm_url": dead}}), "01")
+    t0 = time.monotonic()  # the imports and tokenizer load warm: what is left is the checks and their probes
+    r = by_name(run_checks(run, "01"))["server"]
+    took = time.monotonic() - t0
+    assert r.status == FAIL and "not reachable" in r.measured and "connection refused" in r.measured, r
+    assert "start the server" in r.fix and detect(toy_smoke).parser_flag() in r.fix
+    assert took < min(10.0, old_wait / 2), (took, old_wait)
 
 
 # -- 2. token stream ------------------------------------------------------------------------------------------------
@@ -319,7 +345,7 @@ def test_random_weight_draft_fails_with_ranked_causes(healthy, tmp_path):
 
 def test_server_check_names_the_engine_and_warns_on_an_untested_vllm(healthy):
     from eagle3nb import __version__
-    from eagle3nb.doctor.checks import _engine_problems
+    from eagle3nb.doctor.checks.server import _engine_problems
     from eagle3nb.vllm_config import TESTED_VERSION
 
     r = by_name(run_checks(healthy["run"], "01"))["server"]

@@ -64,6 +64,9 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
         assert (out / f"{stage}.ipynb").exists() and (out / f"{stage}.html").exists()
         html = (out / f"{stage}.html").read_text()
         assert "validate(" not in html, "reports are rendered without input cells"
+        # the report opens with its verdict (filled in place after the run), before the check-up's table
+        assert "the verdict appears here" not in html and "<b>Pays?:</b>" in html, stage
+        assert html.index("<b>Measured:</b>") < html.index("<th>status</th>"), stage
     # 01: every prompt accounted for, the records on disk are the counted ones, most answers complete
     synth = json.loads((out / "01_synth" / "metrics.json").read_text())
     n = params("01_synth")["max_samples"]
@@ -102,7 +105,7 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
     assert list(sets) == P["benchmarks"] and sets["mt-bench"]["turns"] == 2 * P["benchmark_prompts"]
     assert all(d["acceptance_length"] >= 1.0 and len(d["per_position"]) == P["k"] for d in sets.values())
     html = (out / "04_acceptance.html").read_text()
-    assert all(f"<td>{name}</td>" in html for name in P["benchmarks"]), "the per-dataset table is in the report"
+    assert all(f"<th>{name}</th>" in html for name in P["benchmarks"]), "the per-dataset table is in the report"
     for fig in FIGURES_04:
         assert (out / "04_acceptance" / f"{fig}.png").read_bytes().startswith(b"\x89PNG"), fig
     # executed notebooks keep their plots

@@ -131,7 +131,7 @@ def test_vllm_args_take_the_family_parser_and_dtype(tmp_path, name, parser):
 
 def test_doctor_refuses_glm_on_vllm_naming_sglang(tmp_path):
     from eagle3nb.doctor import FAIL, PASS
-    from eagle3nb.doctor.checks import check_family
+    from eagle3nb.doctor.checks.server import check_family
     from eagle3nb.doctor.context import Context
 
     glm = model_folder(tmp_path / "glm", *TEMPLATES["glm45"])

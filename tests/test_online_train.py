@@ -204,7 +204,7 @@ def test_online_needs_02s_parameters(tmp_path):
 
 
 def test_doctor_disk_check_knows_online_stores_no_hidden_states(world, tmp_path):
-    from eagle3nb.doctor.checks import check_disk
+    from eagle3nb.doctor.checks.data import check_disk
     from eagle3nb.doctor.context import Context
 
     def disk(source: str) -> dict:

@@ -29,7 +29,9 @@ from eagle3nb import params
 from eagle3nb.cli import main
 from eagle3nb.params import STAGES, ParamsError
 from eagle3nb.progress import read_progress
-from eagle3nb.run import RunLocked, run, status
+from eagle3nb.run.execute import run
+from eagle3nb.run.lock import RunLocked
+from eagle3nb.run.status import status
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from eagle3nb.data.samples import load_samples
 from eagle3nb.hidden import report as hidden_report
 from eagle3nb.hidden.stage import run as extract
 from eagle3nb.params import ParamsError, changed_table, from_dict
-from eagle3nb.run import plan
+from eagle3nb.run.plan import plan
 from eagle3nb.synth import report as synth_report
 from eagle3nb.synth.stage import run as synth
 from eagle3nb.tokens import IM_END, THINK_END, THINK_START
@@ -136,6 +136,25 @@ def test_hidden_sample_browser_and_static_samples(stages):
     static = str(hidden_report.static_samples(d, tok))
     assert re.findall(r'data-sample-id="([^"]+)"', static) == [chosen["worst"], chosen["typical"]]
     assert "tv-mark-cut" in static
+
+
+def test_01_and_02_reports_open_with_three_lines_from_their_metrics(stages):
+    """The headline each report opens with: what was measured, whether it pays, what next, from metrics.json."""
+    import json
+
+    from eagle3nb.figures import headline_html
+
+    m1 = json.loads((stages["01"] / "metrics.json").read_text())
+    measured, pays, nxt = synth_report.headline(m1)
+    c = m1["counts"]
+    assert f"{c['ok']} ok" in measured and f"{c['truncated']} truncated" in measured  # this run cut some answers
+    assert pays.startswith("yes" if c["ok"] and c["no_reasoning"] <= 0.1 * sum(c.values()) else "no") and "02" in nxt
+    m2 = json.loads((stages["02"] / "metrics.json").read_text())
+    measured, pays, nxt = hidden_report.headline(m2)
+    assert f"{m2['samples']} samples" in measured and f"{m2['tokens']:,} tokens" in measured
+    assert f"covers {m2['coverage']:.0%}" in pays and ("run 03_train" in nxt) == (m2["coverage"] >= 0.9)
+    box = headline_html(measured, pays, nxt).data
+    assert [re.sub("<[^>]+>", "", d) for d in box.split("<div>")[1:]][0].startswith("Measured:")
 
 
 def test_changed_table_shows_only_what_differs():

@@ -475,7 +475,7 @@ def check_draft_sanity(w: World) -> str:
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.split import split_holdout
     from eagle3nb.doctor import run_checks
-    from eagle3nb.doctor.checks import SANITY_K, SANITY_SAMPLES
+    from eagle3nb.doctor.checks.draft import SANITY_K, SANITY_SAMPLES
     from eagle3nb.drafts import load_draft
 
     data_dir = w.data()["cpu-fp32"]
@@ -494,7 +494,7 @@ def check_draft_sanity(w: World) -> str:
     gap = max(abs(x - y) for x, y in zip(result.details["per_position"], cpu))
     return expect(gap <= 2e-2, f"doctor {result.status}, {within('alpha gap vs CPU', gap, 2e-2)}: {result.measured}",
                   "the doctor's draft_sanity on GPU differs from CPU offline acceptance: check "
-                  "check_draft_sanity in eagle3nb/doctor/checks.py")
+                  "check_draft_sanity in eagle3nb/doctor/checks/draft.py")
 
 
 def check_spec_decoding(w: World) -> str:
@@ -689,8 +689,8 @@ PATHS: list[CudaPath] = [
     CudaPath("offline_acceptance", check_offline_acceptance,
              ("eagle3nb/accept/offline.py", "eagle3nb/drafts/eagle3/offline.py"),
              "see eagle3nb/accept/offline.py offline_acceptance"),
-    CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks.py",),
-             "see eagle3nb/doctor/checks.py check_draft_sanity"),
+    CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks/draft.py",),
+             "see eagle3nb/doctor/checks/draft.py check_draft_sanity"),
     CudaPath("spec_decoding", check_spec_decoding,
              ("eagle3nb/spec/batch.py", "eagle3nb/spec/padded.py", "eagle3nb/spec/reference.py",
               "eagle3nb/drafts/eagle3/drafting.py", "eagle3nb/accept/local.py", "eagle3nb/accept/models.py",

@@ -50,7 +50,7 @@ def breakdown_table(offline: dict[str, Any], by: str = "by_segment"):
             row[f"alpha_1 T={offline['temperature']}"] = b["sampled"]["per_position"][0]
             row[f"tau(k={offline['k']}) T={offline['temperature']}"] = b["sampled"]["acceptance_length"]
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).set_index(by.removeprefix("by_")) if rows else pd.DataFrame()
 
 
 def benchmark_table(metrics: dict[str, Any], by: str | None = None):
@@ -71,7 +71,8 @@ def benchmark_table(metrics: dict[str, Any], by: str | None = None):
             row[f"tau (k={b['k']}, T=0, {b['max_tokens']} tok)"] = s["acceptance_length"]
             row.update({f"alpha_{i + 1}": a for i, a in enumerate(s["per_position"])})
             rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).set_index(["dataset", by.removeprefix("by_")] if by else "dataset") if rows \
+        else pd.DataFrame()
 
 
 def context_table(metrics: dict[str, Any]):
@@ -83,7 +84,7 @@ def context_table(metrics: dict[str, Any]):
     rows = [{"context (tokens)": name, "positions": b["greedy"]["positions"],
              "alpha_1 greedy": b["greedy"]["per_position"][0], f"tau(k={k}) greedy": b["greedy"]["acceptance_length"]}
             for name, b in (off.get("by_context") or {}).items()]
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows).set_index("context (tokens)") if rows else pd.DataFrame()
     ctx = metrics.get("context") or {}
     df.attrs["note"] = (f"longest training sequence {ctx.get('longest_trained')}, longest served (prompt + max_tokens) "
                         f"{ctx.get('longest_served')}" + (f". WARNING: {ctx['warning']}" if ctx.get("warning") else ""))
@@ -99,7 +100,7 @@ def online_table(rows: list[dict[str, Any]]):
             "latency_p50_s", "latency_p90_s", "latency_p99_s", "requests", "errors"]
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in rows], columns=cols)
     df["k"] = df["k"].astype("Int64")  # whole numbers, <NA> for the baseline (not 3.0 / NaN)
-    return df
+    return df.set_index(["endpoint", "k", "concurrency"])
 
 
 def acceptance_by_source(metrics: dict[str, Any]):
@@ -265,14 +266,15 @@ def plot_context(metrics: dict[str, Any]):
     ax2.plot(list(xs), table["alpha_1 greedy"], "o-", color="C3", label="alpha_1 (first token)")
     ax2.set_ylim(0, 1.05)
     ax2.set_ylabel("alpha_1", color="C3")
-    ax.set_xticks(list(xs), table["context (tokens)"])
+    ax.set_xticks(list(xs), table.index)
     ax.set_xlabel("position of the drafted token in the sequence (tokens)")
     ctx = metrics.get("context") or {}
     trained = f"; trained up to {ctx['longest_trained']} tokens" if ctx.get("longest_trained") else ""
     ax.set_title(f"Acceptance by context length (offline{trained})", fontsize=10)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
+    # below the axes: inside, the legend covered the tallest bars
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.tight_layout()
     return fig
 

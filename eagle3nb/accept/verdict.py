@@ -65,6 +65,32 @@ def likely_causes(metrics: dict[str, Any], checkup_causes: Sequence[str] | None 
     return list(dict.fromkeys(causes + doctor))
 
 
+def headline(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None) -> tuple[str, str, str]:
+    """04's verdict in three lines (the acceptance measured, whether serving gets faster, what next); the table at
+    the end of the report (``verdict``) says the same at length."""
+    off, pred = metrics.get("offline") or {}, metrics.get("prediction") or {}
+    served = [r for r in metrics.get("online") or [] if r.get("speedup") is not None
+              and r.get("endpoint") != metrics.get("online_baseline")]
+    measured = (f"acceptance length {off['acceptance_length']:.2f} tokens per target step at k={off['k']} offline"
+                if off else "no offline acceptance")
+    if metrics.get("local"):
+        measured += f", {metrics['local']['acceptance_length']:.2f} in real decoding here"
+    best = max(served, key=lambda r: r["speedup"], default=None)
+    if best is not None:
+        gain = best["speedup"] >= 1.05
+        pays = (f"{'yes' if gain else 'no'}: {best['speedup']:.2f}x the baseline's throughput at best (concurrency "
+                f"{best['concurrency']}, {series_label(best)})")
+    elif pred:
+        gain = pred["speedup"] > 1
+        pays = f"{'yes' if gain else 'no'}, predicted: {pred['speedup']:.2f}x plain decoding (no served benchmark)"
+    else:
+        gain, pays = False, "unknown: neither a prediction nor a served benchmark"
+    causes = likely_causes(metrics, checkup_causes)
+    nxt = ("serve it with the flags 03 printed, at the concurrency where it pays" if gain else
+           f"the likeliest cause: {causes[0]}" if causes else "`eagle3nb doctor params/<run>/`")
+    return measured, pays, nxt
+
+
 def verdict(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None):
     """The plain-words table that ends the notebook: acceptance, what it means at each concurrency, why.
     ``checkup_causes`` as in ``likely_causes``: the doctor's, passed in (04 does not run the doctor)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb.doctor import checks
-from eagle3nb.doctor.checks import rank_causes
+from eagle3nb.doctor.checks.causes import rank_causes, short
 from eagle3nb.doctor.context import Context
 from eagle3nb.doctor.result import (
     CHECKS,
@@ -74,9 +74,18 @@ def check_stage(stage: str, params: Any, *, strict: bool = False, serving_engine
                              server_url=server_url, timeout_s=timeout_s)
     report = _run(ctx, STAGE_CHECKS[stage])
     if strict and report.failed:
-        raise DoctorError(f"{stage}: the check-up failed; fix these before the run (or pass strict=False):\n"
-                          + render(report.failed))
+        raise DoctorError(stop_line(stage, report.failed) + "\n" + render(report.failed))
     return report
+
+
+def stop_line(stage: str, failed: list[CheckResult]) -> str:
+    """The first line of a failed check-up's stop: the first failure and its fix, since a terminal (papermill's,
+    ``eagle3nb run``'s log) often shows nothing more."""
+    first = failed[0]
+    fix = f" -> {first.fix}" if first.fix else ""
+    more = f" ({len(failed) - 1} more failed below)" if len(failed) > 1 else ""
+    return (f"{stage}: the check-up failed: {first.name}: {short(first.measured, 300)}{fix}{more}; fix before the "
+            f"run (or pass strict=False)")
 
 
 def _run(ctx, names: list[str]) -> Report:
@@ -109,7 +118,11 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="check a run's setup and artifacts for the known causes of a bad drafter",
-                              description=__doc__.split("\n\n")[0])
+                              description="Check a run's setup and artifacts for the known causes of a useless "
+                                          "drafter before the long run (the target's family, the server's reasoning "
+                                          "and token stream, thinking mode, layer ids, vocabulary, data, disk), and "
+                                          "explain a low acceptance after it (draft sanity, the causes ranked). "
+                                          "Exit 1 when a check fails.")
     p.add_argument("params_dir", help="the run's parameter folder, e.g. params/demo/")
     p.add_argument("--stage", help="only the checks for this stage (01, 02_hidden_states, ...)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

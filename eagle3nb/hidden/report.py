@@ -22,6 +22,22 @@ GB = 1e9
 PICKS_FLOPS = 2e11
 
 
+def headline(m: dict[str, Any]) -> tuple[str, str, str]:
+    """02's verdict in three lines (what was stored, whether the draft vocabulary fits, what next) from its
+    metrics."""
+    tps = f" at {m['tokens_per_s']:,.0f} tokens/s" if m.get("tokens_per_s") else ""
+    size = f"{m['total_bytes'] / GB:.2f} GB" if m["total_bytes"] >= GB else f"{m['total_bytes'] / 1e6:.1f} MB"
+    measured = (f"hidden states of {m['samples']} samples, {m['tokens']:,} tokens{tps}: {size} in {m['storage']} "
+                f"({m['bytes_per_token']:,.0f} bytes/token)")
+    cov = m["coverage"]
+    if cov < 0.9:
+        return (measured, f"partly: the {m['draft_vocab_size']}-token draft vocabulary covers {cov:.0%} of the "
+                          f"trained tokens, and the rest can never be accepted",
+                "raise draft_vocab_size and run 02 again (or train on it as it is)")
+    return (measured, f"yes: the {m['draft_vocab_size']}-token draft vocabulary covers {cov:.0%} of the trained "
+                      f"tokens", "run 03_train on them")
+
+
 def layer_table(meta: dict):
     """Each stored state: its role, the HF/vLLM id, the SGLang/SpecForge id of the same tensor."""
     import pandas as pd
@@ -33,7 +49,7 @@ def layer_table(meta: dict):
             for r, i, s in zip(roles, ids, to_sglang(ids))]
     rows.append({"state": "final", "HF hidden_states / vLLM id": L, "SGLang / SpecForge id": L - 1,
                  "is": "after the final norm (vLLM's id L is before it; we apply the norm)"})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).set_index("state")
 
 
 def storage_table(hidden_size: int, tokens: int, num_aux: int = 3, topk: int = 32, draft_vocab_size: int = 32000):
@@ -56,7 +72,7 @@ def disk_table(metrics: dict):
         {"what": "projected before starting", "GB": metrics["projected_bytes"] / GB},
         {"what": "actual (shards + head + vocab)", "GB": metrics["total_bytes"] / GB},
         {"what": "free when it started", "GB": metrics["free_bytes"] / GB},
-    ])
+    ]).set_index("what")
 
 
 def throughput(stage_dir: str | Path, window_s: float = 30.0):

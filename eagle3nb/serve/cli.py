@@ -18,7 +18,12 @@ from eagle3nb.toy import resolve_model_path
 
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a local Hugging Face causal LM (or toy:smoke / toy:demo) "
-                                            "over an OpenAI-compatible API, like vLLM with a reasoning parser")
+                                            "over an OpenAI-compatible API, like vLLM with a reasoning parser",
+                              description="Serve a model folder (or the shipped toy:smoke / toy:demo) on an "
+                                          "OpenAI-compatible API the way vLLM does: /v1/models, /v1/chat/completions "
+                                          "with the reasoning split out (or left inline with --no-reasoning-parser), "
+                                          "return_token_ids, and speculative decoding with --draft. The tests and "
+                                          "vllm_url: embedded use it; no GPU needed.")
     p.add_argument("--model", required=True, help="model folder in Hugging Face layout, or toy:smoke / toy:demo")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)

@@ -2,7 +2,9 @@
 exponential backoff and jitter on what a loaded server throws (429, 5xx, timeouts, dropped connections,
 cut-off JSON), and the configuration errors that no retry fixes (wrong key, wrong model name) turned into
 one clear message. The run, its probe and the doctor's check-up all send their requests through
-``with_retries``, so a server that fails now and then fails none of them."""
+``with_retries``, so a server that fails now and then fails none of them. A one-off request before the work
+(``retried``: the model list, the probes) takes a refused connection as final: nothing listens there, and
+waiting out the backoff would only delay the fix by a minute per server."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from eagle3nb.data.reasoning import extract, field
 from eagle3nb.errors import UserError
+from eagle3nb.families import Family
 
 T = TypeVar("T")
 
@@ -118,9 +121,10 @@ def make_client(url: str, api_key: str, timeout_s: float, concurrency: int) -> A
 
 
 async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_name: str | None,
-                  concurrency: int, *, max_retries: int, backoff_s: float) -> list[Endpoint]:
+                  concurrency: int, *, max_retries: int, backoff_s: float, family: Family) -> list[Endpoint]:
     """A client per URL, each checked by asking ``/models`` (which also names the model when not given), with
-    the run's retry policy: a loaded server's passing 503 is no reason to stop."""
+    the run's retry policy: a loaded server's passing 503 is no reason to stop. ``family``: the target's, whose
+    reasoning parser the start hint names."""
     out = []
     for url in urls:
         client = make_client(url, api_key, timeout_s, concurrency)
@@ -131,9 +135,10 @@ async def connect(urls: list[str], api_key: str, timeout_s: float, served_model_
             if "BadAnswer" in str(e):
                 raise FatalServerError(f"{base_url(url)} answered, but not as an OpenAI-compatible API ({e}); point "
                                        f"vllm_url at the API's address (vLLM, SGLang: http://HOST:PORT)") from None
+            parser = "" if family.reasoning == "none" else f" with {family.parser_flag()}"
             raise FatalServerError(f"cannot reach an OpenAI-compatible server at {base_url(url)} ({e}); start it "
-                                   f"(e.g. `vllm serve MODEL --reasoning-parser kimi_k2`), fix vllm_url, or use "
-                                   f"vllm_url: embedded") from None
+                                   f"(e.g. `vllm serve MODEL`{parser}), fix vllm_url, or use vllm_url: "
+                                   f"embedded") from None
         if served_model_name is None and not models:
             raise FatalServerError(f"{url}/models lists no model; set served_model_name")
         if served_model_name is not None and models and served_model_name not in models:
@@ -195,6 +200,18 @@ def classify(exc: BaseException) -> str:
     return "error"
 
 
+def refused(exc: BaseException) -> bool:
+    """True when ``exc`` comes from a refused connection (nothing listens at the address), found in its chain:
+    the openai client wraps httpx's ConnectError around the socket's ConnectionRefusedError."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def describe(exc: BaseException) -> str:
     status = getattr(exc, "status_code", None)
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
@@ -221,11 +238,13 @@ async def chat(ep: Endpoint, messages: list[dict], *, max_completion_tokens: int
 
 
 async def with_retries(call: Callable[[Endpoint], Awaitable[T]], *, max_retries: int, backoff_s: float,
-                       endpoint_for_attempt: Callable[[], Endpoint],
-                       in_flight: InFlight | None = None) -> tuple[T | None, int, str | None]:
+                       endpoint_for_attempt: Callable[[], Endpoint], in_flight: InFlight | None = None,
+                       refused_is_final: bool = False) -> tuple[T | None, int, str | None]:
     """(response, attempts, error) for ``call(endpoint)``; retries transient failures with exponential backoff
     and jitter (honouring Retry-After), on the next endpoint each time. Fatal ones raise. Clients must be made
-    with the openai client's own ``max_retries=0``, so that a request is sent exactly ``attempts`` times."""
+    with the openai client's own ``max_retries=0``, so that a request is sent exactly ``attempts`` times.
+    ``refused_is_final``: a refused connection ends the attempts (a check before the work); during the work it
+    is retried like any dropped connection (a server restarting)."""
     last, wait_hint = None, None
     for attempt in range(max_retries + 1):
         ep = endpoint_for_attempt()
@@ -243,6 +262,8 @@ async def with_retries(call: Callable[[Endpoint], Awaitable[T]], *, max_retries:
             last, wait_hint = describe(e), _retry_after(e)
             if kind == "error":
                 return None, attempt + 1, last
+            if refused_is_final and refused(e):
+                return None, attempt + 1, f"{last} (connection refused: nothing listens there)"
         finally:
             if in_flight is not None:
                 in_flight.change(-1)
@@ -254,11 +275,11 @@ async def with_retries(call: Callable[[Endpoint], Awaitable[T]], *, max_retries:
 
 async def retried(call: Callable[[Endpoint], Awaitable[T]], ep: Endpoint, *, max_retries: int,
                   backoff_s: float) -> T:
-    """``call(ep)``'s answer under the retry policy of ``with_retries``, for one-off requests (the model list,
-    check-up probes) that have no sample record to carry an error: raises GaveUp when no attempt succeeded,
-    FatalServerError when none can."""
+    """``call(ep)``'s answer under the retry policy of ``with_retries``, for one-off requests before the work (the
+    model list, check-up probes) that have no sample record to carry an error: raises GaveUp when no attempt
+    succeeded (at once on a refused connection), FatalServerError when none can."""
     resp, _, err = await with_retries(call, max_retries=max_retries, backoff_s=backoff_s,
-                                      endpoint_for_attempt=lambda: ep)
+                                      endpoint_for_attempt=lambda: ep, refused_is_final=True)
     if err is not None:
         raise GaveUp(f"{ep.url}: {err}")
     return resp

@@ -35,7 +35,7 @@ def ask(P: SynthParams, question: str = "What is 2+2?") -> dict[str, Any]:
 
     async def request(urls: list[str]) -> tuple[Endpoint, Any]:
         retry = {"max_retries": P.max_retries, "backoff_s": P.retry_backoff_s}
-        eps = await connect(urls, P.api_key(), P.request_timeout_s, P.served_model_name, 1, **retry)
+        eps = await connect(urls, P.api_key(), P.request_timeout_s, P.served_model_name, 1, family=tpl.family, **retry)
         try:
             resp = await retried(lambda ep: chat(ep, messages, max_completion_tokens=P.max_completion_tokens,
                                                  temperature=P.temperature, top_p=P.top_p, seed=P.seed,

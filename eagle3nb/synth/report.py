@@ -55,6 +55,20 @@ def summary(m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def headline(m: dict[str, Any]) -> tuple[str, str, str]:
+    """01's verdict in three lines (what was measured, whether the data is usable, what next) from its metrics."""
+    c, n = m["counts"], max(1, sum(m["counts"].values()))
+    measured = (f"{sum(c.values())} answers from the target: {c['ok']} ok ({c['ok'] / n:.0%}), {c['truncated']} "
+                f"truncated, {c['no_reasoning']} without reasoning, {c['error']} errors")
+    if not c["ok"]:
+        return measured, "no: no usable sample", "read the errors below and `eagle3nb doctor params/<run>/ --stage 01`"
+    if c["no_reasoning"] / n > 0.1:
+        return (measured, "not yet: the reasoning is missing from many answers, so a draft would not learn it",
+                "fix the server (its reasoning parser; doctor: server) and run 01 again")
+    return (measured, f"yes: {c['ok']} samples with their reasoning feed 02",
+            "run 02_hidden_states (`eagle3nb run params/<run>/` goes on by itself)")
+
+
 def figures(stage_dir: str | Path) -> dict[str, Any]:
     """Throughput over time, latency distribution, reasoning/content lengths, status counts (matplotlib
     Figures; the caller displays or saves them)."""

