@@ -1,6 +1,6 @@
 """04's local check: the target and the draft decode the same prompts here, plainly and speculatively
 (``eagle3nb.spec``, greedy), so the output must be token-for-token the target's; it also measures the costs the
-prediction uses (draft step / target step, verify overhead)."""
+prediction uses (draft step / target step, and a real round's cost beyond them: ``predict.round_costs``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.misses import ROUNDS, local_records, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
+from eagle3nb.accept.predict import round_costs
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.stream import Template
 from eagle3nb.progress import Progress
@@ -29,13 +30,14 @@ def run_local(P: AcceptParams, target, draft, tokenizer) -> dict[str, Any]:
     prompts, eos = prompt_token_ids(P, P.local_prompts)
     config = {"draft": fingerprint(P.draft_path), "model": P.model_path, "k": P.k, "prompts": P.prompts,
               "n": P.local_prompts, "max_tokens": P.max_tokens, "thinking": P.thinking,
-              "fields": ["outputs", "drafted_per_round"]}  # what the miss view reads (older results lack them)
+              "fields": ["outputs", "drafted_per_round", "round_cost"]}  # what later steps read (older results lack it)
 
     def work() -> dict[str, Any]:
         prog = Progress(P.stage_dir, len(prompts), "local speculative decoding", "prompts")
         res = compare_with_plain(target, draft, prompts, P.k, P.max_tokens, 0.0, eos, P.seed, prog)
         prog.close()
-        res["costs"] = measure_costs(target, draft, P.k, context=min(256, max(len(p) for p in prompts) + P.max_tokens))
+        forward = measure_costs(target, draft, P.k, context=min(256, max(len(p) for p in prompts) + P.max_tokens))
+        res["costs"] = round_costs(res, forward, P.k, parallel=draft.config.mask_token_id is not None)
         return res
 
     local = cached(P.stage_dir / "local.json", config, work)
