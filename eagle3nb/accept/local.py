@@ -34,6 +34,7 @@ TIMED_THREADS = 1
 
 @contextlib.contextmanager
 def timed_threads() -> Iterator[None]:
+    """:data:`TIMED_THREADS` torch threads for the block, the caller's restored after."""
     import torch
 
     n = torch.get_num_threads()
