@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3nb.accept.offline import conditional_alphas, simulate_rounds, summarize_chain
-from eagle3nb.accept.predict import predict, speedup_by_k
+from eagle3nb.accept.predict import predict, prediction, round_costs, speedup_by_k
 from eagle3nb.accept.verdict import likely_causes, verdict
 from eagle3nb.drafts.base import expected_acceptance
 from eagle3nb.formulas import spec_delta, tau_iid
@@ -63,6 +63,34 @@ def test_a_parallel_draft_pays_one_draft_forward_per_round():
     alphas = [0.8, 0.6, 0.5, 0.4]
     for kk, (s, p) in enumerate(zip(speedup_by_k(alphas, c, o), speedup_by_k(alphas, c, o, parallel=True)), 1):
         assert p / s == pytest.approx((1 + kk * c + o) / (1 + c + o))
+
+
+def test_the_prediction_charges_a_real_rounds_cost():
+    """The overhead is what a real round costs beyond one target step and the draft forwards, read from decoding
+    here: at the local tau the prediction is the local speedup. Charging only the verify forward's extra width
+    (the demo's 2.54x predicted against 1.38x served) predicts far more; a parallel draft pays one forward."""
+    from types import SimpleNamespace
+
+    local = {"acceptance_length": 3.0, "plain_tokens_per_s": 100.0, "spec_tokens_per_s": 150.0, "speedup": 1.5}
+    forward = {"target_step_s": 0.01, "verify_s": 0.0115, "draft_step_s": 0.001, "cost_ratio": 0.1, "overhead": 0.15}
+    costs = round_costs(local, forward, k=3)
+    assert costs["round_cost"] == pytest.approx(3.0 * 100 / 150)  # tokens per round x plain step / spec token
+    assert costs["overhead"] == pytest.approx(costs["round_cost"] - 1 - 3 * 0.1)
+    assert costs["bookkeeping"] == pytest.approx(costs["overhead"] - 0.15) and costs["verify_overhead"] == 0.15
+    assert predict(3.0, 3, costs["cost_ratio"], costs["overhead"])["speedup"] == pytest.approx(local["speedup"])
+    forward_only = predict(3.0, 3, 0.1, forward["overhead"])["speedup"]
+    assert forward_only == pytest.approx(3.0 / 1.45) and forward_only > 1.15 * local["speedup"]
+    par = round_costs(local, forward, k=3, parallel=True)
+    assert par["overhead"] == pytest.approx(costs["round_cost"] - 1 - 0.1)
+    assert predict(3.0, 3, 0.1, par["overhead"], parallel=True)["speedup"] == pytest.approx(local["speedup"])
+
+    P = SimpleNamespace(k=3, cost_ratio=None, overhead=None)
+    pred = prediction(P, {"acceptance_length": 3.3}, {**local, "costs": costs})
+    assert pred["speedup"] == pytest.approx(3.3 / costs["round_cost"]) and pred["round_cost"] == costs["round_cost"]
+    assert "2.00 plain decode steps" in pred["costs"] and f"{3.3 / 1.45:.2f}x" in pred["costs"]
+    given = prediction(SimpleNamespace(k=3, cost_ratio=0.1, overhead=0.2), {"acceptance_length": 3.3},
+                       {**local, "costs": costs})
+    assert given["speedup"] == pytest.approx(3.3 / 1.5) and "costs" not in given  # given costs are used as given
 
 
 def test_the_story_15_percent_drafter_predicts_a_slowdown():

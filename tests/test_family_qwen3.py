@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_vllm import family_servers, held_out, local_acceptance, synth_params
 
+from conversations import ADD, RESULT, check_tool_turns, tool_conversation
 from worlds import SEED, build_trained_run, requires_vllm
 
 # One torch thread for the whole module: on two cores two threads stall each other (measured: local decoding 4x
@@ -53,9 +54,11 @@ def qwen3_trained(qwen3, qwen3_embedded, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen3_vllm(qwen3, request, tmp_path_factory):
-    """The real vLLM on toy:qwen3 (qwen3 parser): plain, extracting hidden states, serving 03's draft."""
+    """The real vLLM on toy:qwen3 (qwen3 parser): plain (with the hermes tool parser and the settings that make a
+    forced tool call constrained: requests without tools are served as without them), extracting hidden states,
+    serving 03's draft."""
     yield from family_servers(qwen3, tmp_path_factory.mktemp("qwen3-vllm"),
-                              lambda: request.getfixturevalue("qwen3_trained"))
+                              lambda: request.getfixturevalue("qwen3_trained"), plain={"tools": True})
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,9 @@ def test_qwen3_toy_is_qwen3_moe_on_the_real_tokenizer(qwen3):
     assert detect(qwen3).name == "qwen3" and not is_shipped("qwen3")
     args = vllm_args(qwen3, "plain")
     assert args[args.index("--reasoning-parser") + 1] == "qwen3" and args[args.index("--dtype") + 1] == "float32"
+    tools = vllm_args(qwen3, "plain", tools=True)  # forced calls constrained (docs/conversations.md "Tool calls")
+    assert tools[tools.index("--tool-call-parser") + 1] == "hermes" and json.loads(tools[tools.index(
+        "--structured-outputs-config") + 1]) == {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def test_qwen3_tokenizer_fetch_is_pinned(tmp_path, monkeypatch):
@@ -195,6 +201,47 @@ def test_qwen3_synth_vllm_parser(qwen3_vllm, qwen3, tmp_path):
         assert r["input_ids"] == tok.encode(text.removesuffix("\n"), add_special_tokens=False), r["id"]
         completion = r["input_ids"][r["loss_mask"].index(1):]
         assert completion[0] == start and completion.count(end) == 1 and completion[-1] == im_end, r["id"]
+
+
+@requires_vllm()
+def test_qwen3_synth_vllm_tool_calls(qwen3_vllm, qwen3, tmp_path):
+    """01 (`multi_turn: every`, thinking off: with it on, the toy's later turns end inside their think block,
+    where no grammar applies) through the real vLLM with the hermes tool parser, a named tool forced: vLLM
+    returns a call every turn and 01 keeps it exactly, replays the dataset's tool result against it and sends
+    it back; the next turn's prompt is the server's ids and Qwen3's template rendering, which writes the call in
+    its <tool_call> format (and the result in <tool_response>) while the engine wrote bare JSON arguments, so the
+    answer turns' streams are the server's, unlike the template's (ids_match False)."""
+    import httpx
+
+    from eagle3nb.data.samples import load_samples
+    from eagle3nb.data.stream import Template
+    from eagle3nb.synth.stage import run
+
+    prompts = tool_conversation(tmp_path / "tools.jsonl")
+    metrics = run(synth_params(tmp_path, qwen3_vllm["plain"].url, qwen3, prompts=str(prompts), multi_turn="every",
+                                thinking=False))
+    tpl = Template(qwen3, False)
+    row = json.loads(prompts.read_text())
+    base = qwen3_vllm["plain"].base_url
+    model = httpx.get(base + "/models").json()["data"][0]["id"]
+
+    def served(rec: dict) -> dict:
+        return httpx.post(base + "/chat/completions", timeout=300, json={
+            "model": model, "messages": rec["messages"], "tools": row["tools"], "tool_choice": row["tool_choice"],
+            "max_completion_tokens": 96, "temperature": 0.0, "chat_template_kwargs": tpl.kwargs,
+            "return_token_ids": True}).json()
+
+    by_turn = check_tool_turns(load_samples(tmp_path / "01", statuses=None), tpl, served)
+    assert metrics["turns"]["answered_ok"] == 3, metrics["turns"]
+    for k, r in by_turn.items():
+        assert r["ids_match"] is False and "<tool_call>" not in tpl.decode(r["input_ids"][r["loss_mask"].index(1):])
+        if k > 1:
+            fn = by_turn[k - 1]["tool_calls"][0]["function"]
+            prompt = tpl.decode(r["input_ids"][:r["loss_mask"].count(0)])
+            want = json.dumps({"name": fn["name"], "arguments": json.loads(fn["arguments"])})
+            assert f"<tool_call>\n{want}\n</tool_call>" in prompt, prompt
+    assert f"<tool_response>\n{RESULT}\n</tool_response>" in tpl.decode(by_turn[2]["input_ids"])
+    assert json.dumps(ADD) in tpl.decode(by_turn[1]["input_ids"])  # the definitions in the system prompt
 
 
 def test_qwen3_hidden_inprocess(qwen3, hidden_inprocess):

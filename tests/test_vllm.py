@@ -55,17 +55,18 @@ class Servers:
             h.stop()
 
 
-def family_servers(model: Path, tmp: Path, make_trained: Callable[[], dict]) -> Iterator[Servers]:
-    """A family toy's real vLLM servers: plainly (its family's parser) and extracting hidden states, both starting
-    while ``make_trained()`` makes the trained run (it keeps one core busy, their start-up the other), then serving
-    that run's draft as ``eagle3``."""
+def family_servers(model: Path, tmp: Path, make_trained: Callable[[], dict],
+                   plain: dict | None = None) -> Iterator[Servers]:
+    """A family toy's real vLLM servers: plainly (its family's parser; ``plain``: more ``start_vllm`` options,
+    e.g. ``tools``) and extracting hidden states, both starting while ``make_trained()`` makes the trained run (it
+    keeps one core busy, their start-up the other), then serving that run's draft as ``eagle3``."""
     from eagle3nb.layers import default_aux_layer_ids
 
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     servers = Servers(model, tmp)
     try:
         with ThreadPoolExecutor(1) as pool:
-            early = pool.submit(servers.start, plain={"mode": "plain"},
+            early = pool.submit(servers.start, plain={"mode": "plain", **(plain or {})},
                                 extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
                                          "storage_dir": tmp / "hidden"})
             try:

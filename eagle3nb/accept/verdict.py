@@ -122,8 +122,11 @@ def verdict(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None
     pred = metrics.get("prediction") or {}
     if pred:
         verdict_word = "faster" if pred["speedup"] > 1 else "SLOWER"
-        rows.append(("Predicted speedup", f"{pred['formula']}: {verdict_word} than plain decoding "
-                                          "(memory-bound serving, low concurrency)."))
+        costs = f" Costs: {pred['costs']}." if pred.get("costs") else ""
+        rows.append(("Predicted speedup", f"{pred['formula']}: {verdict_word} than plain decoding for one request "
+                                          f"at a time, with this machine's costs.{costs} Believe the measured "
+                                          "throughput rows below: they time the server itself at each concurrency "
+                                          "(its batching, its per-step costs, the served acceptance)."))
     for r in metrics.get("online") or []:
         if r.get("speedup") is None or r.get("endpoint") == (metrics.get("online_baseline") or ""):
             continue

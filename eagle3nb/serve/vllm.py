@@ -29,6 +29,11 @@ from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
 MODES = ("plain", "no_parser", "extract", "eagle3", "dflash")
+# What makes ``tool_choice: required`` / a named tool constrain the answer (docs/conversations.md "Tool calls"):
+# the tool parser's JSON-schema path instead of its structural tag (arguments free for a tool without
+# ``strict``, whitespace unbounded), with xgrammar named (the option is refused for ``auto``) and no free whitespace.
+TOOL_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+TOOL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def vllm_python() -> Path:
@@ -59,8 +64,9 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     drafter in ``draft_dir``: ``num_speculative_tokens`` its block size - 1, docs/block-drafters.md). ``family``:
     the target's (auto: detected from ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None:
     this machine's); ``tools``: also parse tool calls with the family's tool-call parser (conversations with
-    tools, 01's ``multi_turn``); ``speculative``: more keys of the ``--speculative-config`` (vLLM's own names, e.g.
-    ``{"draft_sample_method": "probabilistic"}`` for sampled drafting)."""
+    tools, 01's ``multi_turn``) and constrain forced ones to the tools' schemas (:data:`TOOL_STRUCTURED_OUTPUTS`;
+    :func:`start_vllm` adds :data:`TOOL_ENV`); ``speculative``: more keys of the ``--speculative-config`` (vLLM's
+    own names, e.g. ``{"draft_sample_method": "probabilistic"}`` for sampled drafting)."""
     if mode not in MODES:
         raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
     fam = detect(model_dir, family)
@@ -73,7 +79,8 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     if mode != "no_parser" and fam.vllm_parser:
         args += ["--reasoning-parser", fam.vllm_parser]
     if tools and fam.vllm_tool_parser:
-        args += ["--enable-auto-tool-choice", "--tool-call-parser", fam.vllm_tool_parser]
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", fam.vllm_tool_parser,
+                 "--structured-outputs-config", json.dumps(TOOL_STRUCTURED_OUTPUTS)]
     if mode == "eagle3" and not fam.vllm_eagle3:
         raise InputError(f"vLLM {VLLM_EAGLE3_RELEASE} serves no EAGLE-3 draft for the {fam.name} family "
                          f"(its model class lacks the EAGLE-3 interface); serve the draft with SGLang")
@@ -119,6 +126,8 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     args = vllm_args(model, mode, **kw)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"), "VLLM_LOGGING_LEVEL": "INFO"}
+    if kw.get("tools"):
+        env.update(TOOL_ENV)
     if api_key_env:
         env["VLLM_API_KEY"] = os.environ[api_key_env]
     if detect(model, kw.get("family", AUTO)).reasoning == "harmony" and HARMONY_ENV not in env:
