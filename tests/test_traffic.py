@@ -136,3 +136,19 @@ def test_gate_noise_is_the_seed_spread_or_the_request_noise() -> None:
     assert within.groups[0].passed and within.groups[0].noise == pytest.approx(0.4)
     tight = judge([_scores("chat", 1.0, 3.0, [2.89, 2.91], jitter=0.0)], k=3, cost_ratio=0.1)
     assert not tight.groups[0].passed and not tight.ship
+
+
+def test_rank_puts_the_costliest_group_first() -> None:
+    """A common group slightly below the rest loses more speedup than a rare group far below it; the loss is
+    the share times the speedup gap to the rest of the traffic, computed here from the formula."""
+    from eagle3nb.refresh.weak import rank
+
+    by_group = {"chat": [3.0, 3.2], "math": [2.4, 2.6], "code": [1.2, 1.4]}
+    shares = {"chat": 0.5, "math": 0.45, "code": 0.05, "unmeasured": 0.1}
+    ranked = rank(by_group, shares, k=3, cost_ratio=0.1)
+    assert [w.name for w in ranked] == ["math", "code", "chat"]
+    total = 0.5 + 0.45 + 0.05
+    ref_math = (0.5 * 3.1 + 0.05 * 1.3) / (0.5 + 0.05)
+    assert ranked[0].share == pytest.approx(0.45 / total)
+    assert ranked[0].speedup_lost == pytest.approx(0.45 / total * (speedup(ref_math, 3, 0.1) - speedup(2.5, 3, 0.1)))
+    assert ranked[-1].speedup_lost == 0.0
