@@ -152,3 +152,17 @@ def test_rank_puts_the_costliest_group_first() -> None:
     assert ranked[0].share == pytest.approx(0.45 / total)
     assert ranked[0].speedup_lost == pytest.approx(0.45 / total * (speedup(ref_math, 3, 0.1) - speedup(2.5, 3, 0.1)))
     assert ranked[-1].speedup_lost == 0.0
+
+
+def test_allocate_follows_the_loss_and_spills_over() -> None:
+    """The budget goes to the groups in proportion to the speedup each loses; a group that runs out of requests
+    passes the rest to the others; a group that loses nothing gets nothing, unless none loses any."""
+    from eagle3nb.refresh.stage import allocate
+
+    pool = [{"group": g, "id": f"{g}{i}"} for g, n in (("math", 30), ("code", 3), ("chat", 30)) for i in range(n)]
+    picks = allocate({"math": 0.3, "code": 0.3, "chat": 0.0}, pool, 20)
+    counts = {g: sum(r["group"] == g for r in picks) for g in ("math", "code", "chat")}
+    assert counts == {"math": 17, "code": 3, "chat": 0}
+    even = allocate({}, pool, 9)
+    assert sorted(r["group"] for r in even).count("chat") >= 3 and len(even) == 9
+    assert len(allocate({"math": 1.0}, pool, 100)) == 30  # no more than the group holds

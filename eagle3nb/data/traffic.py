@@ -4,7 +4,8 @@ Three forms are read, line by line, in bounded memory (a log of a million reques
 and one counter per group):
 
 - a gateway's JSONL log: one request body per line (``{"model", "messages", "tools", ...}``), or a record wrapping
-  it (``{"body": {...}}`` / ``{"request": {...}}``) with the gateway's own ``tags`` / ``metadata.tags``;
+  it (``{"body": {...}}`` / ``{"request": {...}}``) with the gateway's own ``tags`` / ``metadata.tags`` (a prompt
+  set's rows read the same way, their ``category`` as the tag);
 - vLLM's own request log: the server's log file with ``--enable-log-requests`` at log level DEBUG, where each body is
   one line ``Request <id> JSON body: {...}`` (vLLM cuts bodies at ``--max-log-len``; a cut body is dropped, counted);
 - a folder of such files (``.jsonl``, ``.log``, ``.txt``, each optionally ``.gz``), read in name order.
@@ -99,7 +100,7 @@ def _body(line: str, jsonl: bool) -> tuple[dict | None, list[str], str | None]:
         return None, [], "not a JSON object"
     body = record.get("body") or record.get("request") or record
     meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
-    tags = record.get("tags") or meta.get("tags") or []
+    tags = record.get("tags") or meta.get("tags") or record.get("category") or []
     if not isinstance(body, dict) or "messages" not in body:
         return None, [], "not a chat-completions request (no messages)"
     return body, [str(t) for t in (tags if isinstance(tags, list) else [tags])], None
