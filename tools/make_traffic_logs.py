@@ -39,8 +39,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", choices=["embedded", "vllm"], required=True)
-    ap.add_argument("--arith", type=int, default=48)
-    ap.add_argument("--other", type=int, default=24)
+    ap.add_argument("--arith", type=int, default=60)
+    ap.add_argument("--other", type=int, default=60)
     args = ap.parse_args()
     if args.server == "embedded":
         handle = start_server("toy:smoke", extra_args=["--enable-log-requests"])

@@ -52,9 +52,9 @@ def run(P: RefreshParams) -> dict[str, Any]:
     data_dir = sub_stage("02_hidden_states", P, {"synth_dir": mixed, "output_dir": out / "02_hidden_states",
                                                  "model_path": P.model_path, "draft_vocab_size": vocab})
     # 5. 03 fine-tunes from the current draft, once per seed (lm_head rows follow their ids where the refresh
-    #    data's vocabulary differs: remap_vocab)
+    #    data's vocabulary differs: remap_vocab), exporting its last weights: the gate judges, not 03's held-out
     drafts = {s: sub_stage("03_train", P, {"data_dir": data_dir, "init_from": P.draft_path, "max_steps": P.steps,
-                                           "lr": P.lr, "seed": s, "remap_vocab": True,
+                                           "lr": P.lr, "seed": s, "remap_vocab": True, "keep_best": False,
                                            "output_dir": out / f"03_train-seed{s}"}) / "draft"
               for s in P.seeds}
     # 6. the gate: each refreshed draft on the same held-out requests, group by group
