@@ -34,6 +34,7 @@ STAGE_MODULES = {
     "02_hidden_states": "eagle3nb.hidden",
     "03_train": "eagle3nb.train",
     "04_acceptance": "eagle3nb.accept",
+    "05_refresh": "eagle3nb.refresh",
 }
 _REGISTRY: dict[str, type["StageParams"]] = {}
 
@@ -304,7 +305,8 @@ def validate(stage: str, namespace: dict[str, Any]) -> StageParams:
 
 
 NOTEBOOKS = {"01_synth": "notebooks/01_synth.ipynb", "02_hidden_states": "notebooks/02_hidden_states.ipynb",
-             "03_train": "notebooks/03_train.ipynb", "04_acceptance": "notebooks/04_acceptance.ipynb"}
+             "03_train": "notebooks/03_train.ipynb", "04_acceptance": "notebooks/04_acceptance.ipynb",
+             "05_refresh": "notebooks/05_refresh.ipynb"}
 
 
 def _literal(value: Any) -> str:

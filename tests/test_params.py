@@ -95,7 +95,7 @@ def test_papermill_cli_rejects_an_unknown_key_before_work(tmp_path):
     assert "ParamsError" in proc.stderr and "'concurency'" in proc.stderr and "concurrency" in proc.stderr
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", list(NOTEBOOKS))
 def test_notebook_parameters_cells_are_generated_from_the_schemas(stage):
     """Defaults live in the schema only: `make params-cells` writes the cells, and a hand edit is drift."""
     nb = json.loads((ROOT / NOTEBOOKS[stage]).read_text())
@@ -103,7 +103,7 @@ def test_notebook_parameters_cells_are_generated_from_the_schemas(stage):
     assert "".join(cell["source"]) == parameters_cell(stage), "run `make params-cells`"
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", list(NOTEBOOKS))
 def test_papermill_reads_every_parameter_of_the_cell(stage):
     """papermill's own parser (``papermill --help-notebook``, and the names it checks a run's values against)
     sees every schema field: a line it cannot parse drops the name, and every run with it then warns "Passed

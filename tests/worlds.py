@@ -45,9 +45,10 @@ def write_run(folder: Path, stages: dict[str, dict]) -> Path:
     return folder
 
 
-def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0, **train03: object) -> dict:
-    """01 against ``server_url``, 02 extracted, 03 trained (``train03``: more 03_train values); returns
-    ``{"run", "out", "stages"}``."""
+def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0, synth01: dict | None = None,
+                      **train03: object) -> dict:
+    """01 against ``server_url``, 02 extracted, 03 trained (``synth01``, ``train03``: more 01_synth / 03_train
+    values); returns ``{"run", "out", "stages"}``."""
     import torch
 
     from eagle3nb.hidden.stage import run as extract
@@ -57,7 +58,7 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0
 
     stages = {
         "01_synth": {"model_path": model_dir, "vllm_url": server_url, "max_samples": 32, "seed": seed,
-                     "max_completion_tokens": 128, "output_dir": out / "01_synth"},
+                     "max_completion_tokens": 128, "output_dir": out / "01_synth", **(synth01 or {})},
         "02_hidden_states": {"model_path": model_dir, "synth_dir": out / "01_synth", "max_length": 512,
                              "output_dir": out / "02_hidden_states"},
         "03_train": {"data_dir": out / "02_hidden_states", "output_dir": out / "03_train", "max_length": 512,

@@ -69,7 +69,7 @@ class NoUserTurn(PromptsError):
     """A row with nothing to answer (ShareGPT ships some empty or assistant-only conversations): skipped, counted."""
 
 
-def _message(m: Any) -> Any:
+def openai_message(m: Any) -> Any:
     """One OpenAI message with the fields a chat template reads (an assistant's tool calls, a tool result's id)."""
     if not isinstance(m, dict):
         return m
@@ -85,7 +85,7 @@ def _message(m: Any) -> Any:
 def conversation(row: dict, where: str) -> list[dict]:
     """The OpenAI-style messages of one row, as the dataset has them (its assistant turns included)."""
     if row.get("messages") is not None:
-        msgs = [_message(m) for m in _plain(row["messages"])]
+        msgs = [openai_message(m) for m in _plain(row["messages"])]
     elif row.get("conversations") is not None:
         msgs = []
         for m in _plain(row["conversations"]):

@@ -85,7 +85,7 @@ class Server:
 
     def __init__(self, engine: Engine, *, model_name: str, model_dir: str, reasoning_field: str = "reasoning",
                  reasoning_parser: bool = True, api_key: str | None = None, hidden_states_dir: Path | None = None,
-                 family: Family | None = None):
+                 family: Family | None = None, log_requests: bool = False):
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
         self.engine, self.tok = engine, engine.tokenizer
@@ -102,6 +102,7 @@ class Server:
         self.hidden_states_dir = hidden_states_dir
         self.extract = handle_completion_extract if hidden_states_dir is not None else None
         self.created = int(time.time())
+        self.log_requests = log_requests
 
     # ---------------------------------------------------------------------------------------- helpers
     def check_model(self, model: str | None) -> None:
@@ -198,11 +199,13 @@ class Server:
 
     # --------------------------------------------------------------------------------------- handlers
     async def chat(self, body: ChatBody):
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if self.log_requests:  # vLLM's request log line (--enable-log-requests at DEBUG), which 05 reads as traffic
+            print(f"Request {rid} JSON body: {body.model_dump_json(exclude_unset=True)}", flush=True)
         self.check_model(body.model)
         prompt_ids = self.chat_prompt(body)
         params = self.sampling(body, len(prompt_ids), body.max_completion_tokens or body.max_tokens)
         thinking = self.thinking(body.chat_template_kwargs)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(self.chat_stream(body, prompt_ids, params, thinking, rid, created))
         final = await self.complete(prompt_ids, params)

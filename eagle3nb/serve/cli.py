@@ -45,6 +45,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="k tokens drafted per step (with --draft)")
     p.add_argument("--hidden-states-dir", default=None, metavar="DIR",
                    help="answer /v1/completions by writing hidden states here (vLLM extract_hidden_states)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="print each chat request's body as vLLM does (its --enable-log-requests at log level DEBUG): "
+                        "the server's log is then a traffic log 05_refresh reads")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="stop when process PID is gone (a stage's embedded server dies with its stage, kill -9 "
                         "included)")
@@ -134,7 +137,8 @@ def serve(args: argparse.Namespace) -> int:
     if hidden_dir is not None:
         hidden_dir.mkdir(parents=True, exist_ok=True)
     server = Server(engine, model_name=name, model_dir=str(model_dir), reasoning_field=args.reasoning_field,
-                    reasoning_parser=not args.no_reasoning_parser, api_key=api_key, hidden_states_dir=hidden_dir)
+                    reasoning_parser=not args.no_reasoning_parser, api_key=api_key, hidden_states_dir=hidden_dir,
+                    log_requests=args.enable_log_requests)
     print(f"eagle3nb serve: {name} ({model_dir}) on http://{args.host}:{args.port}/v1 "
           f"(reasoning {'-> ' + args.reasoning_field if server.reasoning_parser else 'inline'}, "
           f"auth {'on' if api_key else 'off'}, max batch {args.max_batch_size}"

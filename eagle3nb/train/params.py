@@ -118,6 +118,9 @@ class TrainParams(StageParams):
                               "both")
     export_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the exported weights (bfloat16 for big drafts)")
+    keep_best: bool = Field(True, description="export the weights of the best held-out evaluation, the start's "
+                                              "included (a fine-tune that only got worse exports its checkpoint); "
+                                              "false: the last step's (05_refresh, which judges by its own gate)")
     export_embed_tokens: bool = Field(True, description="include the (frozen, target's) embedding in the export; false "
                                                         "for big vocabularies (vLLM then shares the target's)")
     num_speculative_tokens: int = Field(3, ge=1, description="k in the printed vLLM/SGLang serving flags")

@@ -125,7 +125,8 @@ def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> d
               "truncated_samples": truncated, "leftover_micro_batches": lay.dropped,
               "longest_train_sequence": max((min(lay.lengths[i], P.max_length) for i in lay.train_idx), default=0),
               **_curve_summary(read_metrics(P.stage_dir)), **notes, **source_metrics(P, data, world)}
-    if tr.best.state is not None:  # draft/ is the best evaluation's weights; the last stay in checkpoints/
+    if P.keep_best and tr.best.state is not None:  # draft/ is the best evaluation's weights; the last stay in
+        # checkpoints/
         draft.load_state_dict({**tr.best.state, "embed_tokens.weight": draft.embed_tokens.weight})
         result["best"] = {**tr.best.summary(), "last_step": lay.total}
     result.update(export(draft, P, verifier=data.meta.get("model_path")))

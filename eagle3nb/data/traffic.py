@@ -1,0 +1,211 @@
+"""Served traffic as the refresh stage reads it: the chat-completions requests a deployment saw.
+
+Three forms are read, line by line, in bounded memory (a log of a million requests keeps only the sample asked for
+and one counter per group):
+
+- a gateway's JSONL log: one request body per line (``{"model", "messages", "tools", ...}``), or a record wrapping
+  it (``{"body": {...}}`` / ``{"request": {...}}``) with the gateway's own ``tags`` / ``metadata.tags`` (a prompt
+  set's rows read the same way, their ``category`` as the tag);
+- vLLM's own request log: the server's log file with ``--enable-log-requests`` at log level DEBUG, where each body is
+  one line ``Request <id> JSON body: {...}`` (vLLM cuts bodies at ``--max-log-len``; a cut body is dropped, counted);
+- a folder of such files (``.jsonl``, ``.log``, ``.txt``, each optionally ``.gz``), read in name order.
+
+Each request keeps only what a chat template reads (``messages``, ``tools``, ``tool_choice``): user ids, keys,
+metadata and sampling fields are never kept, and key-like strings inside the messages (``sk-...``, bearer tokens,
+``api_key=...``) are replaced by ``[redacted]`` and counted. Every line that is not kept is counted with its reason.
+A request becomes a prompt row in the format of ``eagle3nb.data.prompts`` (``id``, ``messages``, ``conversation``,
+``tools``, ``tool_choice``, ``category``) plus its ``group`` and ``features`` (:func:`features`), so 01 and 04 read
+it as any prompt set.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from eagle3nb.data.prompts import ROLES, PromptsError, openai_message, prompt_id
+
+VLLM_BODY = re.compile(r"Request \S+ JSON body: (\{.*)$")
+LOG_SUFFIXES = (".jsonl", ".log", ".txt", ".json")
+SECRET = re.compile(r"\b(sk-[A-Za-z0-9_\-]{16,}|(?:[Bb]earer)\s+[A-Za-z0-9._\-]{16,}|"
+                    r"(?:api[_-]?key|token|password|secret)\s*[:=]\s*\S+)")
+REDACTED = "[redacted]"
+# The request fields a chat template reads; everything else in a body (user, metadata, keys, sampling) is dropped.
+KEPT = ("messages", "tools", "tool_choice")
+DOMAINS = ("tools", "code", "math", "chat")
+CODE = re.compile(r"```|\bdef \w+\(|\bfunction \w+\(|#include|\bclass \w+[:({]|\bimport \w+|\bSELECT\b|=>|;\s*$",
+                  re.MULTILINE)
+MATH_WORDS = re.compile(r"\b(add|sum|compute|calculate|solve|plus|minus|times|divide|multiply|convert|equation|"
+                        r"integral|derivative)\b", re.IGNORECASE)
+MATH_SIGNS = re.compile(r"\d\s*[-+*/^=]\s*\d|\\frac|\\sum|\$[^$]+\$")
+
+
+@dataclass
+class Traffic:
+    """What a read kept and counted: the sampled prompt rows, every request's group (its share of traffic),
+    the lines dropped by reason, and how many secrets were redacted."""
+
+    rows: list[dict]
+    requests: int
+    groups: Counter = field(default_factory=Counter)
+    dropped: Counter = field(default_factory=Counter)
+    redacted: int = 0
+
+    def shares(self) -> dict[str, float]:
+        """Each group's share of all requests read (not of the sample)."""
+        total = sum(self.groups.values())
+        return {g: n / total for g, n in sorted(self.groups.items())} if total else {}
+
+
+def _files(source: Path) -> list[Path]:
+    if source.is_dir():
+        files = sorted(p for p in source.rglob("*") if p.is_file() and
+                       (p.suffix in LOG_SUFFIXES or (p.suffix == ".gz" and Path(p.stem).suffix in LOG_SUFFIXES)))
+        if not files:
+            raise PromptsError(f"traffic {source}: no .jsonl / .log / .txt files in the folder; point 'traffic' at a "
+                               f"gateway's JSONL log, vLLM's request log or a folder of them")
+        return files
+    if not source.exists():
+        raise PromptsError(f"traffic {source} does not exist; point 'traffic' at a request log file or folder")
+    return [source]
+
+
+def _lines(path: Path) -> Iterator[str]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        yield from f
+
+
+def _body(line: str, jsonl: bool) -> tuple[dict | None, list[str], str | None]:
+    """(the request body, the log's tags, why the line is dropped); (None, [], None) for a line that is not a
+    request at all (in a server log, which is not ``jsonl``: vLLM's other log lines)."""
+    line = line.strip()
+    if not line:
+        return None, [], None
+    m = VLLM_BODY.search(line)
+    text = m.group(1) if m else line
+    if not m and not jsonl:
+        return None, [], None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None, [], "body cut or not JSON (vLLM --max-log-len cuts bodies: raise it)" if m else "not JSON"
+    if not isinstance(record, dict):
+        return None, [], "not a JSON object"
+    body = record.get("body") or record.get("request") or record
+    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    tags = record.get("tags") or meta.get("tags") or record.get("category") or []
+    if not isinstance(body, dict) or "messages" not in body:
+        return None, [], "not a chat-completions request (no messages)"
+    return body, [str(t) for t in (tags if isinstance(tags, list) else [tags])], None
+
+
+def _redact(value: Any) -> tuple[Any, int]:
+    """``value`` with key-like strings replaced, and how many were."""
+    if isinstance(value, str):
+        return SECRET.subn(REDACTED, value)
+    if isinstance(value, list):
+        out = [_redact(v) for v in value]
+        return [v for v, _ in out], sum(n for _, n in out)
+    if isinstance(value, dict):
+        out = {k: _redact(v) for k, v in value.items()}
+        return {k: v for k, (v, _) in out.items()}, sum(n for _, n in out.values())
+    return value, 0
+
+
+def features(messages: list[dict], tools: list | None) -> dict[str, str]:
+    """A cheap description of one request: its domain (tools > code > math > chat, from the last user turn), the
+    script of its text, its user-turn count and its length bucket (characters / 4 as tokens)."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    last = users[-1] if users else ""
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        domain = "tools"
+    elif CODE.search(last):
+        domain = "code"
+    elif MATH_SIGNS.search(last) or (MATH_WORDS.search(last) and re.search(r"\d", last)):
+        domain = "math"
+    else:
+        domain = "chat"
+    text = " ".join(str(m.get("content") or "") for m in messages)
+    letters = [c for c in text if c.isalpha()]
+    scripts = Counter("latin" if c.isascii() or "\u00c0" <= c <= "\u024f" else
+                      "cjk" if "\u3040" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" else
+                      "cyrillic" if "\u0400" <= c <= "\u04ff" else "arabic" if "\u0600" <= c <= "\u06ff" else "other"
+                      for c in letters)
+    tokens = len(text) // 4
+    length = "<128" if tokens < 128 else "128-1k" if tokens < 1024 else "1k-8k" if tokens < 8192 else "8k+"
+    turns = len(users)
+    return {"domain": domain, "script": scripts.most_common(1)[0][0] if scripts else "none",
+            "turns": "1" if turns <= 1 else "2-3" if turns <= 3 else "4+", "length": length}
+
+
+def group_of(feats: dict[str, str], tags: list[str], group_by: list[str]) -> str:
+    """The group a request counts in: the log's first tag when ``group_by`` is ``["tag"]`` and it has one, else the
+    named features joined with ``/`` (``["domain"]`` -> ``math``; ``["domain", "turns"]`` -> ``math/1``)."""
+    parts = [(tags[0] if tags else feats["domain"]) if k == "tag" else feats[k] for k in group_by]
+    return "/".join(parts)
+
+
+def _request(body: dict, tags: list[str], group_by: list[str], where: str) -> tuple[dict | None, int, str | None]:
+    """(the prompt row of one request body, secrets redacted in it, why it is dropped)."""
+    kept, hits = _redact({k: body[k] for k in KEPT if body.get(k) is not None})
+    raw = kept.get("messages")
+    messages = [openai_message(m) for m in raw] if isinstance(raw, list) else []
+    if not messages or not all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+                               for m in messages):
+        return None, hits, "messages not OpenAI text messages"
+    if not any(m["role"] == "user" for m in messages):
+        return None, hits, "no user turn"
+    tools = kept.get("tools") if isinstance(kept.get("tools"), list) else None
+    feats = features(messages, tools)
+    group = group_of(feats, tags, group_by)
+    return {"id": prompt_id(messages), "messages": messages, "conversation": messages, "tools": tools,
+            "tool_choice": kept.get("tool_choice") if tools else None, "category": group, "group": group,
+            "features": feats, "source": where}, hits, None
+
+
+def read_traffic(source: str | Path, per_group: int, *, group_by: list[str] | None = None, seed: int = 0) -> Traffic:
+    """Read every request of ``source`` once; keep up to ``per_group`` of each group (a uniform sample of that
+    group: reservoir sampling with ``seed``), count all of them by group, and count every dropped line by reason."""
+    group_by = group_by or ["domain"]
+    unknown = sorted(set(group_by) - {"tag", "domain", "script", "turns", "length"})
+    if unknown:
+        raise PromptsError(f"group_by {unknown}: use tag, domain, script, turns or length")
+    rng = random.Random(seed)
+    out = Traffic(rows=[], requests=0)
+    reservoirs: dict[str, list[dict]] = {}
+    for path in _files(Path(source)):
+        jsonl = bool({".jsonl", ".json"} & set(path.suffixes))
+        for n, line in enumerate(_lines(path), 1):
+            body, tags, why = _body(line, jsonl)
+            if body is not None:
+                row, hits, why = _request(body, tags, group_by, f"{path.name}:{n}")
+                out.redacted += hits
+            if why:
+                out.dropped[why] += 1
+            if body is None or row is None:
+                continue
+            out.requests += 1
+            out.groups[row["group"]] += 1
+            pool = reservoirs.setdefault(row["group"], [])
+            if len(pool) < per_group:
+                pool.append(row)
+            else:
+                j = rng.randrange(out.groups[row["group"]])
+                if j < per_group:
+                    pool[j] = row
+    seen: set[str] = set()
+    for group in sorted(reservoirs):
+        for row in reservoirs[group]:
+            if row["id"] in seen:
+                out.dropped["repeated request (kept once in the sample)"] += 1
+                continue
+            seen.add(row["id"])
+            out.rows.append(row)
+    return out

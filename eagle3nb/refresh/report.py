@@ -1,0 +1,61 @@
+"""05's report: the verdict first, then where the current draft was weak, what the refresh trained on, and the gate's
+per-group table before and after (read from ``metrics.json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def verdict_lines(metrics: dict[str, Any]) -> list[str]:
+    """Three lines: what was measured, whether the refresh pays, what to do next."""
+    gate, t = metrics["gate"], metrics["traffic"]
+    groups = gate["groups"]
+    lines = [f"measured: the current draft and {len(metrics['gate']['groups'])} group(s) of served traffic "
+             f"({t['requests']} requests read, {t['heldout']} held out), before and after a refresh on "
+             f"{sum(metrics['refresh_data']['traffic'].values())} on-policy requests + "
+             f"{metrics['refresh_data']['replayed']} replayed samples"]
+    if gate["ship"]:
+        best = max(groups, key=lambda g: g["change"])
+        lines.append(f"pays: traffic-weighted speedup {gate['speedup_before']:.3f}x -> {gate['speedup_after']:.3f}x, "
+                     f"{best['name']} {best['before']:.2f} -> {best['after']:.2f}, no group down beyond its noise")
+        lines.append(f"next: serve {metrics['draft']} (the current draft is untouched at {metrics['current_draft']})")
+    else:
+        lines.append(f"does not pay: {gate['reason']}")
+        lines.append("next: keep the current draft; widen replay or the budget of the weak group, then refresh again")
+    return lines
+
+
+def gate_table(metrics: dict[str, Any]):
+    """Per group: share of traffic, held-out requests, acceptance length before and after (mean over seeds),
+    the change, the noise it is judged against, and whether it held."""
+    import pandas as pd
+
+    rows = [{"group": g["name"], "share": g["share"], "requests": g["requests"], "before": g["before"],
+             "after": g["after"], "change": g["change"], "noise": g["noise"], "held": g["passed"]}
+            for g in metrics["gate"]["groups"]]
+    return pd.DataFrame(rows).set_index("group").round(3)
+
+
+def weak_table(metrics: dict[str, Any]):
+    """The current draft's groups, the one losing the most speedup first."""
+    import pandas as pd
+
+    return pd.DataFrame(metrics["weak"]).set_index("group")
+
+
+def plot_gate(metrics: dict[str, Any]):
+    """Acceptance length per group before and after, the after bar with its noise as an error bar."""
+    import matplotlib.pyplot as plt
+
+    groups = metrics["gate"]["groups"]
+    x = range(len(groups))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(groups) + 2), 3.2))
+    ax.bar([i - 0.2 for i in x], [g["before"] for g in groups], 0.4, label="current draft")
+    ax.bar([i + 0.2 for i in x], [g["after"] for g in groups], 0.4, yerr=[g["noise"] for g in groups], capsize=3,
+           label="refreshed (mean over seeds, noise)")
+    ax.set_xticks(list(x), [f"{g['name']}\n{g['share']:.0%}" for g in groups])
+    ax.set_ylabel("acceptance length")
+    ax.set_title("held-out traffic by group (share of traffic)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,91 @@
+"""05_refresh on the toy world: a draft trained without arithmetic, refreshed from a served traffic log rich in it.
+
+The log is the embedded server's own request log (tests/fixtures/traffic/, made by tools/make_traffic_logs.py:
+the real openai client against ``eagle3nb serve --enable-log-requests``, which writes vLLM's DEBUG request lines).
+Measured: the weak group (math) rises beyond its noise, no group falls, the gate ships; a refresh trained on the weak
+group alone, with no replay, costs the other group and the gate refuses it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle3nb.accept.cache import fingerprint
+from eagle3nb.data.prompts import load_prompts
+from eagle3nb.params import from_dict
+
+from worlds import SEED, THREADS, build_trained_run
+
+LOG = Path(__file__).parent / "fixtures" / "traffic" / "embedded-requests.log"
+FAKE_KEY = "sk-" + "test0000fixture0000key0000"
+# Given costs (the refresh's verdict needs them; 04 measures them in a real run): a draft step ~a tenth of the
+# target's, as 04 measures on the smoke toy.
+REFRESH = dict(group_by=["domain"], per_group=40, budget=24, max_completion_tokens=96, k=3, max_tokens=32,
+               cost_ratio=0.1, overhead=0.1, lr=2e-3)
+
+
+@pytest.fixture(scope="module")
+def weak(tmp_path_factory, toy_smoke, embedded, one_thread) -> dict:
+    """A draft trained on the toy's dialogues without arithmetic: weak at math, good at the rest."""
+    out = tmp_path_factory.mktemp("refresh")
+    rows = [r for r in load_prompts("toy:train", 200) if r["category"] != "arithmetic"][:32]
+    prompts = out / "no-arithmetic.jsonl"
+    prompts.write_text("".join(json.dumps({"id": r["id"], "messages": r["messages"], "category": r["category"]})
+                               + "\n" for r in rows))
+    world = build_trained_run(out, toy_smoke, embedded.url, seed=SEED, synth01={"prompts": prompts})
+    return {**world, "draft": out / "03_train" / "draft", "synth": out / "01_synth"}
+
+
+def refresh(weak: dict, toy_smoke: Path, url: str, name: str, **values):
+    import torch
+
+    from eagle3nb.refresh.stage import run
+
+    P = from_dict("05_refresh", {"run_name": "refresh-test", "model_path": str(toy_smoke), "traffic": str(LOG),
+                                 "draft_dir": str(weak["draft"]), "synth_dir": str(weak["synth"]), "vllm_url": url,
+                                 "output_dir": str(weak["out"] / name), **REFRESH, **values})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return run(P)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_refresh_lifts_the_weak_group_and_ships(weak, toy_smoke, embedded) -> None:
+    before = fingerprint(weak["draft"])
+    m = refresh(weak, toy_smoke, embedded.url, "ships", steps=60, replay=0.5, seeds=[SEED, SEED + 1])
+    # the traffic as read: every request counted, the key redacted, nothing of it in the stage's files
+    bodies = sum("JSON body: {" in line for line in LOG.read_text().splitlines())
+    assert m["traffic"]["requests"] == sum(m["traffic"]["groups"].values()) == bodies
+    assert m["traffic"]["redacted"] == 1
+    assert not any(FAKE_KEY in p.read_text(errors="ignore") for p in (weak["out"] / "ships").rglob("*.json*"))
+    # the weak group is the math the draft never trained on, and the refresh data went to it
+    assert m["weak"][0]["group"] == "math" and m["weak"][0]["speedup_lost"] > 0
+    assert m["refresh_data"]["traffic"].get("math", 0) > m["refresh_data"]["traffic"].get("chat", 0)
+    assert m["refresh_data"]["replayed"] > 0
+    gate = {g["name"]: g for g in m["gate"]["groups"]}
+    assert gate["math"]["change"] > gate["math"]["noise"] > 0, gate["math"]
+    assert all(g["passed"] for g in gate.values()), gate
+    assert m["gate"]["ship"] and m["gate"]["speedup_after"] > m["gate"]["speedup_before"]
+    # the refreshed draft beside the current one, which is untouched
+    assert (Path(m["draft"]) / "config.json").exists() and fingerprint(weak["draft"]) == before
+
+
+def test_refresh_that_forgets_a_group_is_refused(weak, toy_smoke, embedded) -> None:
+    """Trained on the weak group alone (no replay), long and hot: math rises, chat falls beyond its noise, so the
+    gate refuses and writes no draft."""
+    # the refresh that ships measured the current draft on the same held-out requests: taken over when it ran (the
+    # stage reuses a finished step whose settings match, as on a resume)
+    ships, forgets = weak["out"] / "ships", weak["out"] / "forgets"
+    forgets.mkdir()
+    if (ships / "before.json").exists():
+        shutil.copy(ships / "before.json", forgets / "before.json")
+    m = refresh(weak, toy_smoke, embedded.url, "forgets", steps=200, replay=0.0, lr=1e-2, seeds=[SEED])
+    gate = {g["name"]: g for g in m["gate"]["groups"]}
+    assert gate["math"]["change"] > 0
+    assert not gate["chat"]["passed"], gate["chat"]
+    assert not m["gate"]["ship"] and m["draft"] is None and not (weak["out"] / "forgets" / "draft").exists()

@@ -1,0 +1,168 @@
+"""Served traffic read as the refresh reads it (eagle3nb.data.traffic), and the gate a refreshed draft passes
+(eagle3nb.refresh.gate): pure functions, no server."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from eagle3nb.data.prompts import PromptsError
+from eagle3nb.data.traffic import REDACTED, features, read_traffic
+from eagle3nb.formulas import speedup
+from eagle3nb.refresh.gate import GroupScores, judge
+
+KEY = "sk-" + "A1b2C3d4E5f6G7h8I9j0K1l2"
+
+
+def _chat(text: str, **extra) -> dict:
+    return {"model": "kimi", "messages": [{"role": "user", "content": text}], "temperature": 0.6, **extra}
+
+
+def test_gateway_log_keeps_only_what_a_template_reads(tmp_path: Path) -> None:
+    """A gateway's records: the body kept (messages, tools, tool_choice), the user id, metadata and a key pasted
+    into a message never reach a row; every skipped line is counted with its reason."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    lines = [
+        json.dumps({"body": _chat("What is 3 + 4?", user="user-8812"), "metadata": {"tags": ["math-app"],
+                                                                                 "user_id": "u-1"}}),
+        json.dumps({"request": {**_chat(f"my key is {KEY}, why does it fail?"), "tools": [tool],
+                                "tool_choice": "auto"}, "headers": {"Authorization": f"Bearer {KEY}"}}),
+        json.dumps({"model": "kimi", "prompt": "a completions request"}),
+        "not json at all {",
+        json.dumps(_chat("Write def f(x): return x")),
+        json.dumps({"messages": [{"role": "assistant", "content": "no user here"}]}),
+    ]
+    log = tmp_path / "gateway.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    t = read_traffic(log, per_group=10, group_by=["domain"])
+    text = json.dumps(t.rows)
+    assert KEY not in text and "user-8812" not in text and "u-1" not in text and REDACTED in text
+    assert t.redacted == 1
+    assert t.requests == 3 and sorted(t.groups.elements()) == ["code", "math", "tools"]
+    assert t.dropped == {"not a chat-completions request (no messages)": 1, "not JSON": 1, "no user turn": 1}
+    row = next(r for r in t.rows if r["group"] == "tools")
+    assert row["tools"] == [tool] and row["tool_choice"] == "auto" and set(row) >= {"id", "messages", "conversation"}
+    assert {r["group"] for r in read_traffic(log, per_group=10, group_by=["tag"]).rows} == {"math-app", "tools",
+                                                                                            "code"}
+
+
+def test_vllm_request_log_and_folders(tmp_path: Path) -> None:
+    """vLLM's own log (bodies on 'JSON body:' lines among its other lines, a body cut by --max-log-len) and a
+    folder with a gzipped file are read alike."""
+    body = json.dumps(_chat("Convert 47 km to m."))
+    vllm_log = "\n".join([
+        "INFO 12-02 01:00:00 [api_server.py:1] Started server process",
+        f"DEBUG 12-02 01:00:01 [request_logger.py:80] Request chatcmpl-1 JSON body: {body}",
+        "INFO 12-02 01:00:01 [request_logger.py:62] Received request chatcmpl-1: params: SamplingParams(...)",
+        f"DEBUG 12-02 01:00:02 [request_logger.py:80] Request chatcmpl-2 JSON body: {body[:30]}",
+    ])
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    (folder / "vllm.log").write_text(vllm_log + "\n")
+    with gzip.open(folder / "gw.jsonl.gz", "wt") as f:
+        f.write(json.dumps(_chat("Hello there, how are you?")) + "\n")
+    t = read_traffic(folder, per_group=5)
+    assert t.requests == 2 and dict(t.groups) == {"math": 1, "chat": 1}
+    assert list(t.dropped) == ["body cut or not JSON (vLLM --max-log-len cuts bodies: raise it)"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PromptsError, match="no .jsonl"):
+        read_traffic(tmp_path / "empty", per_group=1)
+
+
+def _big_log(path: Path, n: int) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps(_chat(f"Compute {i} + {i % 7}." if i % 4 else f"Tell me about item {i}.")) + "\n")
+
+
+def test_bounded_memory_and_uniform_sample(tmp_path: Path) -> None:
+    """Ten times the log, the same peak memory (the sample and one counter per group, not the log); the kept
+    requests are a uniform sample of their group, from all over the file, not its first lines."""
+    peaks = {}
+    for n in (1_000, 10_000):
+        _big_log(tmp_path / f"{n}.jsonl", n)
+        tracemalloc.start()
+        t = read_traffic(tmp_path / f"{n}.jsonl", per_group=50, seed=1)
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert t.requests == n and dict(t.groups) == {"math": n - n // 4, "chat": n // 4}
+        assert len(t.rows) == 100
+    assert peaks[10_000] < 1.5 * peaks[1_000], peaks
+    lines = sorted(int(r["source"].split(":")[1]) for r in t.rows if r["group"] == "math")
+    assert lines[0] < 10_000 * 0.2 and lines[-1] > 10_000 * 0.8  # spread over the whole file
+    assert abs(sum(lines) / len(lines) - 5_000) < 1_250
+
+
+def test_features() -> None:
+    assert features([{"role": "user", "content": "Add 9 and 2."}], None)["domain"] == "math"
+    assert features([{"role": "user", "content": "```py\nprint(1)\n```"}], None)["domain"] == "code"
+    assert features([{"role": "user", "content": "How are you?"}], None)["domain"] == "chat"
+    f = features([{"role": "user", "content": "你好，今天天气怎么样"}, {"role": "assistant", "content": "好"},
+                  {"role": "user", "content": "谢谢"}], None)
+    assert (f["script"], f["turns"], f["length"]) == ("cjk", "2-3", "<128")
+
+
+def _scores(name: str, share: float, before: float, after: list[float], n: int = 40, jitter: float = 0.2):
+    wiggle = [(i % 5 - 2) * jitter for i in range(n)]
+    return GroupScores(name, share, [before + w for w in wiggle], [[a + w for w in wiggle] for a in after])
+
+
+def test_gate_ships_a_refresh_that_helps_and_hurts_nothing() -> None:
+    groups = [_scores("math", 0.6, 1.8, [2.9, 3.0]), _scores("chat", 0.4, 3.2, [3.18, 3.22])]
+    v = judge(groups, k=3, cost_ratio=0.1)
+    assert v.ship and all(g.passed for g in v.groups)
+    expect_before = (0.6 * speedup(1.8, 3, 0.1) + 0.4 * speedup(3.2, 3, 0.1))
+    assert v.speedup_before == pytest.approx(expect_before)
+    assert v.speedup_after > v.speedup_before
+
+
+def test_gate_refuses_a_refresh_that_costs_a_group() -> None:
+    """A refresh trained on the weak group alone: that group rises, another falls beyond the noise -> refused,
+    even though the traffic-weighted speedup rose."""
+    groups = [_scores("math", 0.7, 1.8, [3.0, 3.05]), _scores("chat", 0.3, 3.2, [2.6, 2.65])]
+    v = judge(groups, k=3, cost_ratio=0.1)
+    assert v.speedup_after > v.speedup_before and not v.ship and "chat" in v.reason
+    chat = next(g for g in v.groups if g.name == "chat")
+    assert not chat.passed and chat.noise == pytest.approx(0.05)
+
+
+def test_gate_noise_is_the_seed_spread_or_the_request_noise() -> None:
+    """A drop within the seed spread passes the group; the same drop with seeds that agree does not."""
+    within = judge([_scores("chat", 1.0, 3.0, [2.7, 3.1])], k=3, cost_ratio=0.1)
+    assert within.groups[0].passed and within.groups[0].noise == pytest.approx(0.4)
+    tight = judge([_scores("chat", 1.0, 3.0, [2.89, 2.91], jitter=0.0)], k=3, cost_ratio=0.1)
+    assert not tight.groups[0].passed and not tight.ship
+
+
+def test_rank_puts_the_costliest_group_first() -> None:
+    """A common group slightly below the rest loses more speedup than a rare group far below it; the loss is
+    the share times the speedup gap to the rest of the traffic, computed here from the formula."""
+    from eagle3nb.refresh.weak import rank
+
+    by_group = {"chat": [3.0, 3.2], "math": [2.4, 2.6], "code": [1.2, 1.4]}
+    shares = {"chat": 0.5, "math": 0.45, "code": 0.05, "unmeasured": 0.1}
+    ranked = rank(by_group, shares, k=3, cost_ratio=0.1)
+    assert [w.name for w in ranked] == ["math", "code", "chat"]
+    total = 0.5 + 0.45 + 0.05
+    ref_math = (0.5 * 3.1 + 0.05 * 1.3) / (0.5 + 0.05)
+    assert ranked[0].share == pytest.approx(0.45 / total)
+    assert ranked[0].speedup_lost == pytest.approx(0.45 / total * (speedup(ref_math, 3, 0.1) - speedup(2.5, 3, 0.1)))
+    assert ranked[-1].speedup_lost == 0.0
+
+
+def test_allocate_follows_the_loss_and_spills_over() -> None:
+    """The budget goes to the groups in proportion to the speedup each loses; a group that runs out of requests
+    passes the rest to the others; a group that loses nothing gets nothing, unless none loses any."""
+    from eagle3nb.refresh.stage import allocate
+
+    pool = [{"group": g, "id": f"{g}{i}"} for g, n in (("math", 30), ("code", 3), ("chat", 30)) for i in range(n)]
+    picks = allocate({"math": 0.3, "code": 0.3, "chat": 0.0}, pool, 20)
+    counts = {g: sum(r["group"] == g for r in picks) for g in ("math", "code", "chat")}
+    assert counts == {"math": 17, "code": 3, "chat": 0}
+    even = allocate({}, pool, 9)
+    assert sorted(r["group"] for r in even).count("chat") >= 3 and len(even) == 9
+    assert len(allocate({"math": 1.0}, pool, 100)) == 30  # no more than the group holds
