@@ -102,19 +102,15 @@ class Measure:
         return cached(path, config, lambda: self._measure(draft_dir))
 
     def _measure(self, draft_dir: Path) -> dict[str, list[float]]:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         from eagle3nb.data.stream import Template
-        from eagle3nb.draft_checkpoint import load_draft
-        from eagle3nb.hf import from_pretrained
+        from eagle3nb.drafts import load_draft
+        from eagle3nb.hf import DECODER, load_target
         from eagle3nb.refresh.weak import per_request
-        from eagle3nb.spec import SpecDecoder
+        from eagle3nb.spec.batch import SpecDecoder
 
         P = self.P
         if self._loaded is None:
-            target = from_pretrained(AutoModelForCausalLM, P.model_dir, trust_remote_code=P.trust_remote_code,
-                                     dtype=torch.float32).eval()
+            target = load_target(P.model_dir, trust_remote_code=P.trust_remote_code, use=DECODER)
             tpl = Template(P.model_dir, True, "auto", P.trust_remote_code, P.target_family)
             self._loaded = (target, tpl)
         target, tpl = self._loaded
