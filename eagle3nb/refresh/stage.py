@@ -4,6 +4,8 @@ redoes only what did not finish; 01, 02 and 03 resume on their own."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -11,14 +13,14 @@ from typing import Any
 
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.data.prompts import prompts_path
-from eagle3nb.data.samples import latest
+from eagle3nb.data.samples import latest, sample_files
 from eagle3nb.data.split import split_holdout
 from eagle3nb.data.traffic import read_traffic
-from eagle3nb.params import ParamsError, from_dict
-from eagle3nb.progress import write_json_atomic
+from eagle3nb.params import STAGE_MODULES, ParamsError, from_dict
+from eagle3nb.progress import PROGRESS_FILE, write_json_atomic
 from eagle3nb.refresh.gate import GroupScores, judge
 from eagle3nb.refresh.params import RefreshParams
-from eagle3nb.refresh.weak import rank, table
+from eagle3nb.refresh.weak import per_request, rank, table
 
 
 def run(P: RefreshParams) -> dict[str, Any]:
@@ -105,7 +107,6 @@ class Measure:
         from eagle3nb.data.stream import Template
         from eagle3nb.drafts import load_draft
         from eagle3nb.hf import DECODER, load_target
-        from eagle3nb.refresh.weak import per_request
         from eagle3nb.spec.batch import SpecDecoder
 
         P = self.P
@@ -171,11 +172,6 @@ def mix(synth_dir: Path, source: Path, n: int, seed: int, dest: Path) -> tuple[P
     """The refresh's training data as one 01 folder for 02: the new on-policy records (01's files as written,
     its progress included) plus ``n`` of the current draft's own ok records (chosen by id hash, so the same on a
     re-run) as ``samples-replay.jsonl``; built beside ``dest`` and renamed into place, so a kill leaves none."""
-    import hashlib
-
-    from eagle3nb.data.samples import sample_files
-    from eagle3nb.progress import PROGRESS_FILE
-
     if dest.is_dir():
         return dest, sum(1 for _ in (dest / "samples-replay.jsonl").open())
     tmp = dest.with_name(dest.name + ".tmp")
@@ -194,10 +190,6 @@ def mix(synth_dir: Path, source: Path, n: int, seed: int, dest: Path) -> tuple[P
 
 def sub_stage(stage: str, P: RefreshParams, values: dict[str, Any]) -> Path:
     """Run stage ``stage`` (01, 02 or 03) with ``values`` under this run's name; returns its output folder."""
-    import importlib
-
-    from eagle3nb.params import STAGE_MODULES
-
     values = {k: str(v) if isinstance(v, Path) else v for k, v in values.items() if v is not None or k == "max_samples"}
     sp = from_dict(stage, {"run_name": P.run_name, **values})
     importlib.import_module(f"{STAGE_MODULES[stage]}.stage").run(sp)
