@@ -12,6 +12,28 @@ from worlds import SEED, THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the measured budget: wall time per module and per shared fixture at the end of every run (tests/budget.py)
+pytest_plugins = ["budget"]
+
+# The tiers, assigned here only (test files carry no tier marks of their own; `make test-fast` deselects all three,
+# `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks (the real vLLM); ``browser``:
+# headless Chromium; ``slow``: the modules and shared fixtures whose measured cost (docs/testing.md's table) would
+# push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long trainings.
+BROWSER_MODULES = {"test_browser.py"}
+SLOW_MODULES = {"test_e2e.py"}
+SLOW_FIXTURES = {"trained"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        if any(m.kwargs.get("tier") == "engine" for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.engine)
+        if module in BROWSER_MODULES:
+            item.add_marker(pytest.mark.browser)
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
 
 def pytest_report_header(config) -> list[str]:
     from eagle3nb.toy.shipped import digest, manifest
