@@ -93,6 +93,16 @@ def embedded(toy_smoke):
 
 
 @pytest.fixture(scope="session")
+def engines(tmp_path_factory):
+    """The session's real vLLM servers, one per (model, mode, options), shared across modules (tests/engines.py)."""
+    from engines import Engines
+
+    registry = Engines(tmp_path_factory.mktemp("engines"))
+    yield registry
+    registry.close()
+
+
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory, toy_smoke, embedded) -> dict:
     """A small healthy run with a well-trained draft (``tests/worlds.py``): ``{"run", "out", "stages"}``."""
     from worlds import build_trained_run
