@@ -20,8 +20,10 @@ pytest_plugins = ["budget"]
 # headless Chromium; ``slow``: the modules and shared fixtures whose measured cost (docs/testing.md's table) would
 # push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long trainings.
 BROWSER_MODULES = {"test_browser.py"}
-SLOW_MODULES = {"test_e2e.py"}
-SLOW_FIXTURES = {"trained"}
+SLOW_MODULES = {"test_e2e.py", "test_family_glm.py"}  # papermill over the smoke run; the GLM toy, trained here
+# the trained runs (any fixture of that name: the session's, and a family module's own), the toys built from a
+# family's real tokenizer, Kimi's trained MLA draft
+SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -31,7 +33,7 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.engine)
         if module in BROWSER_MODULES:
             item.add_marker(pytest.mark.browser)
-        if module in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):  # fixturenames: with what they use
             item.add_marker(pytest.mark.slow)
 
 
