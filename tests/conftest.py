@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["budget"]
 
 # The tiers, assigned here only (test files carry no tier marks of their own; `make test-fast` deselects all three,
-# `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks (the real vLLM); ``browser``:
+# `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks, or that uses a server of the
+# ``engines`` registry through its fixtures (the real vLLM); ``browser``:
 # headless Chromium; ``slow``: the modules and shared fixtures whose measured cost (docs/testing.md's table) would
 # push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long trainings.
 BROWSER_MODULES = {"test_browser.py"}
@@ -29,7 +30,7 @@ SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained"}
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
-        if any(m.kwargs.get("tier") == "engine" for m in item.iter_markers("skipif")):
+        if "engines" in item.fixturenames or any(m.kwargs.get("tier") == "engine" for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.engine)
         if module in BROWSER_MODULES:
             item.add_marker(pytest.mark.browser)
