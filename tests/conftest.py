@@ -12,6 +12,31 @@ from worlds import SEED, THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the measured budget: wall time per module and per shared fixture at the end of every run (tests/budget.py)
+pytest_plugins = ["budget"]
+
+# The tiers, assigned here only (test files carry no tier marks of their own; `make test-fast` deselects all three,
+# `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks, or that uses a server of the
+# ``engines`` registry through its fixtures (the real vLLM); ``browser``:
+# headless Chromium; ``slow``: the modules and shared fixtures whose measured cost (docs/testing.md's table) would
+# push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long trainings.
+BROWSER_MODULES = {"test_browser.py"}
+SLOW_MODULES = {"test_e2e.py", "test_family_glm.py"}  # papermill over the smoke run; the GLM toy, trained here
+# the trained runs (any fixture of that name: the session's, and a family module's own), the toys built from a
+# family's real tokenizer, Kimi's trained MLA draft
+SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        if "engines" in item.fixturenames or any(m.kwargs.get("tier") == "engine" for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.engine)
+        if module in BROWSER_MODULES:
+            item.add_marker(pytest.mark.browser)
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):  # fixturenames: with what they use
+            item.add_marker(pytest.mark.slow)
+
 
 def pytest_report_header(config) -> list[str]:
     from eagle3nb.toy.shipped import digest, manifest
@@ -68,6 +93,16 @@ def embedded(toy_smoke):
 
     with start_server(toy_smoke) as handle:
         yield handle
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory):
+    """The session's real vLLM servers, one per (model, mode, options), shared across modules (tests/engines.py)."""
+    from engines import Engines
+
+    registry = Engines(tmp_path_factory.mktemp("engines"))
+    yield registry
+    registry.close()
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,9 @@ import pytest
 import torch
 from test_family_gptoss import aux_ids, train_on_all
 from test_sliding_window import own_continuations
-from test_vllm import K, Servers, synth_params
+from test_vllm import K, synth_params
 
+from engines import Servers
 from worlds import requires_vllm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -191,9 +192,9 @@ def trained(hidden, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm(target_dir, request, tmp_path_factory):
+def vllm(target_dir, request, engines):
     """The real vLLM serving the GLM target plainly (its glm45 parser), starting while 01-03 run here."""
-    servers = Servers(target_dir, tmp_path_factory.mktemp("glm-vllm"))
+    servers = Servers(engines, target_dir)
     try:
         with ThreadPoolExecutor(1) as pool:
             early = pool.submit(servers.start, plain={"mode": "plain"})

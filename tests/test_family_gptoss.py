@@ -26,8 +26,9 @@ import pytest
 import test_sliding_window
 import torch
 from test_sliding_window import WINDOW, own_continuations
-from test_vllm import K, Servers
+from test_vllm import K
 
+from engines import Servers
 from worlds import THREADS, requires_vllm
 
 # test_sliding_window's fixtures, registered here too (pytest finds fixtures by the module's names): the tiny
@@ -111,20 +112,18 @@ def train_on_all(hidden: Path, out: Path, steps: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm(target_dir, trained, gpt_oss, tmp_path_factory):
+def vllm(target_dir, trained, gpt_oss, engines):
     """The real vLLM on the gpt-oss target, started side by side: extracting hidden states, and serving 03's
     draft. Yields (servers, errors): a mode that failed to start is in errors with vLLM's own words, and only
     the test of that mode fails."""
-    tmp = tmp_path_factory.mktemp("gpt-oss-vllm")
     L = gpt_oss.config.num_hidden_layers
     common = {"family": FAMILY, "max_model_len": gpt_oss.config.max_position_embeddings}
-    servers = Servers(target_dir, tmp)
+    servers = Servers(engines, target_dir)
     errors: dict[str, str] = {}
     t0 = time.perf_counter()
     try:
         try:
-            servers.start(extract={"mode": "extract", "layer_ids": [*aux_ids(L), L], "storage_dir": tmp / "hidden",
-                                   **common},
+            servers.start(extract={"mode": "extract", "layer_ids": [*aux_ids(L), L], **common},
                           eagle3={"mode": "eagle3", "draft_dir": trained / "draft", "num_speculative_tokens": K,
                                   **common})
         except RuntimeError as e:  # Servers.start keeps the modes that started

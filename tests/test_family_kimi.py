@@ -43,10 +43,9 @@ def kimi_trained(kimi, kimi_embedded, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def kimi_vllm(kimi, request, tmp_path_factory):
+def kimi_vllm(kimi, request, engines):
     """The real vLLM on toy:kimi (kimi_k2 parser): plain, extracting hidden states, serving the MLA draft."""
-    yield from family_servers(kimi, tmp_path_factory.mktemp("kimi-vllm"),
-                              lambda: request.getfixturevalue("kimi_trained"))
+    yield from family_servers(engines, kimi, lambda: request.getfixturevalue("kimi_trained"))
 
 
 def test_kimi_toy_is_kimis_architecture(kimi):

@@ -53,12 +53,11 @@ def qwen3_trained(qwen3, qwen3_embedded, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def qwen3_vllm(qwen3, request, tmp_path_factory):
+def qwen3_vllm(qwen3, request, engines):
     """The real vLLM on toy:qwen3 (qwen3 parser): plain (with the hermes tool parser and the settings that make a
     forced tool call constrained: requests without tools are served as without them), extracting hidden states,
     serving 03's draft."""
-    yield from family_servers(qwen3, tmp_path_factory.mktemp("qwen3-vllm"),
-                              lambda: request.getfixturevalue("qwen3_trained"), plain={"tools": True})
+    yield from family_servers(engines, qwen3, lambda: request.getfixturevalue("qwen3_trained"), plain={"tools": True})
 
 
 @pytest.fixture(scope="module")

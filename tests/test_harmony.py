@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import K, Servers, synth_params
+from test_vllm import K, synth_params
 
+from engines import Servers
 from worlds import requires_vllm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,9 +63,9 @@ def tok(gptoss):
 
 
 @pytest.fixture(scope="module")
-def gptoss_vllm(gptoss, tmp_path_factory):
+def gptoss_vllm(gptoss, engines):
     """The real vLLM on toy:gptoss with its family's `--reasoning-parser openai_gptoss` (chat through Harmony)."""
-    servers = Servers(gptoss, tmp_path_factory.mktemp("gptoss-vllm"))
+    servers = Servers(engines, gptoss)
     try:
         servers.start(plain={"mode": "plain"})
         yield servers

@@ -16,10 +16,10 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from eagle3nb.serve.vllm import start_vllm
 from eagle3nb.vllm_config import TESTED_VERSION
 
 from conversations import check_turns, mt_bench
+from engines import Engines, Servers
 from worlds import requires_vllm
 
 pytestmark = requires_vllm()
@@ -28,34 +28,7 @@ K = 3
 LAYERS = [2, 4, 5, 8]  # the smoke toy's EAGLE-3 aux ids (2, L//2, L-3) plus L = 8 for the final state
 
 
-class Servers:
-    """Real vLLM servers started on first use, each once; ``start`` many at once to overlap their start-up."""
-
-    def __init__(self, model: Path, tmp: Path):
-        self.model, self.tmp, self.handles = model, tmp, {}
-
-    def start(self, **specs: dict) -> None:
-        todo = {name: kw for name, kw in specs.items() if name not in self.handles}
-        with ThreadPoolExecutor(max(1, len(todo))) as pool:
-            futures = {name: pool.submit(start_vllm, self.model, **kw) for name, kw in todo.items()}
-        errors = []
-        for name, f in futures.items():
-            try:
-                self.handles[name] = f.result()
-            except RuntimeError as e:
-                errors.append(f"{name}: {e}")
-        if errors:
-            raise RuntimeError("\n".join(errors))
-
-    def __getitem__(self, name: str):
-        return self.handles[name]
-
-    def stop(self) -> None:
-        for h in self.handles.values():
-            h.stop()
-
-
-def family_servers(model: Path, tmp: Path, make_trained: Callable[[], dict],
+def family_servers(engines: Engines, model: Path, make_trained: Callable[[], dict],
                    plain: dict | None = None) -> Iterator[Servers]:
     """A family toy's real vLLM servers: plainly (its family's parser; ``plain``: more ``start_vllm`` options,
     e.g. ``tools``) and extracting hidden states, both starting while ``make_trained()`` makes the trained run (it
@@ -63,12 +36,11 @@ def family_servers(model: Path, tmp: Path, make_trained: Callable[[], dict],
     from eagle3nb.layers import default_aux_layer_ids
 
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    servers = Servers(model, tmp)
+    servers = Servers(engines, model)
     try:
         with ThreadPoolExecutor(1) as pool:
             early = pool.submit(servers.start, plain={"mode": "plain", **(plain or {})},
-                                extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers],
-                                         "storage_dir": tmp / "hidden"})
+                                extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers]})
             try:
                 trained = make_trained()
             finally:
@@ -81,13 +53,12 @@ def family_servers(model: Path, tmp: Path, make_trained: Callable[[], dict],
 
 
 @pytest.fixture(scope="module")
-def vllm(toy_smoke, tmp_path_factory):
+def vllm(toy_smoke, engines):
     """The target plainly (kimi_k2 parser), without the parser, and in extract_hidden_states mode."""
-    tmp = tmp_path_factory.mktemp("vllm")
-    servers = Servers(toy_smoke, tmp)
+    servers = Servers(engines, toy_smoke)
     try:
         servers.start(plain={"mode": "plain"}, no_parser={"mode": "no_parser"},
-                      extract={"mode": "extract", "layer_ids": LAYERS, "storage_dir": tmp / "hidden"})
+                      extract={"mode": "extract", "layer_ids": LAYERS})
         yield servers
     finally:
         servers.stop()
@@ -244,7 +215,7 @@ def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
         # vLLM's CPU kernels (its own attention, fused norms) differ from transformers' by float noise only
         torch.testing.assert_close(x["aux"], y["aux"], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(x["final"], y["final"], rtol=1e-4, atol=1e-4)
-    assert not list((vllm.tmp / "hidden").iterdir()), "the client deletes each file and its lock after reading"
+    assert not list(vllm.storage("extract").iterdir()), "the client deletes each file and its lock after reading"
 
 
 # -- 03's exports served by vLLM, 04 reading vLLM's own counters -------------------------------------------------

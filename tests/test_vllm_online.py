@@ -19,13 +19,13 @@ from eagle3nb.data.reader import HiddenStates
 from eagle3nb.hidden.stage import run as extract
 from eagle3nb.launch import start_server
 from eagle3nb.params import from_dict
-from eagle3nb.serve.vllm import start_vllm
 from eagle3nb.train.report import read_metrics
 from eagle3nb.train.stage import run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_scale import kill_when  # noqa: E402
 
+from engines import Servers  # noqa: E402
 from train_data import make_hidden_states  # noqa: E402
 from worlds import SEED, requires_vllm  # noqa: E402
 
@@ -39,13 +39,14 @@ HIDDEN = dict(draft_vocab_size=96, storage="fp32", aux_layer_ids=LAYERS[:-1], ba
 
 
 @pytest.fixture(scope="module")
-def extract_server(toy_smoke, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-online")
-    handle = start_vllm(toy_smoke, "extract", layer_ids=LAYERS, storage_dir=tmp / "hidden")
+def extract_server(toy_smoke, engines):
+    """The session's extraction server on the smoke toy (tests/test_vllm.py's, when it ran just before)."""
+    servers = Servers(engines, toy_smoke)
     try:
-        yield handle
+        servers.start(extract={"mode": "extract", "layer_ids": LAYERS})
+        yield servers["extract"]
     finally:
-        handle.stop()
+        servers.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from test_vllm import K, Servers, held_out
+from test_vllm import K, held_out
 
+from engines import Servers
 from worlds import SEED, requires_vllm
 
 pytestmark = [requires_vllm(), pytest.mark.usefixtures("one_thread")]
@@ -50,7 +51,7 @@ def layout(draft_dir: Path) -> tuple[dict, dict[str, tuple]]:
 
 
 @pytest.fixture(scope="module")
-def recipes(trained, toy_smoke, tmp_path_factory) -> dict:
+def recipes(trained, toy_smoke, engines, tmp_path_factory) -> dict:
     """The two served recipes trained (60 steps: held-out tau ~3 here), their vLLM servers started side by side
     while EAGLE-3.1 and the same-layout recipes train (2 steps: only their layout is judged)."""
     from eagle3nb.hidden.stage import run as extract
@@ -63,7 +64,7 @@ def recipes(trained, toy_smoke, tmp_path_factory) -> dict:
                                               for k, v in trained["stages"]["02_hidden_states"].items()},
                                            "output_dir": str(data), "draft_vocab_size": vocab}))
     served = {name: train(data, tmp / name, 60, **r) for name, r in SERVED.items()}
-    servers = Servers(toy_smoke, tmp)
+    servers = Servers(engines, toy_smoke)
     try:
         with ThreadPoolExecutor(1) as pool:
             started = pool.submit(servers.start, **{

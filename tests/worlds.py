@@ -27,13 +27,14 @@ def under_ci() -> bool:
 
 
 def requires_vllm() -> pytest.MarkDecorator:
-    """The mark of the real-vLLM tests: skipped with the reason where vLLM cannot run; under CI that is an error."""
+    """The mark of the real-vLLM tests: skipped with the reason where vLLM cannot run; under CI that is an error.
+    Its ``tier`` puts every test it marks in the ``engine`` tier (tests/conftest.py reads it)."""
     from eagle3nb.serve.vllm import unavailable_reason
 
     reason = unavailable_reason()
     if reason and under_ci():
         raise RuntimeError(f"CI must test against the real vLLM, but: {reason}")
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
+    return pytest.mark.skipif(reason is not None, reason=reason or "", tier="engine")
 
 
 def write_run(folder: Path, stages: dict[str, dict]) -> Path:

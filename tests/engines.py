@@ -1,0 +1,130 @@
+"""One real vLLM server per (model, mode, options) for the whole session, shared by every module that asks for it.
+
+A vLLM start costs 30-50 s on two cores, so the modules ask this registry (the ``engines`` session fixture in
+tests/conftest.py) instead of starting their own: the same toy's plain or extraction server, asked for by two
+modules, starts once. Starts run in the background (``submit``), so a module's fixtures train while its servers
+come up. A server whose last user releases it stops at once when it serves a draft (the draft lives in that
+module's temporary folder, no one else asks for it); one without a draft stays up, the most recent ``IDLE`` of
+them, for the next module that asks (the engine modules run one after another in file order).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from eagle3nb.launch import ServerHandle
+from eagle3nb.serve.vllm import start_vllm
+
+IDLE = 2  # released draft-less servers kept up (each holds ~1.5 GB: the model and its 1 GiB KV cache)
+
+
+class Engines:
+    """The registry: ``submit`` starts (or joins) a server in the background, ``release`` gives it back."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.lock = threading.Lock()
+        self.futures: dict[str, Future] = {}
+        self.storage: dict[str, Path] = {}
+        self.users: Counter = Counter()
+        self.idle: list[str] = []  # released, still up, oldest first
+        self.pool = ThreadPoolExecutor(8, thread_name_prefix="vllm-start")
+
+    @staticmethod
+    def key(model: Path, mode: str, kw: dict) -> str:
+        return json.dumps({"model": str(model), "mode": mode, **{k: str(v) if isinstance(v, Path) else v
+                                                                 for k, v in kw.items()}}, sort_keys=True)
+
+    def submit(self, model: Path, mode: str = "plain", **kw) -> str:
+        """Start ``start_vllm(model, mode, **kw)`` in the background unless that server is up or starting; one
+        more user of it. An extraction server's ``storage_dir`` is the registry's (``storage``): its users share
+        it, so none passes its own."""
+        if "storage_dir" in kw:
+            raise ValueError("the registry owns extraction servers' storage_dir: read it from Engines.storage")
+        key = self.key(model, mode, kw)
+        with self.lock:
+            if key not in self.futures:
+                if mode == "extract":
+                    self.storage[key] = self.tmp / f"hidden-{len(self.futures)}"
+                    kw = {**kw, "storage_dir": self.storage[key]}
+                self.futures[key] = self.pool.submit(start_vllm, model, mode, **kw)
+            self.users[key] += 1
+            if key in self.idle:
+                self.idle.remove(key)
+        return key
+
+    def handle(self, key: str) -> ServerHandle:
+        """The server once up; its start's RuntimeError (vLLM's own words) if it failed, and the next submit of
+        the same server tries again."""
+        try:
+            return self.futures[key].result()
+        except RuntimeError:
+            with self.lock:
+                self.futures.pop(key, None)
+                self.users[key] = 0
+            raise
+
+    def release(self, key: str) -> None:
+        """One user fewer; at none, stop it (a draft's server) or keep it among the ``IDLE`` most recent."""
+        with self.lock:
+            if key not in self.futures:
+                return
+            self.users[key] -= 1
+            if self.users[key] > 0:
+                return
+            if '"draft_dir"' not in key:
+                self.idle.append(key)
+            done = [key] if '"draft_dir"' in key else self.idle[:-IDLE]
+            self.idle = self.idle[-IDLE:]
+            futures = [self.futures.pop(k) for k in done]
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+
+    def close(self) -> None:
+        """Stop every server (the session's end)."""
+        with self.lock:
+            futures, self.futures, self.idle = list(self.futures.values()), {}, []
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        self.pool.shutdown()
+
+
+class Servers:
+    """One module's named servers on one model, drawn from the session's registry: ``start`` many at once to
+    overlap their start-up, ``servers[name]`` for a handle, ``stop`` gives them back."""
+
+    def __init__(self, engines: Engines, model: Path):
+        self.engines, self.model, self.handles, self.keys = engines, model, {}, {}
+
+    def start(self, **specs: dict) -> None:
+        """Start the ``name=spec`` servers not yet started (spec: ``start_vllm``'s mode and options) side by side;
+        raises RuntimeError naming each that failed, keeping those that started."""
+        todo = {name: self.engines.submit(self.model, **spec) for name, spec in specs.items()
+                if name not in self.handles}
+        self.keys.update(todo)
+        errors = []
+        for name, key in todo.items():
+            try:
+                self.handles[name] = self.engines.handle(key)
+            except RuntimeError as e:
+                errors.append(f"{name}: {e}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+
+    def __getitem__(self, name: str) -> ServerHandle:
+        return self.handles[name]
+
+    def storage(self, name: str) -> Path:
+        """Where extraction server ``name`` writes its hidden-state files."""
+        return self.engines.storage[self.keys[name]]
+
+    def stop(self) -> None:
+        for key in self.keys.values():
+            self.engines.release(key)
+        self.handles, self.keys = {}, {}
