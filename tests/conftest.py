@@ -21,7 +21,8 @@ pytest_plugins = ["budget"]
 # headless Chromium; ``slow``: the modules and shared fixtures whose measured cost (docs/testing.md's table) would
 # push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long trainings.
 BROWSER_MODULES = {"test_browser.py"}
-SLOW_MODULES = {"test_e2e.py", "test_family_glm.py"}  # papermill over the smoke run; the GLM toy, trained here
+# papermill over the smoke run; the GLM toy, trained here; 05's refreshes (a draft trained, then fine-tuned per seed)
+SLOW_MODULES = {"test_e2e.py", "test_family_glm.py", "test_refresh.py"}
 # the trained runs (any fixture of that name: the session's, and a family module's own), the toys built from a
 # family's real tokenizer, Kimi's trained MLA draft
 SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained"}
