@@ -352,19 +352,21 @@ def test_vllm_accepts_at_t1_what_our_decoder_accepts(spec_servers, drafts, toy_s
     """At T=1 (the draft sampling its tokens, vLLM's ``draft_sample_method: probabilistic``) vLLM's rejection
     sampling accepts what ours does on the same prompts, within 10%. Without the plugin vLLM's CPU build divides
     the target's logits by uninitialised memory and accepts ~1.04 tokens a step whatever the draft (measured:
-    docs/upstream/vllm-cpu-expand-loses-temperature.md); the plugin's line in the server log says it fixed that."""
+    docs/upstream/vllm-cpu-expand-loses-temperature.md); the plugin's line in the server log says it fixed that.
+    ~80 s (our decoder's 64 prompts, one thread)."""
     from eagle3nb.accept.online import bench_endpoint
 
     log = spec_servers["eagle3"].log()
     assert "eagle3nb_vllm_fixes.sampling: vLLM's CPU _expand lost float values" in log, log[-2000:]
-    prompts, max_tokens = held_out(32), 64
+    prompts, max_tokens = held_out(64), 64
     row = bench_endpoint("eagle3", spec_servers["eagle3"].base_url, prompts, [4], max_tokens=max_tokens,
                          temperature=1.0, warmup=0, k=K)[0]
     local = local_acceptance(toy_smoke, drafts["eagle3"], prompts, max_tokens, 1.0)
     print(f"T=1: vLLM acceptance length {row['acceptance_length']:.3f}, local {local['acceptance_length']:.3f}")
     assert row["errors"] == 0 and local["acceptance_length"] > 1.5, (row, local)
-    # Both sample (different random streams) from the same draft and target: ~2000 tokens each keep the two
-    # means within ~3% of each other (measured spread); 10% is the issue's bar.
+    # Both sample (different random streams) from the same draft and target. Our decoder's own spread over seeds
+    # (measured: 16 prompts 3.04-3.51, 32 prompts 3.19-3.46) shrinks at 64 prompts to a ~3% standard deviation of
+    # the difference, so the issue's 10% bar is >3 of them; unfixed vLLM accepted ~1.05.
     assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.1 * local["acceptance_length"], \
         (row["acceptance_length"], local["acceptance_length"])
 
