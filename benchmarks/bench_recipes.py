@@ -14,6 +14,8 @@ temperature 1 (sampled drafting):
 - vLLM (seed 0 only, one server per draft, ``draft_sample_method: probabilistic`` so T=1 drafts by sampling):
   the real vLLM's spec-decode counters on the same prompts, and the served speedup: output tokens/s with the draft
   over a plain vLLM server's on the same prompts at concurrency 1 and T=0, the two measured one after the other.
+  vLLM runs with the project's fixes for its CPU build (``tools/vllm/eagle3nb_vllm_fixes``: without them its T=1
+  acceptance is ~1.0 whatever the draft); ``--no-vllm-fixes`` serves the drafts without them, to show that.
 
 with the spread over the seeds and 03's training tokens/s. A recipe "beats" the baseline only when its mean is
 above the baseline's by more than both half ranges (over the seeds) together.
@@ -167,7 +169,7 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
                   f"{l_greedy:.3f} / {l_sampled:.3f} ({lossy} not lossless); {metrics['tokens_per_s']:.0f} train tok/s",
                   flush=True)
     if args.vllm:
-        serve_toy(toy, rows, root, load_prompts("toy:heldout", args.prompts), args.max_tokens)
+        serve_toy(toy, rows, root, load_prompts("toy:heldout", args.prompts), args.max_tokens, args.vllm_fixes)
     return rows
 
 
@@ -183,7 +185,8 @@ def root_cause(e: Exception) -> str:
     return (causes[0] if causes else text.splitlines()[-1]).split(". ")[0][:200]  # its first sentence
 
 
-def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[dict], max_tokens: int) -> None:
+def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[dict], max_tokens: int,
+              fixes: bool = True) -> None:
     """Seed 0's draft of every recipe on the real vLLM, one server at a time beside one plain server: the
     counters' acceptance at T=0 and T=1, and the output tokens/s at T=0, c=1 over the plain server's measured just
     before (each pair side by side in time, so the machine's load drifts between pairs, not within one)."""
@@ -197,7 +200,7 @@ def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[di
             t0 = time.perf_counter()
             try:
                 server = start_vllm(f"toy:{toy}", "eagle3", draft_dir=draft_dir, num_speculative_tokens=K,
-                                    speculative={"draft_sample_method": "probabilistic"})
+                                    speculative={"draft_sample_method": "probabilistic"}, fixes=fixes)
             except (RuntimeError, UserError) as e:  # a draft vLLM does not start on: its reason goes in the row
                 row["vllm"] = root_cause(e)
                 print(f"{toy} {name}: vLLM did not serve it: {row['vllm']}", flush=True)
@@ -231,7 +234,8 @@ def print_table(toy: str, rows: dict[str, Row | str], args: argparse.Namespace) 
           f"03's held-out samples, local{' and vLLM' if args.vllm else ''} on {args.prompts} held-out prompts x "
           f"{args.max_tokens} tokens; "
           f"local decoding at T=0 gave the target's own tokens in {runs * args.prompts - lossy} of "
-          f"{runs * args.prompts} prompt runs" + ("; vLLM columns: seed 0" if args.vllm else ""))
+          f"{runs * args.prompts} prompt runs" +
+          (f"; vLLM columns: seed 0{'' if args.vllm_fixes else ', WITHOUT the fixes'}" if args.vllm else ""))
     vllm_cols = " vLLM T=0 (seed 0) | vLLM T=1 (seed 0) | served speedup (seed 0) |" if args.vllm else ""
     print(f"| recipe | offline T=0 | offline T=1 | local T=0 | local T=1 |{vllm_cols} train tok/s | "
           "vs baseline (offline T=0 / T=1) |")
@@ -263,6 +267,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per decoded prompt")
     ap.add_argument("--only", default="", help="comma-separated recipe names (default: all): " + ", ".join(RECIPES))
     ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the real vLLM's columns")
+    ap.add_argument("--no-vllm-fixes", dest="vllm_fixes", action="store_false",
+                    help="serve the drafts without tools/vllm/eagle3nb_vllm_fixes (the CPU build's defects back)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

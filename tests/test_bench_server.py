@@ -140,3 +140,16 @@ def test_spec_server_samples_with_seeds_reproducibly(spec, toy_smoke):
         return r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
 
     check_seeded_sampling(ask, toy_smoke, temperature=1.5, max_tokens=30)
+
+
+def test_spec_server_samples_the_targets_distribution(spec, toy_smoke):
+    """The distribution test of tests/test_vllm_sampling.py on the embedded speculative server: the second token
+    of N seeded T=1 completions (the first one its rejection sampling decides) fits the target's probabilities
+    (G-test at ALPHA). ~85 s on the shared 2 cores (300 requests)."""
+    import torch
+
+    from sampling import ALPHA, N, fits_target, second_tokens, spread_prompt
+
+    sp = spread_prompt(toy_smoke)
+    tokens = second_tokens(spec.base_url, sp.ids, range(N))
+    assert fits_target(tokens, sp) > ALPHA, torch.bincount(torch.tensor(tokens)).nonzero().flatten()

@@ -78,7 +78,10 @@ def drafts(trained, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def spec_servers(vllm, drafts):
-    vllm.start(eagle3={"mode": "eagle3", "draft_dir": drafts["eagle3"], "num_speculative_tokens": K},
+    """Our export (drafting by sampling at T > 0, as in production) and the speculators layout beside the plain
+    server."""
+    vllm.start(eagle3={"mode": "eagle3", "draft_dir": drafts["eagle3"], "num_speculative_tokens": K,
+                       "speculative": {"draft_sample_method": "probabilistic"}},
                speculators={"mode": "eagle3", "draft_dir": drafts["speculators"], "num_speculative_tokens": K})
     return vllm
 
@@ -226,8 +229,10 @@ def held_out(n: int) -> list[dict]:
     return load_prompts("toy:heldout", n)
 
 
-def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_tokens: int) -> dict:
-    """04's local speculative decoding (our decoder, greedy) on the same prompts vLLM gets."""
+def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_tokens: int,
+                     temperature: float = 0.0) -> dict:
+    """04's local speculative decoding (our decoder; greedy, or sampled at ``temperature`` with one seed per
+    prompt) on the same prompts vLLM gets."""
     from eagle3nb.accept.local import compare_with_plain
     from eagle3nb.data.stream import Template
     from eagle3nb.drafts import load_draft
@@ -237,7 +242,7 @@ def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_
     ids = [tpl.prompt_ids(p["messages"]) for p in prompts]
     target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
     draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
-    return compare_with_plain(target, draft, ids, K, max_tokens, 0.0, [tpl.end_id])
+    return compare_with_plain(target, draft, ids, K, max_tokens, temperature, [tpl.end_id])
 
 
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
@@ -313,3 +318,43 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
         assert 1.0 <= spec["acceptance_length"] <= K + 1, spec
         assert spec["acceptance_length"] == pytest.approx(1 + K * spec["acceptance_rate"]), spec
         assert spec["speedup"] == pytest.approx(spec["output_tokens_per_s"] / base["output_tokens_per_s"])
+
+
+# -- lossless sampling on the real engine (tools/vllm/eagle3nb_vllm_fixes/sampling.py) -----------------------------
+
+def test_vllm_accepts_at_t1_what_our_decoder_accepts(spec_servers, drafts, toy_smoke, one_thread):
+    """At T=1 (the draft sampling its tokens, vLLM's ``draft_sample_method: probabilistic``) vLLM's rejection
+    sampling accepts what ours does on the same prompts, within 10%. Without the plugin vLLM's CPU build divides
+    the target's logits by uninitialised memory and accepts ~1.04 tokens a step whatever the draft (measured:
+    docs/upstream/vllm-cpu-expand-loses-temperature.md); the plugin's line in the server log says it fixed that.
+    17 s (measured: vLLM 3.306, our decoder 3.319)."""
+    from eagle3nb.accept.online import bench_endpoint
+
+    log = spec_servers["eagle3"].log()
+    assert "eagle3nb_vllm_fixes.sampling: vLLM's CPU _expand lost float values" in log, log[-2000:]
+    prompts, max_tokens = held_out(64), 64
+    row = bench_endpoint("eagle3", spec_servers["eagle3"].base_url, prompts, [4], max_tokens=max_tokens,
+                         temperature=1.0, warmup=0, k=K)[0]
+    local = local_acceptance(toy_smoke, drafts["eagle3"], prompts, max_tokens, 1.0)
+    print(f"T=1: vLLM acceptance length {row['acceptance_length']:.3f}, local {local['acceptance_length']:.3f}")
+    assert row["errors"] == 0 and local["acceptance_length"] > 1.5, (row, local)
+    # Both sample (different random streams) from the same draft and target. Our decoder's own spread over seeds
+    # (measured: 16 prompts 3.04-3.51, 32 prompts 3.19-3.46) shrinks at 64 prompts to a ~3% standard deviation of
+    # the difference, so the issue's 10% bar is >3 of them; unfixed vLLM accepted ~1.05.
+    assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.1 * local["acceptance_length"], \
+        (row["acceptance_length"], local["acceptance_length"])
+
+
+def test_vllm_with_the_draft_samples_the_targets_distribution(spec_servers, toy_smoke, one_thread):
+    """The distribution test of tests/test_vllm_sampling.py (helpers: tests/sampling.py) on the real vLLM: the
+    second generated token (the first one verification decides) of N seeded T=1 requests with the draft agrees with
+    N from the plain server and with the target's own probabilities (G-tests at ALPHA each). vLLM without the
+    plugin fails all of them (measured: docs/upstream/vllm-cpu-expand-loses-temperature.md). 25 s."""
+    from sampling import ALPHA, N, fits_target, same_distribution, second_tokens, spread_prompt
+
+    sp = spread_prompt(toy_smoke)
+    plain = second_tokens(spec_servers["plain"].base_url, sp.ids, range(N))
+    spec = second_tokens(spec_servers["eagle3"].base_url, sp.ids, range(N, 2 * N))
+    assert fits_target(plain, sp) > ALPHA
+    assert fits_target(spec, sp) > ALPHA, torch.bincount(torch.tensor(spec)).nonzero().flatten()
+    assert same_distribution(plain, spec, sp) > ALPHA

@@ -46,6 +46,9 @@ The CUDA paths (where the code picks or follows a device), and what each check c
   server ids == template ids.
 - ``embedded_spec_server``: ``serve.spec_engine`` (draft on the target's device and dtype): 04's
   ``bench_endpoint`` greedy and at temperature 0.8 without errors, acceptance length within 15% of CPU local.
+- ``block_drafter``: a seeded DFlash draft (``drafts.dflash``) on cuda vs the same weights on CPU fp32: one
+  micro-batch's block loss within 1e-4 (relative), and greedy block decoding on cuda equal to the target's greedy
+  output. (Its offline simulation, ``dflash/offline.py``, moves tensors the same way as the loss.)
 - ``vllm_install``: vLLM's GPU build in ``.venv-vllm-gpu/`` (installed with ``--vllm``; bounded by the budget).
 - ``vllm_hidden_states``: ``serve.vllm.start_vllm(mode="extract", cpu=False)`` (vLLM's own
   ``ExampleHiddenStatesConnector``) read by 02's vllm backend vs the CPU fp32 transformers states (<= 1e-3).
@@ -563,6 +566,47 @@ def check_embedded_spec_server(w: World) -> str:
         f"; sampled acceptance length {fmt(sampled['acceptance_length'])}"
 
 
+def check_block_drafter(w: World) -> str:
+    """The block drafters on cuda vs CPU fp32 with the same weights (a seeded, untrained DFlash draft: the numbers
+    compared do not need it trained): one micro-batch's block loss, and greedy block decoding on cuda, which must be
+    the target's own greedy output."""
+    import copy
+
+    import torch
+
+    from eagle3nb.drafts.dflash.drafting import generate
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+    from eagle3nb.drafts.dflash.objective import block_loss
+    from eagle3nb.hf import DECODER, load_target
+    from eagle3nb.spec.reference import plain_generate
+
+    _, ids, eos = w.prompts
+    targets = {GPU: load_target(w.toy, trust_remote_code=False, use=DECODER).to(GPU)}
+    targets["cpu"] = copy.deepcopy(targets[GPU]).to("cpu")
+    torch.manual_seed(0)
+    cpu = DFlashDraft(from_target(json.loads((w.toy / "config.json").read_text()), num_layers=2, block_size=4))
+    drafts = {"cpu": cpu, GPU: copy.deepcopy(cpu).to(GPU)}
+    for dev, m in drafts.items():
+        m.set_target(targets[dev].model.embed_tokens.weight, targets[dev].lm_head.weight)
+    answer = plain_generate(targets["cpu"], ids[0], MAX_TOKENS, 0.0, eos)
+    seq, mask = ids[0] + answer, [0] * len(ids[0]) + [1] * len(answer)
+    loss = {}
+    with torch.no_grad():
+        for dev, m in drafts.items():
+            out = targets[dev](input_ids=torch.tensor([seq], device=dev), output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[i][0] for i in m.config.aux_layer_ids], -1)[None]
+            loss[dev] = float(block_loss(m, aux, torch.tensor([seq], device=dev), torch.tensor([mask], device=dev),
+                                         out.logits, anchors_per_seq=16,
+                                         generator=torch.Generator().manual_seed(0))["loss"])
+    gap = abs(loss[GPU] - loss["cpu"]) / max(abs(loss["cpu"]), 1e-9)
+    expect(gap <= 1e-4, within("block loss relative gap", gap, 1e-4),
+           "DFlash's loss on GPU differs from CPU: check the .to(device) moves in eagle3nb/drafts/dflash/objective.py")
+    decoded = generate(targets[GPU], drafts[GPU], ids[0], MAX_TOKENS, eos).tokens
+    return expect(decoded == plain_generate(targets["cpu"], ids[0], MAX_TOKENS, 0.0, eos),
+                  f"{within('block loss relative gap', gap, 1e-4)}; greedy block decoding on cuda is the target's",
+                  "block decoding on GPU is not lossless: check eagle3nb/drafts/dflash/drafting.py and model.py")
+
+
 def check_vllm_install(w: World) -> str:
     py = VLLM_GPU_VENV / "bin" / "python"
     probe = [str(py), "-c", "import vllm; print(vllm.__version__)"]
@@ -701,6 +745,10 @@ PATHS: list[CudaPath] = [
     CudaPath("embedded_spec_server", check_embedded_spec_server,
              ("eagle3nb/serve/spec_engine.py", "eagle3nb/spec/batch.py"),
              "see eagle3nb/serve/spec_engine.py and eagle3nb/spec/batch.py"),
+    CudaPath("block_drafter", check_block_drafter,
+             ("eagle3nb/drafts/dflash/model.py", "eagle3nb/drafts/dflash/objective.py",
+              "eagle3nb/drafts/dflash/drafting.py", "eagle3nb/drafts/dflash/offline.py"),
+             "see eagle3nb/drafts/dflash/"),
     CudaPath("vllm_install", check_vllm_install, (), "install vLLM's GPU build into .venv-vllm-gpu"),
     CudaPath("vllm_hidden_states", check_vllm_hidden_states, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),
              "see eagle3nb/vllm_config.py connector_config", needs="vllm_install"),

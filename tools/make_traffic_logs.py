@@ -1,8 +1,7 @@
-"""Make the traffic logs the refresh tests read (tests/fixtures/traffic/): real servers' request logs, written by the
-servers themselves while the real openai client sends them requests.
+"""Make the traffic log the refresh tests read (tests/fixtures/traffic/): a server's own request log, written while the
+real openai client sends it requests.
 
-    python tools/make_traffic_logs.py --server embedded   # eagle3nb serve --enable-log-requests
-    python tools/make_traffic_logs.py --server vllm       # vLLM --enable-log-requests, log level DEBUG
+    python tools/make_traffic_logs.py --server embedded   # eagle3nb serve --enable-log-requests (vLLM's DEBUG lines)
 
 The requests are toy:heldout prompts, arithmetic-rich (the demo world's weak domain: a draft trained without
 arithmetic), plus one request that pastes an API key into its message, which the reader must redact. Each log keeps
@@ -12,15 +11,12 @@ the server's whole output (start-up lines included), as a user would hand it ove
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import shutil
 from pathlib import Path
 
 from eagle3nb.data.prompts import load_prompts
+from eagle3nb.data.traffic import read_traffic
 from eagle3nb.launch import start_server
-from eagle3nb.serve.vllm import start_vllm
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "traffic"
 FAKE_KEY = "sk-" + "test0000fixture0000key0000"
@@ -38,15 +34,11 @@ def main() -> None:
     from openai import OpenAI
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", choices=["embedded", "vllm"], required=True)
+    ap.add_argument("--server", choices=["embedded"], required=True)
     ap.add_argument("--arith", type=int, default=60)
     ap.add_argument("--other", type=int, default=60)
     args = ap.parse_args()
-    if args.server == "embedded":
-        handle = start_server("toy:smoke", extra_args=["--enable-log-requests"])
-    else:
-        os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"
-        handle = start_vllm("toy:smoke", extra_args=["--enable-log-requests"])
+    handle = start_server("toy:smoke", extra_args=["--enable-log-requests"])
     try:
         client = OpenAI(base_url=handle.base_url, api_key="EMPTY")
         for messages in requests(args.arith, args.other):
@@ -57,9 +49,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     dest = OUT / f"{args.server}-requests.log"
     shutil.copy(handle.log_path, dest)
-    bodies = [json.loads(m.group(1)) for m in map(re.compile(r"JSON body: (\{.*)$").search, dest.read_text().splitlines())
-              if m]
-    print(f"{dest}: {len(bodies)} request bodies in {len(dest.read_text().splitlines())} lines")
+    print(f"{dest}: {read_traffic(dest, 1).requests} request bodies in {len(dest.read_text().splitlines())} lines")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ TESTS = ["tests/test_toy.py", "tests/test_doctor.py", "tests/test_bench_server.p
          "tests/test_accept_spec.py", "tests/test_spec_batch.py", "tests/test_misses.py", "tests/test_ttt_speed.py",
          "tests/test_online_train.py", "tests/test_vllm.py", "tests/test_e2e.py", "tests/test_recipes.py",
          "tests/test_accept_sweep.py", "tests/test_vllm_recipes.py", "tests/test_parallel_drafting.py",
-         "tests/test_family_glm.py", "tests/test_harmony.py"]
+         "tests/test_family_glm.py", "tests/test_harmony.py", "tests/test_vllm_sampling.py", "tests/test_dflash.py",
+         "tests/test_refresh.py"]
 
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 PORTABLE = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}

@@ -109,12 +109,14 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
 
 
 def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str = "127.0.0.1", port: int = 0,
-               api_key_env: str | None = None, timeout: float = 600.0, **kw) -> ServerHandle:
+               api_key_env: str | None = None, timeout: float = 600.0, fixes: bool = True, **kw) -> ServerHandle:
     """Start the real vLLM (CPU build, its own environment) in one of :data:`MODES` and wait for ``/health``.
 
     ``model_dir`` may be ``toy:smoke`` / ``toy:demo`` (built first, served under that name). The API key,
     when ``api_key_env`` names a variable, reaches vLLM through its environment (``VLLM_API_KEY``), never its
-    command line. Raises RuntimeError naming the fix when vLLM's environment is missing."""
+    command line. ``fixes=False`` starts it without ``tools/vllm/eagle3nb_vllm_fixes`` (the plugin with our fixes
+    for the CPU build's defects: docs/vllm.md), through vLLM's own plugin allowlist, to show what they fix.
+    Raises RuntimeError naming the fix when vLLM's environment is missing."""
     reason = unavailable_reason()
     if reason:
         raise InputError(f"the real vLLM cannot start: {reason}")
@@ -128,6 +130,8 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
            "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"), "VLLM_LOGGING_LEVEL": "INFO"}
     if kw.get("tools"):
         env.update(TOOL_ENV)
+    if not fixes:
+        env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: vLLM loads none
     if api_key_env:
         env["VLLM_API_KEY"] = os.environ[api_key_env]
     if detect(model, kw.get("family", AUTO)).reasoning == "harmony" and HARMONY_ENV not in env:
