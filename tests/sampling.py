@@ -74,10 +74,10 @@ def spread_prompt(model_dir: Path) -> SpreadPrompt:
     p(t) p(. | t)."""
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
-    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.hf import DECODER, load_target
     from eagle3nb.spec.reference import plain_generate
 
-    tpl, target = Template(model_dir, True), load_target(model_dir, "float32")
+    tpl, target = Template(model_dir, True), load_target(model_dir, trust_remote_code=False, use=DECODER)
     for p in load_prompts("toy:heldout", 8):
         ids = tpl.prompt_ids(p["messages"])
         full = ids + plain_generate(target, ids, 48, eos_token_ids=[tpl.end_id])

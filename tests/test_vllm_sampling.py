@@ -64,11 +64,11 @@ def test_our_decoder_samples_the_targets_distribution(trained, toy_smoke):
     """Our decoder at T=1 (k=3): the second token's frequencies over N seeds fit the target's probabilities. ~35 s
     (the spread prompt's search, 15 s, included)."""
     from eagle3nb.drafts import load_draft
-    from eagle3nb.hidden.capture import load_target
+    from eagle3nb.hf import DECODER, load_target
     from eagle3nb.spec.batch import SpecDecoder
 
     spread = spread_prompt(toy_smoke)
-    target = load_target(toy_smoke, "float32")
+    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
     draft = load_draft(trained["out"] / "03_train" / "draft",
                        embed_tokens=target.get_input_embeddings().weight.detach())
     dec = SpecDecoder(target, draft, K)
