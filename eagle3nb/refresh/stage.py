@@ -31,8 +31,9 @@ def run(P: RefreshParams) -> dict[str, Any]:
     # 1. the traffic: a uniform sample of each group, every request counted, half of each group held out
     traffic = read_traffic(prompts_path(P.traffic), P.per_group, group_by=P.group_by, seed=P.seeds[0])
     _, held_idx = split_holdout([r["id"] for r in traffic.rows], 0.5)
+    held = set(held_idx)
     heldout = [traffic.rows[i] for i in held_idx]
-    pool = [r for i, r in enumerate(traffic.rows) if i not in set(held_idx)]
+    pool = [r for i, r in enumerate(traffic.rows) if i not in held]
     print(f"traffic: {traffic.requests} requests in {len(traffic.groups)} groups, {len(traffic.rows)} sampled "
           f"({len(heldout)} held out); dropped {dict(traffic.dropped) or 'none'}; {traffic.redacted} secrets redacted",
           flush=True)
