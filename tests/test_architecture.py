@@ -33,12 +33,6 @@ STAGE_IMPORTS = {
 }
 # Every draft algorithm's package has these files (eagle3nb/drafts/__init__.py says what each holds).
 DRAFT_ROLES = ("__init__.py", "model.py", "objective.py", "layouts.py", "drafting.py", "offline.py")
-# Draft packages not in the registry yet -> why (each still has every role and its own tests).
-UNREGISTERED = {
-    "dflash": "the block drafters' model, objective, layouts, local decoding and offline simulation are tested in "
-              "tests/test_dflash.py and served by the real vLLM there; their DraftMethod (the batched decoder's "
-              "Drafting, 03's batch) is the next step",
-}
 # Modules outside eagle3nb/drafts/ that import one algorithm's package instead of the registry -> why.
 METHOD_IMPORTS = {
     ("eagle3nb.train.build", "eagle3nb.drafts.eagle3.model"):
@@ -244,19 +238,25 @@ def test_stage_packages_share_one_shape(stage):
 
 
 def test_draft_packages_share_one_shape_and_are_registered():
-    """One package per draft algorithm, the same files in each, each in the registry under its own name, and the
-    registry the only way in from outside eagle3nb/drafts/ (the named exceptions, still needed)."""
+    """One package per draft algorithm, the same files in each, every package in the registry under its own name
+    (a package may serve variants engines name apart, DSpark in DFlash's, each one registry line naming it), and
+    the registry the only way in from outside eagle3nb/drafts/ (the named exceptions, still needed)."""
+    import importlib
+
     from eagle3nb.drafts import METHODS, get
 
     packages = sorted(p.name for p in (PKG / "drafts").iterdir() if (p / "__init__.py").exists())
-    assert packages == sorted([*METHODS, *UNREGISTERED]) and not METHODS.keys() & UNREGISTERED.keys()
+    served = {name: path.removeprefix("eagle3nb.drafts.") for name, path in METHODS.items()}
+    assert packages == sorted(set(served.values())) and set(packages) <= METHODS.keys()
     for name in packages:
         missing = [role for role in DRAFT_ROLES if not (PKG / "drafts" / name / role).exists()]
         assert missing == [], f"eagle3nb/drafts/{name}/ lacks {missing}"
-    for name in METHODS:
-        assert get(name).name == name and METHODS[name] == f"eagle3nb.drafts.{name}"
+    for name, package in served.items():
+        assert METHODS[name] == f"eagle3nb.drafts.{package}" and get(name).name == name
+        assert sorted(importlib.import_module(METHODS[name]).METHODS) == sorted(
+            n for n, p in served.items() if p == package), f"{package} serves other methods than the registry says"
     found = {(m, d) for m, deps in graph().items() for d in deps if not m.startswith("eagle3nb.drafts")
-             and d.startswith("eagle3nb.drafts.") and d.split(".")[2] in METHODS}
+             and d.startswith("eagle3nb.drafts.") and d.split(".")[2] in packages}
     assert sorted(found - METHOD_IMPORTS.keys()) == [], "call the algorithm through eagle3nb.drafts: get, of, ..."
     assert sorted(METHOD_IMPORTS.keys() - found) == [], "an exception no import needs any more: remove it"
 

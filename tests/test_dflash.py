@@ -91,7 +91,7 @@ def drafter(target, target_config, markov_rank: int = 0, seed: int = 0, **over):
 def test_layer_ids_are_the_peers_spread_and_vllms_convention():
     """The default ids spread 1..L-3 in DFlash's numbering (z-lab's Qwen3-8B drafts, 36 layers, 5 draft layers:
     [1, 9, 17, 25, 33]), are ours minus one in ``dflash_config.target_layer_ids``, and read back as ours."""
-    from eagle3nb.drafts.dflash.layouts import config_from_json, config_json
+    from eagle3nb.drafts.dflash.layouts import config_from_json, layout_config
     from eagle3nb.drafts.dflash.model import DFlashConfig, default_aux_layer_ids
 
     ours = default_aux_layer_ids(36, 5)
@@ -99,11 +99,11 @@ def test_layer_ids_are_the_peers_spread_and_vllms_convention():
     assert default_aux_layer_ids(8, 3) == [2, 4, 6] and default_aux_layer_ids(8, 1) == [5]
     cfg = DFlashConfig(64, 128, 2, 1, 32, 2, 100, 64, ours, mask_token_id=0)
     assert cfg.target_layer_ids == [i - 1 for i in ours]
-    vllm = config_json(cfg, "vllm")
+    vllm = layout_config(cfg, "vllm")
     assert vllm["dflash_config"]["target_layer_ids"] == cfg.target_layer_ids
-    assert config_json(cfg, "speculators")["aux_hidden_state_layer_ids"] == ours
+    assert layout_config(cfg, "speculators")["aux_hidden_state_layer_ids"] == ours
     for layout in ("vllm", "speculators"):
-        assert config_from_json(config_json(cfg, layout)) == cfg
+        assert config_from_json(layout_config(cfg, layout)) == cfg
 
 
 def test_a_block_sees_the_context_before_its_anchor_and_its_own_block(target, target_config):
@@ -162,15 +162,16 @@ def test_exports_load_back_exactly_in_both_layouts(tmp_path, target, target_conf
     drafter: every parameter, and its blocks' logits."""
     from safetensors.torch import load_file
 
-    from eagle3nb.drafts.dflash.layouts import TARGET_TENSORS, load, save
+    from eagle3nb.drafts.dflash.layouts import TARGET_TENSORS, load_draft, save_draft
 
     m = drafter(target, target_config, markov_rank)
     ctx_aux = torch.randn(1, 10, m.fc.in_features)
     for layout in ("vllm", "speculators"):
-        save(m, tmp_path / layout, layout)
+        save_draft(m, tmp_path / layout, layout)
         names = set(load_file(tmp_path / layout / "model.safetensors"))
         assert names == set(m.state_dict()) - set(TARGET_TENSORS)
-        back = load(tmp_path / layout, target.model.embed_tokens.weight, target.lm_head.weight)
+        back = load_draft(tmp_path / layout, embed_tokens=target.model.embed_tokens.weight,
+                          lm_head=target.lm_head.weight)
         assert back.config == m.config
         for k, v in m.state_dict().items():
             assert torch.equal(back.state_dict()[k], v), k
@@ -230,11 +231,11 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
     unused ``mask_embedding``, vLLM reads back our aux layer ids, and every layer attends bidirectionally."""
     from safetensors.torch import load_file
 
-    from eagle3nb.drafts.dflash.layouts import save
+    from eagle3nb.drafts.dflash.layouts import save_draft
     from eagle3nb.serve.vllm import vllm_python
 
     models = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8)}
-    drafts = {f"{method}-{layout}": [method, str(save(m, tmp_path / f"{method}-{layout}", layout))]
+    drafts = {f"{method}-{layout}": [method, str(save_draft(m, tmp_path / f"{method}-{layout}", layout))]
               for method, m in models.items() for layout in ("vllm", "speculators")}
     done = subprocess.run([str(vllm_python()), "-c", VLLM_LOAD, str(toy_smoke), str(tmp_path), json.dumps(drafts)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -286,7 +287,8 @@ def train(m, rows: list[dict], steps: int, weighting: str) -> list[float]:
         out = block_loss(m, torch.stack([pad(it["aux"]) for it, _ in batch]),
                          torch.stack([pad(it["input_ids"]) for it, _ in batch]),
                          torch.stack([pad(it["loss_mask"]) for it, _ in batch]),
-                         torch.stack([pad(r["logits"]) for _, r in batch]), anchors_per_seq=32, generator=g,
+                         torch.stack([pad(r["logits"].softmax(-1)) for _, r in batch]),
+                         torch.stack([pad(r["logits"].argmax(-1)) for _, r in batch]), anchors_per_seq=32, generator=g,
                          weighting=weighting)
         opt.zero_grad()
         out["loss"].backward()
@@ -360,7 +362,7 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
 
     from eagle3nb.accept.online import metrics_url, scrape
     from eagle3nb.drafts.dflash.drafting import generate
-    from eagle3nb.drafts.dflash.layouts import save
+    from eagle3nb.drafts.dflash.layouts import save_draft
     from eagle3nb.formulas import spec_counters, spec_delta
     from eagle3nb.serve.vllm import start_vllm
     from eagle3nb.spec.reference import plain_generate
@@ -370,7 +372,7 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     local = [generate(target, m, p, NEW_TOKENS) for p in prompts]
     local_accepted = [n for d in local for n in d.accepted]
     local_tau = 1 + sum(local_accepted) / len(local_accepted)
-    with start_vllm(toy_smoke, "dflash", draft_dir=save(m, tmp_path / "draft"),
+    with start_vllm(toy_smoke, "dflash", draft_dir=save_draft(m, tmp_path / "draft"),
                     num_speculative_tokens=m.config.drafts_per_block) as handle:
         model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
         murl = metrics_url(handle.base_url)

@@ -14,17 +14,17 @@ from eagle3nb.hf import DECODER, compute_device, load_target, load_tokenizer
 def load_models(P: AcceptParams, need_target: bool = True):
     """(target or None, draft, tokenizer) for the stage, after checking that the draft fits both the held-out
     data and the target (sizes, vocabulary, aux layers), so a mismatch stops here, naming both sides. The
-    draft gets the target's embedding when its checkpoint carries none."""
+    draft gets the target's embedding (and head: a block drafter's) when its checkpoint carries none."""
     model_dir = P.model_dir
     tokenizer = load_tokenizer(model_dir, trust_remote_code=P.trust_remote_code)
     data = HiddenStates(P.data_path)
     target = None
     if need_target:
         target = load_target(model_dir, trust_remote_code=P.trust_remote_code, use=DECODER)
-        embed = target.get_input_embeddings().weight.detach()
+        embed, head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
     else:
-        embed = data.embed_tokens()
-    draft = load_draft(P.draft_path, embed_tokens=embed, device=compute_device())
+        embed, head = data.embed_tokens(), data.lm_head()
+    draft = load_draft(P.draft_path, embed_tokens=embed, lm_head=head, device=compute_device())
     meta = data.meta
     check_fits(draft.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
                layer_ids=meta["layer_ids"], num_layers=meta["num_layers"], draft=f"the draft {P.draft_path}",

@@ -4,13 +4,18 @@ Each package ``eagle3nb/drafts/<method>/`` has the same files (as vllm-project/s
 ``src/speculators/models/<algo>/``): ``model.py`` the model (no I/O, ``# shape:`` lines), ``objective.py`` its
 training objective, ``layouts.py`` its checkpoint layouts (ours, vLLM's, speculators', SGLang's), ``drafting.py``
 its step in the batched decoder, ``offline.py`` 04's offline acceptance simulation, and ``__init__.py`` whose
-``METHOD`` is its ``eagle3nb.drafts.base.DraftMethod``:
+``METHODS`` maps each method it serves to its ``eagle3nb.drafts.base.DraftMethod`` (one package may serve variants
+that engines name apart: ``dflash`` serves DFlash and DSpark, DFlash's backbone with two heads):
 
 - ``name`` (the method's name in a draft's config: vLLM's speculative-config ``method``, speculators'
   ``speculators_model_type``), ``title``, ``claims(config_dict) -> bool`` (does it read this config.json);
-- ``load(dir, embed_tokens=None, device="cpu", dtype=torch.float32) -> model`` and ``save(model, dir,
-  format, dtype=None, include_embed=True, verifier=None, num_speculative_tokens=3) -> dir``,
-  ``config_json(model, format, dtype=None, verifier=None, num_speculative_tokens=3) -> dict``;
+- ``load(dir, embed_tokens=None, device="cpu", dtype=torch.float32, lm_head=None) -> model`` (the target's
+  embedding and head [V, H], for a checkpoint that carries none: a block drafter never does) and ``save(model,
+  dir, format, dtype=None, include_embed=True, verifier=None, num_speculative_tokens=3) -> dir``,
+  ``config_json(model, format, dtype=None, verifier=None, num_speculative_tokens=3) -> dict``; ``layouts`` the
+  formats, vLLM's first;
+- ``fresh(P, meta, target_config, embed_tokens, lm_head) -> model``: 03's new draft (None for EAGLE-3, whose
+  options 03's ``train/build.py`` shapes);
 - ``objective(model, P) -> nn.Module`` whose ``forward(batch)`` returns (loss, stats [4, steps]: loss sum, loss
   positions, correct, scored positions), batch as 03 builds it (``aux``, ``input_ids``, ``loss_mask``,
   ``target_argmax``, ``target_probs``);
@@ -22,7 +27,8 @@ Every model has a ``method`` attribute (its name here) and a ``config`` with ``v
 ``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the
 decoder, the embedded server, the doctor and the export call only this module: :func:`get` by name, :func:`of` a
 model, :func:`method_of` a config.json, :func:`load_draft` a folder (03's EAGLE-3 parameters aside, the imports
-``tests/test_architecture.py`` names). A new algorithm is its package plus one line in ``METHODS``.
+``tests/test_architecture.py`` names). A new algorithm is its package plus one line in ``METHODS``; ``objective``'s
+stats are by TTT step for EAGLE-3 and by block position for a block drafter.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ __all__ = ["METHODS", "DraftMethod", "DraftMismatchError", "check_fits", "get", 
 # method name -> the package whose METHOD it is; the first claims a config.json before the others.
 METHODS = {
     "eagle3": "eagle3nb.drafts.eagle3",
+    "dflash": "eagle3nb.drafts.dflash",
+    "dspark": "eagle3nb.drafts.dflash",
 }
 
 
@@ -46,7 +54,7 @@ def get(name: str) -> DraftMethod:
     """The draft algorithm called ``name``."""
     if name not in METHODS:
         raise DraftMismatchError(f"unknown draft method {name!r}; known: {', '.join(METHODS)}")
-    return importlib.import_module(METHODS[name]).METHOD
+    return importlib.import_module(METHODS[name]).METHODS[name]
 
 
 def of(model: Any) -> DraftMethod:
@@ -67,7 +75,8 @@ def method_of(config: dict[str, Any], where: str = "config.json") -> DraftMethod
 
 
 def load_draft(path: str | Path, **kwargs: Any) -> Any:
-    """Load the draft in folder ``path`` with its algorithm's ``load`` (``embed_tokens``, ``device``, ``dtype``)."""
+    """Load the draft in folder ``path`` with its algorithm's ``load`` (``embed_tokens``, ``device``, ``dtype``,
+    ``lm_head``)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():

@@ -53,12 +53,16 @@ class DraftMethod:
     name: str  # vLLM's speculative-config "method", a speculators config's speculators_model_type
     title: str  # how papers and people write it, for messages
     claims: Callable[[dict[str, Any]], bool]  # does this method read a draft whose config.json is this dict
-    load: Callable[..., nn.Module]  # (dir, embed_tokens=None, device="cpu", dtype=float32) -> the model, eval
+    load: Callable[..., nn.Module]  # (dir, embed_tokens=None, device="cpu", dtype=float32, lm_head=None) -> eval
     save: Callable[..., Path]  # (model, dir, format, dtype, include_embed, verifier, num_speculative_tokens)
     config_json: Callable[..., dict[str, Any]]  # (model, format, dtype, verifier, num_speculative_tokens)
     objective: Callable[[nn.Module, Any], nn.Module]  # (model, 03's params) -> forward(batch) = (loss, stats)
     drafting: Callable[..., Drafting]  # (model, k, device) -> its step in the batched decoder
     chain_acceptance: Callable[..., dict[str, Any]]  # 04's offline simulation on one held-out sample
+    layouts: tuple[str, ...]  # the formats ``save`` writes; the first is the one vLLM serves (03's draft/)
+    # (03's params, 02's meta, the target's config.json, its embed_tokens and lm_head [V, H]) -> a fresh draft;
+    # None: 03 shapes it itself (EAGLE-3's options, eagle3nb.train.build)
+    fresh: Callable[..., nn.Module] | None = None
 
 
 def check_fits(cfg, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,

@@ -26,8 +26,8 @@ class SpecEngine:
         from eagle3nb.drafts import load_draft
         from eagle3nb.spec.batch import SpecBatch, SpecDecoder
 
-        embed = model.get_input_embeddings().weight.detach()
-        draft = load_draft(draft_dir, embed_tokens=embed, device=model.device, dtype=model.dtype)
+        embed, head = model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+        draft = load_draft(draft_dir, embed_tokens=embed, lm_head=head, device=model.device, dtype=model.dtype)
         self.batch = SpecBatch(SpecDecoder(model, draft, num_speculative_tokens))
         self.k = num_speculative_tokens
         self.running: list = []

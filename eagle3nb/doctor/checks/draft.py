@@ -238,9 +238,11 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
         raise Unavailable("no trained draft yet (run 03_train)")
     data = ctx.heldout()
     data = Subset(data, range(min(SANITY_SAMPLES, len(data))))
-    # the target's embedding (V x H: GBs for Kimi) only when the checkpoint does not carry one
-    embed = None if "embed_tokens.weight" in _draft_tensors(drafts[0])["shapes"] else data.embed_tokens()
-    model = load_draft(drafts[0], embed_tokens=embed, device=compute_device())
+    # the target's embedding and head (V x H each: GBs for Kimi) only when the checkpoint does not carry them
+    shapes = _draft_tensors(drafts[0])["shapes"]
+    embed = None if "embed_tokens.weight" in shapes else data.embed_tokens()
+    head = None if "lm_head.weight" in shapes else data.lm_head()
+    model = load_draft(drafts[0], embed_tokens=embed, lm_head=head, device=compute_device())
     res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.specials.segments)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])

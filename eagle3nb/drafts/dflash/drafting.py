@@ -1,19 +1,109 @@
 """Local decoding with a block drafter, as vLLM's DFlash proposer runs it: each round the target's states at
 every verified position are the context, the block is the last verified token (the anchor, at the next
 position) then masks, one draft forward proposes the block's tokens, and one target forward verifies them
-(greedy: ``eagle3nb.spec.verify_greedy``, so the output is the target's own greedy output). The context is
-re-projected every round (vLLM keeps it in its KV cache: the same numbers, fewer FLOPs), fine for local checks.
+(greedy: ``eagle3nb.spec.verify_greedy``, so the output is the target's own greedy output). The context's keys and
+values are re-projected every round (vLLM keeps them in its KV cache: the same numbers, fewer FLOPs), fine for
+local checks.
+
+``BlockDrafting`` is that step inside the batched decoder (``eagle3nb.spec.batch``: every row its own length,
+sampling and acceptance; its rounds verified by rejection sampling at T > 0); ``generate`` is the same greedy
+decode of one sequence with transformers' cache, the reference the tests hold it to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.dflash.model import DFlashDraft
-from eagle3nb.spec.verify import verify_greedy
+from eagle3nb.spec.padded import PaddedKV
+from eagle3nb.spec.verify import Sampling, probs_at, verify_greedy
+
+
+class ContextCache:
+    """The context features [B, 1, L, H] of every row's verified positions (fc + hidden_norm of the target's aux
+    states), as a one-tensor cache ``PaddedKV`` edits column by column (``map_kv`` / ``zip_kv``)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def map_kv(self, fn) -> None:
+        self.x = fn(self.x)
+
+    def zip_kv(self, other: "ContextCache", fn) -> None:
+        self.x = fn(self.x, other.x)
+
+
+class BlockDrafting:
+    """A block drafter's step for rows sharing one ``PaddedKV`` of context features (``eagle3nb.drafts.base.
+    Drafting``): each round the row's pending target states join its context, then one forward drafts a block
+    from its anchor (the last verified token) and the round proposes its first ``k`` drafts (at most the block's
+    ``drafts_per_block``). DSpark draws left to right, each slot biased by the token drawn before it."""
+
+    def __init__(self, draft: DFlashDraft, k: int, device: torch.device):
+        most = draft.config.drafts_per_block
+        if k > most:
+            raise DraftMismatchError(f"k = {k} drafted tokens a round, but a block of {draft.config.block_size} "
+                                     f"drafts {most}: use k <= {most}")
+        self.draft, self.k, self.device = draft, k, device
+        self.first = 0 if draft.config.sample_from_anchor else 1  # the block slot of the first drafted token
+
+    def prefill(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> PaddedKV:
+        """The context of new rows' prompts (aux [B, T, n*H_t], ids / pos / mask [B, T], left-padded): every prompt
+        position but the last, whose aux state comes with the first round's pending entries."""
+        return PaddedKV(ContextCache(self.draft.context(aux[:, :-1])[:, None]), mask[:, :-1])
+
+    def propose(self, kv: PaddedKV, pend_aux: torch.Tensor, pend_ids: torch.Tensor, pend_n: torch.Tensor,
+                rows: Sequence[Sampling]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """k drafted tokens per row [B, k] (target ids) and, for sampled rows, the distributions [k, V] they were
+        drawn from. The pending entries (``pend_aux`` [B, P, n*H_t], ``pend_n`` [B] real ones) join the context;
+        the token after the last one (``pend_ids``) anchors the block."""
+        model, width = self.draft, int(pend_n.max())
+        kv.extend(width)
+        kv.cache.x = torch.cat([kv.cache.x, model.context(pend_aux[:, :width])[:, None]], dim=2)
+        kv.reject(width - pend_n)
+        # 1. Each row's context in order, right-padded from column 0, so a column is its position.
+        real = kv.mask.bool()  # shape: [B, W]
+        length = real.sum(1)  # shape: [B]: the anchor's position
+        L = int(length.max())
+        order = real.long().argsort(dim=1, descending=True, stable=True)[:, :L]  # shape: [B, L] real columns first
+        ctx = kv.cache.x[:, 0].gather(1, order[..., None].expand(-1, -1, kv.cache.x.shape[-1]))  # shape: [B, L, H]
+        valid = torch.arange(L, device=length.device)[None] < length[:, None]  # shape: [B, L]
+        anchors = pend_ids.gather(1, (pend_n - 1)[:, None])  # shape: [B, 1]
+        # 2. One forward drafts every row's block.
+        logits = model.logits(model(ctx, anchors, length[:, None], ctx_valid=valid))[:, 0]  # shape: [B, S, V]
+        logits = logits[:, self.first:self.first + self.k].float()  # shape: [B, k, V]
+        toks, qs = [], [[] for _ in rows]
+        prev = anchors[:, 0]  # shape: [B]
+        for j in range(self.k):
+            lg = logits[:, j]  # shape: [B, V]
+            if model.config.markov_rank > 0:
+                lg = lg + model.markov_bias(prev).float()
+            tok = lg.argmax(-1)
+            for i, s in enumerate(rows):
+                if not s.greedy:
+                    q = probs_at(lg[i], s.temperature)
+                    tok[i] = int(torch.multinomial(q.cpu(), 1, generator=s.generator))
+                    qs[i].append(q)
+            toks.append(tok)
+            prev = tok
+        return torch.stack(toks, dim=1), [torch.stack(q) if q else None for q in qs]
+
+    def step_timer(self, aux: torch.Tensor, ids: torch.Tensor) -> Callable[[], None]:
+        """One block forward after the context ``aux`` [1, T, n*H_t], ``ids`` [1, T]: the block's queries over the
+        newest ``block_size`` context positions (what a round adds to vLLM's cache at most, whose keys vLLM
+        projects once); the older context's cached keys cost vLLM attention only (S x L x head_dim per layer)."""
+        model, S = self.draft, self.draft.config.block_size
+        ctx = model.context(aux[:, -S - 1:-1])  # shape: [1, <=S, H]
+        anchor, pos = ids[:, -1:], torch.tensor([[ctx.shape[1]]], device=ids.device)
+
+        def step() -> None:
+            model.logits(model(ctx, anchor, pos))
+
+        return step
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ names (vLLM's ``DFlashQwen3Model`` / ``Qwen3DSparkModel`` and speculators' ``DFl
 down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``, ``fc``, ``hidden_norm``, ``norm``, and for DSpark
 ``markov_head.markov_w{1,2}`` and ``confidence_head.proj`` (weight and bias). Neither file carries the target's
 ``embed_tokens`` or ``lm_head``: vLLM shares the target's when they are absent, speculators reloads them from the
-verifier, and ``load`` takes them from the caller.
+verifier, and ``load_draft`` takes them from the caller.
 
 The configs differ:
 
@@ -50,7 +50,18 @@ def qwen3_dict(cfg: DFlashConfig) -> dict[str, Any]:
     }
 
 
-def config_json(cfg: DFlashConfig, layout: str = "vllm", verifier: str | None = None) -> dict[str, Any]:
+def claimer(method: str):
+    """``claims(config_dict)`` for ``method`` (dflash / dspark): a speculators config of that type, or a vLLM one
+    whose architectures name its model."""
+    def claims(d: dict[str, Any]) -> bool:
+        if d.get("speculators_model_type") is not None:
+            return d["speculators_model_type"] == method
+        return ARCHITECTURES[method] in (d.get("architectures") or [])
+
+    return claims
+
+
+def layout_config(cfg: DFlashConfig, layout: str = "vllm", verifier: str | None = None) -> dict[str, Any]:
     """The config.json of ``layout`` (one of :data:`LAYOUTS`)."""
     dspark = cfg.markov_rank > 0
     heads = {"markov_rank": cfg.markov_rank, "enable_confidence_head": True,
@@ -99,14 +110,24 @@ def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFl
         markov_rank=int(d.get("markov_rank", 0)))
 
 
-def save(model: DFlashDraft, path: str | Path, layout: str = "vllm", dtype: torch.dtype | None = None,
-         verifier: str | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in ``layout``, without the target's embedding and head."""
+def draft_config_json(model: DFlashDraft, format: str = "vllm", dtype: torch.dtype | None = None,
+                      verifier: str | None = None, num_speculative_tokens: int | None = None) -> dict[str, Any]:
+    """The config.json of ``format`` (one of :data:`LAYOUTS`) with the weights' dtype; speculators' proposal
+    drafts the whole block whatever ``num_speculative_tokens`` says."""
+    dtype = dtype or model.fc.weight.dtype
+    return {**layout_config(model.config, format, verifier), "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype: torch.dtype | None = None,
+               include_embed: bool = False, verifier: str | None = None,
+               num_speculative_tokens: int | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in ``format``. The target's embedding and head are never
+    written (``include_embed`` changes nothing): vLLM shares the target's, ``load_draft`` takes them."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = config_json(model.config, layout, verifier)
+    config = draft_config_json(model, format, dtype, verifier)
     tensors = {name: (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous()
                for name, t in model.state_dict().items() if name not in TARGET_TENSORS}
     tmp = path / f".{WEIGHTS_FILE}.tmp"
@@ -116,10 +137,14 @@ def save(model: DFlashDraft, path: str | Path, layout: str = "vllm", dtype: torc
     return path
 
 
-def load(path: str | Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> DFlashDraft:
-    """A drafter from either layout, on the target's ``embed_tokens`` and ``lm_head`` [V, H]; every tensor the
-    config implies must be in the file, with its shape."""
+def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = torch.float32, lm_head: torch.Tensor | None = None) -> DFlashDraft:
+    """A drafter from either layout, on the target's ``embed_tokens`` and ``lm_head`` [V, H] (the files hold
+    neither); every tensor the config implies must be in the file, with its shape."""
     path = Path(path)
+    if embed_tokens is None or lm_head is None:
+        raise DraftMismatchError(f"{path} is a block drafter, which reads the target's embedding and LM head: pass "
+                                 "both (load_draft(dir, embed_tokens=data.embed_tokens(), lm_head=data.lm_head()))")
     cfg = config_from_json(json.loads((path / "config.json").read_text()), path / "config.json")
     model = DFlashDraft(cfg)
     tensors = read_tensors(path)
@@ -131,4 +156,6 @@ def load(path: str | Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) ->
         raise DraftMismatchError(f"{path}: tensors do not fit config.json: missing {missing}, unexpected {extra}, "
                                  f"shapes {bad}")
     model.load_state_dict({**tensors, "embed_tokens.weight": embed_tokens, "lm_head.weight": lm_head})
-    return model
+    if dtype is not None:
+        model.to(dtype)
+    return model.to(device).eval()

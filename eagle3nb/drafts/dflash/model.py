@@ -67,6 +67,11 @@ class DFlashConfig:
         return "dspark" if self.markov_rank > 0 else "dflash"
 
     @property
+    def draft_vocab_size(self) -> int:
+        """A block drafter speaks the target's whole vocabulary (the target's own ``lm_head``)."""
+        return self.vocab_size
+
+    @property
     def sample_from_anchor(self) -> bool:
         """Whether the anchor slot predicts (DSpark, vLLM's default for it) or only the mask slots do (DFlash)."""
         return self.markov_rank > 0
@@ -189,6 +194,18 @@ class DFlashDraft(nn.Module):
             nn.init.zeros_(self.markov_head.markov_w2.weight)  # starts as plain DFlash
             self.confidence_head = nn.Module()
             self.confidence_head.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+        # the identity vocabulary map every draft offers (eagle3nb.drafts): not saved, nothing to load
+        self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
+
+    @property
+    def method(self) -> str:
+        """Its name in the registry (``eagle3nb.drafts``)."""
+        return self.config.method
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids are target ids."""
+        return ids
 
     def set_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Copy the target's embedding [V, H] and lm_head [V, H] (the draft trains neither)."""
@@ -233,6 +250,18 @@ class DFlashDraft(nn.Module):
         """[..., H] -> [..., V] through the target's head (DSpark's Markov bias is added by the caller)."""
         return self.lm_head(hidden)
 
+    def slot_logits(self, ctx: torch.Tensor, ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced block logits [A, S, V] for one sequence: blocks anchored at anchor_pos [A] of its
+        tokens ids [T] over its context features ctx [1, T, H]; DSpark's slot j biased by the data's token at
+        anchor + j (what a block accepted up to slot j has drafted)."""
+        T = ids.shape[0]
+        pos = anchor_pos[None]  # shape: [1, A]
+        logits = self.logits(self(ctx, ids[pos], pos))[0]  # shape: [A, S, V]
+        if self.config.markov_rank > 0:
+            at = (anchor_pos[:, None] + torch.arange(self.config.block_size, device=ids.device)).clamp_max(T - 1)
+            logits = logits + self.markov_bias(ids[at])
+        return logits
+
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """DSpark: [...] previous tokens -> the logit bias [..., V] (``markov_w2 @ markov_w1[prev]``)."""
         return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
@@ -248,12 +277,13 @@ def from_target(target_config: dict[str, Any], *, num_layers: int = 1, block_siz
                 markov_rank: int = 0, **over: Any) -> DFlashConfig:
     """A draft shaped like the target's layers (``target_config``: its config.json, a ``text_config`` read
     through): hidden size, heads, MLP width and eps the target's; ``aux_layer_ids`` the peers' spread over as
-    many target layers as draft layers; ``mask_token_id`` the target's pad token when not given."""
+    many target layers as draft layers; ``mask_token_id`` when not given the target's pad token, else its last id
+    (a reserved or padding row in the big vocabularies: rows ordinary text never uses)."""
     tc = target_config.get("text_config") or target_config
     L = tc["num_hidden_layers"]
-    mask = mask_token_id if mask_token_id is not None else tc.get("pad_token_id")
-    if mask is None:
-        raise ValueError("the target has no pad_token_id: give mask_token_id (a token id the target never emits)")
+    pad = tc.get("pad_token_id")
+    mask = mask_token_id if mask_token_id is not None else \
+        pad if isinstance(pad, int) and 0 <= pad < tc["vocab_size"] else tc["vocab_size"] - 1
     heads = tc["num_attention_heads"]
     return DFlashConfig(
         hidden_size=tc["hidden_size"], intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
@@ -264,3 +294,16 @@ def from_target(target_config: dict[str, Any], *, num_layers: int = 1, block_siz
         block_size=block_size, rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
         max_position_embeddings=tc.get("max_position_embeddings", 4096), markov_rank=markov_rank, **over)
 
+
+
+def fresh_draft(P: Any, meta: dict[str, Any], target_config: dict[str, Any], embed_tokens: torch.Tensor,
+                lm_head: torch.Tensor, markov_rank: int = 0) -> DFlashDraft:
+    """03's fresh drafter (``P``: its ``num_layers``, ``block_size``, ``seed``) on the data 02 stored (``meta``: the
+    target's sizes and the aux layers it extracted) and the target's embedding and head [V, H]."""
+    torch.manual_seed(P.seed)
+    tc = {**(target_config.get("text_config") or target_config), "vocab_size": meta["vocab_size"],
+          "hidden_size": meta["hidden_size"]}
+    model = DFlashDraft(from_target(tc, num_layers=P.num_layers, block_size=P.block_size,
+                                    aux_layer_ids=list(meta["layer_ids"]), markov_rank=markov_rank))
+    model.set_target(embed_tokens, lm_head)
+    return model

@@ -15,10 +15,12 @@ binary cross-entropy teaching the confidence head the slot's acceptance probabil
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from eagle3nb.drafts.dflash.model import DFlashDraft
 
@@ -76,13 +78,14 @@ def position_weights(kind: str, index: torch.Tensor, mask: torch.Tensor, confide
 
 
 def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-               target_logits: torch.Tensor, *, anchors_per_seq: int = 512, loss: str = "kl",
-               weighting: str = "decay", gamma: float = 4.0, dpace_alpha: float = 0.5,
+               target_probs: torch.Tensor, target_argmax: torch.Tensor, *, anchors_per_seq: int = 512,
+               loss: str = "kl", weighting: str = "decay", gamma: float = 4.0, dpace_alpha: float = 0.5,
                confidence_weight: float = 1.0, generator: torch.Generator | None = None) -> dict[str, Any]:
     """One micro-batch's loss. aux [B, T, n*H_t], input_ids / loss_mask [B, T] (right-padded: loss_mask 0 on
-    padding), target_logits [B, T, V] (position t: the target's scores for token t+1). Returns ``loss`` (scalar,
-    with grad) and, detached, ``correct`` / ``counted`` [S] (greedy top-1 against the target's argmax, per slot)
-    and, for DSpark, ``confidence_loss``."""
+    padding), target_probs [B, T, V] and target_argmax [B, T] (position t: the target's distribution over, and
+    pick for, token t+1). Returns ``loss`` (scalar, with grad) and, detached, per slot [S]: ``loss_sum`` (the
+    unweighted per-slot loss summed), ``correct`` / ``counted`` (greedy top-1 against the target's argmax) and,
+    for DSpark, ``confidence_loss``."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r}: use one of {LOSSES}")
     cfg, dev = model.config, aux.device
@@ -99,15 +102,14 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
     logits = model.logits(hidden).float()  # shape: [B, N, S, V]
     at, drafts = slot_targets(model, anchor_pos, T)  # shape: [B, N, S] each
     flat = at.view(B, -1)
-    tgt_logits = target_logits.gather(1, flat[..., None].expand(-1, -1, target_logits.shape[-1])).view_as(logits)
+    p_tgt = target_probs.gather(1, flat[..., None].expand(-1, -1, target_probs.shape[-1])).view_as(logits).float()
+    top = target_argmax.gather(1, flat).view_as(at)  # shape: [B, N, S]
     generated = loss_mask.gather(1, (flat + 1).clamp_max(T - 1)).view_as(at).bool()  # the drafted token's mask
     mask = drafts & generated & used[..., None]  # shape: [B, N, S]
     if cfg.markov_rank > 0:  # DSpark: slot j's bias from the data's token before it (the anchor for slot 0)
         prev = input_ids.gather(1, at.view(B, -1)).view_as(at)  # shape: [B, N, S], token at anchor + j
         logits = logits + model.markov_bias(prev).float()
     logp = F.log_softmax(logits, -1)  # shape: [B, N, S, V]
-    p_tgt = F.softmax(tgt_logits.float(), -1)  # shape: [B, N, S, V]
-    top = tgt_logits.argmax(-1)  # shape: [B, N, S]
     own = logp.gather(-1, top[..., None]).squeeze(-1)  # shape: [B, N, S], log q(target's token)
     per_slot = -own if loss == "ce" else (p_tgt * (p_tgt.clamp_min(1e-30).log() - logp)).sum(-1)
     index = draft_index(model).to(dev)
@@ -125,5 +127,38 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
         total = total + confidence_weight * out["confidence_loss"]
         out["confidence_loss"] = out["confidence_loss"].detach()
     hit = (logits.argmax(-1) == top) & mask
-    out.update(loss=total, correct=hit.sum((0, 1)).detach().cpu(), counted=mask.sum((0, 1)).detach().cpu())
+    out.update(loss=total, loss_sum=(per_slot * mask).sum((0, 1)).detach(), correct=hit.sum((0, 1)).detach(),
+               counted=mask.sum((0, 1)).detach())
     return out
+
+
+class BlockObjective(nn.Module):
+    """The drafter under 03's loop (``eagle3nb.drafts`` ``objective``): ``forward(batch)`` = (loss, stats [4,
+    drafts_per_block]) by *block position* (the i-th drafted token of a block), where EAGLE-3's are by TTT step.
+    Training draws anchors from torch's global generator (a resumed run restores it); evaluation uses every
+    candidate anchor up to ``anchors_per_seq`` drawn from a fixed seed, so held-out numbers repeat."""
+
+    def __init__(self, draft: DFlashDraft, anchors_per_seq: int, loss: str, weighting: str, gamma: float,
+                 dpace_alpha: float, confidence_weight: float):
+        super().__init__()
+        self.draft = draft
+        self.kw = {"anchors_per_seq": anchors_per_seq, "loss": loss, "weighting": weighting, "gamma": gamma,
+                   "dpace_alpha": dpace_alpha, "confidence_weight": confidence_weight}
+        self.steps = draft.config.drafts_per_block  # 03's stats columns
+        self.decay = math.exp(-1.0 / gamma)  # exp(-i/gamma) = decay**i: how 03 weighs the positions' losses
+
+    @classmethod
+    def from_params(cls, draft: DFlashDraft, P: Any) -> "BlockObjective":
+        """The loss 03's parameters ask for (``anchors_per_seq``, ``block_loss``, ``block_weighting``,
+        ``block_gamma``, ``dpace_alpha``, ``confidence_weight``)."""
+        return cls(draft, P.anchors_per_seq, P.block_loss, P.block_weighting, P.block_gamma, P.dpace_alpha,
+                   P.confidence_weight)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch: aux [B, T, n*H_t], input_ids / loss_mask / target_argmax [B, T], target_probs [B, T, V]."""
+        gen = None if self.training else torch.Generator().manual_seed(0)
+        out = block_loss(self.draft, batch["aux"], batch["input_ids"], batch["loss_mask"], batch["target_probs"],
+                         batch["target_argmax"], generator=gen, **self.kw)
+        first = 0 if self.draft.config.sample_from_anchor else 1  # DFlash's anchor slot drafts nothing
+        stats = torch.stack([out["loss_sum"], out["counted"], out["correct"], out["counted"]])[:, first:]
+        return out["loss"], stats.double()  # shape: [], [4, drafts_per_block]

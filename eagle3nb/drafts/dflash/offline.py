@@ -8,7 +8,9 @@ block is accepted.
 Reported like 04: ``per_position`` alpha_i = P(drafted token i accepted | tokens < i accepted) over the blocks
 where token i exists and is generated, ``acceptance_length`` tau = 1 + sum_i prod_{j<=i} alpha_j for the block's
 ``drafts_per_block`` tokens (``eagle3nb.formulas.tau_from_conditional``), and ``decoding_acceptance_length``
-over the rounds greedy decoding would run on each sequence (``rounds``).
+over the rounds greedy decoding would run on each sequence (``rounds``). ``chain_acceptance`` is the same
+simulation in the shape 04 reads from every draft (``eagle3nb.accept.offline``): a block anchored at every token,
+its drafted token i at start position t being step i.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from eagle3nb.drafts.base import expected_acceptance
 from eagle3nb.drafts.dflash.model import DFlashDraft
 from eagle3nb.drafts.dflash.objective import anchor_candidates, slot_targets
 from eagle3nb.formulas import tau_from_conditional
@@ -37,15 +40,11 @@ def block_hits(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
     ctx = model.context(aux[None].to(dev))  # shape: [1, T, H]
     hits, valid = [], []
     for part in cand.split(chunk):
-        pos = part[None]  # shape: [1, A]
-        hidden = model(ctx, ids[pos], pos)  # shape: [1, A, S, H]
-        at, drafts = slot_targets(model, pos, T)  # shape: [1, A, S] each
-        logits = model.logits(hidden)
-        if model.config.markov_rank > 0:
-            logits = logits + model.markov_bias(ids[at])
+        logits = model.slot_logits(ctx, ids, part)  # shape: [A, S, V]
+        at, drafts = slot_targets(model, part[None], T)  # shape: [1, A, S] each
         ok = (drafts & mask[(at + 1).clamp_max(T - 1)])[0, :, first:]  # shape: [A, k]
         valid.append(ok.long().cumprod(-1).bool())  # token i counts only where every token before it does
-        hits.append((logits.argmax(-1) == top[at])[0, :, first:])
+        hits.append((logits.argmax(-1) == top[at][0])[:, first:])
     k = S - first
     if not hits:
         return cand.cpu(), torch.zeros(0, k, dtype=torch.bool), torch.zeros(0, k, dtype=torch.bool)
@@ -90,3 +89,41 @@ def offline_acceptance(model: DFlashDraft, items: Iterable[dict]) -> dict[str, A
     done = [n for s in seqs for n in rounds(*s)]
     out["decoding_acceptance_length"] = 1.0 + sum(done) / max(1, len(done))  # over the simulated rounds
     return out
+
+
+@torch.no_grad()
+def chain_acceptance(model: DFlashDraft, item: dict, target_argmax: torch.Tensor, target_probs: torch.Tensor | None,
+                     steps: int, temperature: float, chunk: int = 256) -> dict[str, Any]:
+    """04's per-start-position view of one sample (``eagle3nb.drafts`` ``chain_acceptance``): start position t
+    anchors a block at token t+1 over the context 0..t, whose drafted token i is the draft's guess for token t+2+i.
+    ``greedy`` / ``sampled`` / ``valid`` [steps, T-1] (steps past the block's drafts are never valid), ``guess`` /
+    ``target`` [T-1] as EAGLE-3's chains give them; ``target_probs`` [T, V] at ``temperature`` when sampled."""
+    dev = model.fc.weight.device
+    ids, mask = item["input_ids"].to(dev), item["loss_mask"].bool().to(dev)
+    top = target_argmax.to(dev)
+    T = ids.shape[0]
+    n, first, k = T - 1, 0 if model.config.sample_from_anchor else 1, model.config.drafts_per_block
+    greedy = torch.zeros(steps, n, device=dev)
+    sampled = torch.zeros(steps, n, device=dev) if target_probs is not None else None
+    valid = torch.zeros(steps, n, dtype=torch.bool, device=dev)
+    guess = torch.full((n,), -1, dtype=torch.long, device=dev)
+    ctx = model.context(item["aux"][None].to(dev))  # shape: [1, T, H]
+    for part in torch.arange(1, T, device=dev).split(chunk):  # anchors: t = part - 1
+        logits = model.slot_logits(ctx, ids, part)[:, first:first + min(k, steps)].float()  # shape: [A, k', V]
+        for i in range(logits.shape[1]):
+            t = part - 1
+            keep = t + 2 + i <= T - 1  # token t+2+i exists
+            t, lg = t[keep], logits[keep, i]  # shape: [A'], [A', V]
+            pred = lg.argmax(-1)
+            greedy[i, t] = (pred == top[t + 1 + i]).float()
+            valid[i, t] = mask[t + 2 + i]
+            if i == 0:
+                guess[t] = pred
+            if sampled is not None:
+                p = target_probs.to(dev)[t + 1 + i]
+                sampled[i, t] = expected_acceptance(torch.softmax(lg / temperature, -1), p)
+    valid = valid.long().cumprod(0).bool()  # step i counts only where the tokens before it are generated too
+    target = torch.full((n,), -1, dtype=torch.long)
+    target[:n - 1] = top[1:n].cpu()
+    return {"greedy": greedy.cpu(), "sampled": sampled.cpu() if sampled is not None else None,
+            "valid": valid.cpu(), "guess": guess.cpu(), "target": target}

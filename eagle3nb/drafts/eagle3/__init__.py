@@ -4,8 +4,8 @@ drafts (``num_layers``), DeepSeek's latent attention (``mla``) and parallel draf
 from eagle3nb.drafts.base import DraftMethod
 from eagle3nb.drafts.eagle3 import drafting, layouts, objective, offline
 
-METHOD = DraftMethod(
+METHODS = {"eagle3": DraftMethod(
     name="eagle3", title="EAGLE-3", claims=layouts.claims,
     load=layouts.load_draft, save=layouts.save_draft, config_json=layouts.draft_config_json,
     objective=objective.TTTObjective.from_params, drafting=drafting.Eagle3Drafting,
-    chain_acceptance=offline.chain_acceptance)
+    chain_acceptance=offline.chain_acceptance, layouts=("eagle3", "sglang", "speculators"))}

@@ -109,9 +109,10 @@ def _layout_name(name: str, layers_named: bool) -> str:
 
 
 def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = torch.float32) -> Eagle3Draft:
+               dtype: torch.dtype | None = torch.float32, lm_head: torch.Tensor | None = None) -> Eagle3Draft:
     """Load an EAGLE-3 draft (EAGLE-3 or speculators layout). ``embed_tokens`` [V, H] is the target's embedding,
-    needed when the checkpoint does not carry one (e.g. ``HiddenStates(data_dir).embed_tokens()``)."""
+    needed when the checkpoint does not carry one (e.g. ``HiddenStates(data_dir).embed_tokens()``); an EAGLE-3
+    checkpoint always carries its own head rows, so the target's ``lm_head`` is not read."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
