@@ -64,12 +64,13 @@ def extract_spec(layer_ids: list[int]) -> dict:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
 
 
-def eagle3_spec(draft_dir: str | os.PathLike, num_speculative_tokens: int) -> dict:
-    """``--speculative-config`` that serves an EAGLE-3 draft (03's ``draft/`` folder); a parallel-drafting (P-EAGLE)
-    draft, one whose config.json has a ``mask_token_id``, with ``parallel_drafting`` on (served one step at a time
-    its mask slots would never be used, and its later drafts were not trained for it)."""
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+def draft_spec(draft_dir: str | os.PathLike, num_speculative_tokens: int, method: str = "eagle3") -> dict:
+    """``--speculative-config`` that serves 03's ``draft/`` folder of ``method`` (vLLM's name: eagle3, dflash,
+    dspark); a parallel-drafting (P-EAGLE) draft, an EAGLE-3 one whose config.json has a ``mask_token_id``, with
+    ``parallel_drafting`` on (served one step at a time its mask slots would never be used, and its later drafts
+    were not trained for it)."""
+    spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
     config = Path(draft_dir) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("mask_token_id") is not None:
+    if method == "eagle3" and config.is_file() and json.loads(config.read_text()).get("mask_token_id") is not None:
         spec["parallel_drafting"] = True
     return spec

@@ -74,16 +74,16 @@ def test_export_is_what_vllms_loader_reads_and_reads_back(tmp_path):
     drafting on for such a draft only; load_draft
     reads it back (same logits); a speculators export is refused in one line."""
     from eagle3nb.drafts import DraftMismatchError
-    from eagle3nb.vllm_config import eagle3_spec
+    from eagle3nb.vllm_config import draft_spec
 
     m = tiny_draft(mask_token_id=MASK, fc_norm=True)
     out = save_draft(m, tmp_path / "draft")
     cfg = json.loads((out / "config.json").read_text())
     tensors = load_file(out / "model.safetensors")
     assert cfg["mask_token_id"] == MASK and tensors["mask_hidden"].shape == (1, 3 * m.config.target_hidden_size)
-    assert eagle3_spec(out, 3) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3,
+    assert draft_spec(out, 3) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3,
                                    "parallel_drafting": True}
-    assert "parallel_drafting" not in eagle3_spec(save_draft(tiny_draft(), tmp_path / "plain"), 3)
+    assert "parallel_drafting" not in draft_spec(save_draft(tiny_draft(), tmp_path / "plain"), 3)
     back = load_draft(out)
     aux, ids, pos = inputs(B=1)
     with torch.no_grad():

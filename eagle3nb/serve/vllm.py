@@ -25,7 +25,7 @@ from eagle3nb.families import AUTO, MLA_ARCHS, VLLM_EAGLE3_RELEASE, detect, is_m
 from eagle3nb.launch import ServerHandle, free_port, launch
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.toy.real_tokenizers import HARMONY_ENV, harmony_encodings
-from eagle3nb.vllm_config import connector_config, eagle3_spec, extract_spec
+from eagle3nb.vllm_config import connector_config, draft_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
 MODES = ("plain", "no_parser", "extract", "eagle3", "dflash")
@@ -98,7 +98,7 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
                              f"kernel takes KV blocks of 16, its Llama attention multiples of 32), but {draft_dir} "
                              f"is {'/'.join(draft_archs) or 'not an MLA draft'}: train it with draft_attention: mla")
         args += ["--speculative-config",
-                 json.dumps({**eagle3_spec(draft_dir, num_speculative_tokens), **(speculative or {})})]
+                 json.dumps({**draft_spec(draft_dir, num_speculative_tokens), **(speculative or {})})]
     if mode == "dflash":
         if draft_dir is None:
             raise ValueError("dflash mode needs draft_dir (a DFlash draft in vLLM's layout)")

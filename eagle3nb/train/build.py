@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from eagle3nb import drafts
 from eagle3nb.drafts import DraftMismatchError, check_fits, load_draft
 from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.drafts.eagle3.model import MLA_KEYS, Eagle3Config, Eagle3Draft
@@ -101,11 +102,30 @@ def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config
                                         if getattr(P, "parallel_drafting", False) else None)
 
 
-def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
+def fresh_draft(P, data) -> Any:
+    """A new draft of ``P.method`` shaped by its package (``fresh``) on the target's embedding and head; its
+    vocabulary must be the data's, whose target distributions the loss reads."""
+    meta = data.meta
+    tc = target_config(meta)
+    if not tc:
+        raise DraftMismatchError(f"cannot read the target's config.json at {meta.get('model_path')!r} to shape a "
+                                 f"fresh {P.method} draft")
+    model = drafts.get(P.method).fresh(P, meta, tc, data.embed_tokens(), data.lm_head())
+    if model.config.draft_vocab_size != data.d2t.shape[0]:
+        raise DraftMismatchError(
+            f"method {P.method} drafts over the target's whole vocabulary ({model.config.draft_vocab_size} ids) but "
+            f"the data {P.data_path} holds distributions over a draft vocabulary of {data.d2t.shape[0]}: re-run "
+            f"02_hidden_states with draft_vocab_size: {model.config.draft_vocab_size}")
+    return model
+
+
+def build_draft(P, data) -> tuple[Any, dict[str, Any]]:
     """(draft in float32 on CPU, notes for metrics.json). Fresh drafts start from the target's embedding and
     the target's lm_head rows for the draft vocabulary, so step 0 already speaks the target's language."""
     meta = data.meta
     d2t, t2d = data.d2t, data.t2d
+    if P.init_path is None and drafts.get(P.method).fresh is not None:
+        return fresh_draft(P, data), {"init": "fresh"}
     if P.init_path is None:
         torch.manual_seed(P.seed)
         model = Eagle3Draft(fresh_config(P, meta, d2t.shape[0]))
@@ -115,7 +135,10 @@ def build_draft(P, data) -> tuple[Eagle3Draft, dict[str, Any]]:
             model.lm_head.weight.copy_(data.lm_head()[d2t + torch.arange(d2t.shape[0])])
         return model, {"init": "fresh"}
     init = P.init_path
-    model = load_draft(init, embed_tokens=data.embed_tokens())
+    model = load_draft(init, embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
+    if drafts.of(model).name != P.method:
+        raise DraftMismatchError(f"init_from: checkpoint {init} is a {drafts.of(model).title} draft, but method is "
+                                 f"{P.method}: set method: {drafts.of(model).name} to fine-tune it")
     check_fits(model.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
                layer_ids=meta["layer_ids"], num_layers=meta.get("num_layers"),
                draft=f"checkpoint {init}", data=f"hidden states {P.data_path}")

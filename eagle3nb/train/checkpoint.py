@@ -13,7 +13,7 @@ import torch
 
 from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.params import StageError
-from eagle3nb.train.params import CURVE_KEYS, TrainParams
+from eagle3nb.train.params import BLOCK_KEYS, CURVE_KEYS, TrainParams
 
 
 class ResumeMismatch(StageError, ValueError):
@@ -36,6 +36,9 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
             del cfg[key]
     if P.loss != "lk_lambda":
         del cfg["lk_eta"]  # only lk_lambda reads it
+    if cfg["method"] == "eagle3":  # every run before block drafters existed, which their settings do not shape
+        for key in ("method", *BLOCK_KEYS):
+            del cfg[key]
     cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
     cfg["global_micro_batches"] = P.grad_accum * world

@@ -13,42 +13,48 @@ from eagle3nb import drafts
 from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.progress import write_json_atomic
 from eagle3nb.train.params import TrainParams
-from eagle3nb.vllm_config import eagle3_spec
+from eagle3nb.vllm_config import draft_spec
 
 
 def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]:
-    """Write ``draft/`` (EAGLE-3 layout, vLLM ids), ``draft-sglang/`` (same weights, SGLang's output-of-layer
-    ids) and, on request, ``draft-speculators/`` (naming ``verifier``, the target); print the serving flags."""
+    """Write ``draft/`` (the layout vLLM serves: its algorithm's first, with vLLM's layer ids), ``draft-sglang/``
+    (same weights, SGLang's output-of-layer ids) where the algorithm has an SGLang layout and, on request,
+    ``draft-speculators/`` (naming ``verifier``, the target); print the serving flags."""
     out = P.stage_dir
     dtype = getattr(torch, P.export_dtype)
     draft = draft.to("cpu").eval()
+    method = drafts.of(draft)
     paths: dict[str, Any] = {}
     k = P.num_speculative_tokens
     if P.export_format in ("eagle3", "both"):
-        vllm_dir = drafts.of(draft).save(draft, out / "draft", dtype=dtype, include_embed=P.export_embed_tokens)
-        sglang_dir = out / "draft-sglang"
-        sglang_dir.mkdir(exist_ok=True)
-        weights = sglang_dir / "model.safetensors"
-        weights.unlink(missing_ok=True)
-        os.link(vllm_dir / "model.safetensors", weights)
-        write_json_atomic(sglang_dir / "config.json", drafts.of(draft).config_json(draft, "sglang", dtype))
-        paths.update(draft_dir=str(vllm_dir), sglang_draft_dir=str(sglang_dir))
+        vllm_dir = method.save(draft, out / "draft", format=method.layouts[0], dtype=dtype,
+                               include_embed=P.export_embed_tokens)
+        paths["draft_dir"] = str(vllm_dir)
+        if "sglang" in method.layouts:
+            sglang_dir = out / "draft-sglang"
+            sglang_dir.mkdir(exist_ok=True)
+            weights = sglang_dir / "model.safetensors"
+            weights.unlink(missing_ok=True)
+            os.link(vllm_dir / "model.safetensors", weights)
+            write_json_atomic(sglang_dir / "config.json", method.config_json(draft, "sglang", dtype))
+            paths["sglang_draft_dir"] = str(sglang_dir)
     if P.export_format in ("speculators", "both"):
-        paths["speculators_dir"] = str(drafts.of(draft).save(draft, out / "draft-speculators", format="speculators",
-                                                  dtype=dtype, include_embed=P.export_embed_tokens,
-                                                  verifier=verifier, num_speculative_tokens=k))
-    paths["serve"] = serve_commands(paths, k, eagle31=[key for key in EAGLE31_KEYS if getattr(draft.config, key)])
+        paths["speculators_dir"] = str(method.save(draft, out / "draft-speculators", format="speculators",
+                                                   dtype=dtype, include_embed=P.export_embed_tokens,
+                                                   verifier=verifier, num_speculative_tokens=k))
+    paths["serve"] = serve_commands(paths, k, method.name,
+                                    eagle31=[key for key in EAGLE31_KEYS if getattr(draft.config, key, False)])
     for line in paths["serve"].values():
         print(line, flush=True)
     return paths
 
 
-def serve_commands(paths: dict[str, Any], k: int, eagle31: list[str]) -> dict[str, str]:
-    """The flags that serve the exported draft beside its target; for an EAGLE-3.1 draft (``eagle31``: its keys
-    that are on) what an SGLang without them would do with it."""
+def serve_commands(paths: dict[str, Any], k: int, method: str, eagle31: list[str]) -> dict[str, str]:
+    """The flags that serve the exported draft (of ``method``) beside its target; for an EAGLE-3.1 draft
+    (``eagle31``: its keys that are on) what an SGLang without them would do with it."""
     cmds = {}
     vllm_dir = paths.get("draft_dir") or paths.get("speculators_dir")
-    spec = json.dumps(eagle3_spec(vllm_dir, k))  # a parallel-drafting draft's with parallel_drafting on
+    spec = json.dumps(draft_spec(vllm_dir, k, method))  # a parallel-drafting draft's with parallel_drafting on
     cmds["vllm"] = f"vllm serve <target> --speculative-config '{spec}'"
     if paths.get("sglang_draft_dir"):
         cmds["sglang"] = (f"python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "

@@ -66,8 +66,9 @@ class Metrics:
 
 
 def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
-    """stats [4, steps] (loss sum, loss positions, correct, acceptance positions) -> loss, per-step accuracy
-    and the simulated acceptance length 1 + sum_i prod_{j<=i} acc_j (formulas.tau_from_conditional)."""
+    """stats [4, steps] (loss sum, loss positions, correct, acceptance positions) -> loss (step i weighed
+    ``decay``**i), per-step accuracy (a block drafter's: per block position) and the simulated acceptance length
+    1 + sum_i prod_{j<=i} acc_j (formulas.tau_from_conditional)."""
     loss_i = (stats[0] / stats[1].clamp(min=1)).tolist()
     acc = (stats[2] / stats[3].clamp(min=1)).tolist()
     return {"loss": sum(decay ** i * x for i, x in enumerate(loss_i)), "step_loss": loss_i, "acc": acc,
@@ -77,15 +78,16 @@ def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate(objective: torch.nn.Module, data, batches: list[list[int]], P: TrainParams, device: torch.device,
              rank: int = 0, world: int = 1, targets: DeviceTargets | None = None) -> dict[str, Any]:
-    """Held-out loss, per-step accuracy (draft argmax == target argmax) and simulated acceptance length."""
+    """Held-out loss, per-step accuracy (draft argmax == target argmax) and simulated acceptance length; ``acc_by``
+    names the steps (the objective's ``unit``: TTT step, or block position for a block drafter)."""
     was = objective.training
     objective.eval()
-    stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
+    stats = torch.zeros(4, objective.steps, dtype=torch.float64, device=device)
     for mb in batches[rank::world]:
         with autocast_for(P.autocast, device):
             stats += objective(collate(data, mb, P.max_length, device, targets))[1]
     objective.train(was)
-    return summarize(all_reduce(stats, world).cpu(), P.step_decay)
+    return {**summarize(all_reduce(stats, world).cpu(), objective.decay), "acc_by": objective.unit}
 
 
 def data_seen(plan, lengths: list[int], max_length: int) -> list[dict[str, int]]:
@@ -99,11 +101,12 @@ def data_seen(plan, lengths: list[int], max_length: int) -> list[dict[str, int]]
 
 
 def accumulate(model, data, targets, mine: list[list[int]], P: TrainParams, device: torch.device, rank: int,
-                world: int) -> tuple[torch.Tensor, torch.Tensor]:
+                world: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over this process's micro-batches of one optimizer step (gradients synced across
     processes on the last one): the summed TTT stats, and a per-micro-batch flag of a non-finite loss over the
-    global step's micro-batches (this process's slots filled)."""
-    stats = torch.zeros(4, P.ttt_steps, dtype=torch.float64, device=device)
+    global step's micro-batches (this process's slots filled). ``steps``: the objective's stats columns (TTT steps,
+    or a block drafter's block positions)."""
+    stats = torch.zeros(4, steps, dtype=torch.float64, device=device)
     bad = torch.zeros(P.grad_accum * world, device=device)
     for j, mb in enumerate(mine):
         batch = collate(data, mb, P.max_length, device, targets)
@@ -245,7 +248,8 @@ class Trainer:
         stops the run, naming the step and the micro-batch's samples."""
         P, rank, world = self.P, self.rank, self.world
         mine = global_mbs[rank * P.grad_accum:(rank + 1) * P.grad_accum]
-        stats, bad = accumulate(self.model, self.data, self.targets, mine, P, self.device, rank, world)
+        stats, bad = accumulate(self.model, self.data, self.targets, mine, P, self.device, rank, world,
+                                self.objective.steps)
         tokens = sum(min(lay.lengths[i], P.max_length) for mb in mine for i in mb)
         if all_reduce(bad, world).any():
             k = int(bad.nonzero()[0])
@@ -257,7 +261,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return summarize(all_reduce(stats, world).cpu(), P.step_decay), grad_norm, tokens
+        return summarize(all_reduce(stats, world).cpu(), self.objective.decay), grad_norm, tokens
 
 
 class Curve:

@@ -31,6 +31,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def acc_unit(evals: list[dict[str, Any]]) -> str:
+    """What the evaluations' ``acc`` entries are per: TTT step (EAGLE-3, and runs from before ``acc_by``), or a
+    block drafter's block position."""
+    return evals[-1].get("acc_by", "TTT step") if evals else "TTT step"
+
+
 def plot_metrics(rows: list[dict[str, Any]] | str | Path, fig=None):
     """Two panels from metrics.jsonl rows (or its folder): train/held-out loss, and held-out acceptance
     length with per-step accuracy of the last evaluation."""
@@ -46,15 +52,16 @@ def plot_metrics(rows: list[dict[str, Any]] | str | Path, fig=None):
     ax1, ax2, ax3 = fig.subplots(1, 3)
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
     ax1.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out")
-    ax1.set(xlabel="step", ylabel="TTT loss (weighted over the steps)", title="loss")
+    ax1.set(xlabel="step", ylabel="loss (weighted over the steps)", title="loss")
     ax1.legend()
     ax2.plot([r["step"] for r in evals], [r["acceptance_length"] for r in evals], "o-", color="C2")
     ax2.set(xlabel="step", ylabel="tokens per verify step", title="held-out simulated acceptance length")
+    unit = acc_unit(evals)
     if evals:
         acc = evals[-1]["acc"]
         ax3.bar(range(len(acc)), acc, color="C3")
         ax3.set_ylim(0, 1)
-    ax3.set(xlabel="draft step i", ylabel="accuracy", title="held-out accuracy per TTT step")
+    ax3.set(xlabel=f"{unit} i", ylabel="accuracy", title=f"held-out accuracy per {unit}")
     fig.tight_layout()
     return fig
 
@@ -74,12 +81,14 @@ def plot_positions(rows: list[dict[str, Any]] | str | Path, best_step: int | Non
     ax = fig.subplots()
     steps = [r["step"] for r in evals]
     for i in range(len(evals[0]["acc"]) if evals else 0):
-        ax.plot(steps, [r["acc"][i] for r in evals], "o-", ms=3, color=f"C{i % 10}", label=f"position {i + 1}")
+        ax.plot(steps, [r["acc"][i] for r in evals], "o-", ms=3, color=f"C{i % 10}",
+                label=f"{'block ' if acc_unit(evals) == 'block position' else ''}position {i + 1}")
     if best_step is not None:
         ax.axvline(best_step, color="gray", ls="--", lw=1, label=f"best (step {best_step}): draft/")
     ax.set_ylim(0, 1)
+    by = "block position" if acc_unit(evals) == "block position" else "draft position"
     ax.set(xlabel="step", ylabel="held-out acceptance (given the earlier positions)",
-           title="held-out acceptance by draft position")
+           title=f"held-out acceptance by {by}")
     if evals:
         ax.legend(fontsize=7, loc="lower right", ncol=2)
     fig.tight_layout()
@@ -181,8 +190,9 @@ def heldout_table(metrics: dict[str, Any]):
     import pandas as pd
 
     before, after = metrics["initial_heldout"], metrics["heldout"]
+    unit = acc_unit([after]).replace("TTT step", "draft step")
     return pd.DataFrame({"before": before["acc"], "after": after["acc"]},
-                        index=pd.Index(range(len(after["acc"])), name="draft step")).T.assign(
+                        index=pd.Index(range(len(after["acc"])), name=unit)).T.assign(
         acceptance_length=[before["acceptance_length"], after["acceptance_length"]])
 
 

@@ -138,6 +138,8 @@ class BlockObjective(nn.Module):
     Training draws anchors from torch's global generator (a resumed run restores it); evaluation uses every
     candidate anchor up to ``anchors_per_seq`` drawn from a fixed seed, so held-out numbers repeat."""
 
+    unit = "block position"  # what 03's report calls the stats' columns
+
     def __init__(self, draft: DFlashDraft, anchors_per_seq: int, loss: str, weighting: str, gamma: float,
                  dpace_alpha: float, confidence_weight: float):
         super().__init__()

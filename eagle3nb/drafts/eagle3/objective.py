@@ -80,6 +80,8 @@ def with_target(i: int, T: int) -> int:
 class TTTObjective(nn.Module):
     """Wraps the draft so one ``forward`` = the whole unroll (one DDP call per micro-batch)."""
 
+    unit = "TTT step"  # what 03's report calls the stats' columns
+
     def __init__(self, draft: Eagle3Draft, steps: int, decay: float, loss: str = "forward_kl", eta: float = 3.0):
         super().__init__()
         if loss not in LOSSES:
