@@ -512,9 +512,13 @@ def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_i
     """``SpecDecoder`` with the trained block drafter (k = its block's drafts): greedy output equal to the target's
     own, some drafts accepted; 04's offline simulation (the method's ``chain_acceptance`` on the target's states of
     that output, then ``simulate_rounds``) replays the decode's accepted count round by round, and 04's offline
-    acceptance reports one rate per block position, its first near 03's held-out accuracy there."""
+    acceptance reports one rate per block position, its first near 03's held-out accuracy there; its predicted
+    speedup charges one draft forward per block."""
     from eagle3nb import drafts
+    from eagle3nb.accept.local import measure_costs
     from eagle3nb.accept.offline import offline_acceptance, simulate_rounds
+    from eagle3nb.accept.predict import predict
+    from eagle3nb.drafts import one_forward_per_round
     from eagle3nb.spec.batch import SpecDecoder
     from eagle3nb.spec.reference import plain_generate
 
@@ -544,6 +548,11 @@ def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_i
     # measured 0.54 vs 0.57 (dflash), 0.77 vs 0.80 (dspark)
     assert len(offline["per_position"]) == k
     assert abs(offline["per_position"][0] - staged(method)[1]["best"]["acc"][0]) < 0.15
+    # 04's prediction charges one draft forward (the block's, timed by the method's step_timer) per round
+    costs = measure_costs(target, draft, k, context=64, repeats=3)
+    pred = predict(offline["acceptance_length"], k, costs["cost_ratio"], costs["overhead"],
+                   one_forward_per_round(draft))
+    assert pred["speedup"] == offline["acceptance_length"] / (1 + costs["cost_ratio"] + costs["overhead"])
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])

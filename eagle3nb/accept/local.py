@@ -18,6 +18,7 @@ from eagle3nb.accept.params import AcceptParams
 from eagle3nb.accept.predict import round_costs
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.stream import Template
+from eagle3nb.drafts import one_forward_per_round
 from eagle3nb.progress import Progress
 from eagle3nb.spec.batch import SpecDecoder
 from eagle3nb.spec.reference import plain_generate
@@ -64,7 +65,7 @@ def run_local(P: AcceptParams, target, draft, tokenizer) -> dict[str, Any]:
             res = compare_with_plain(target, draft, prompts, P.k, P.max_tokens, 0.0, eos, P.seed, prog)
             forward = measure_costs(target, draft, P.k, context=min(256, max(len(p) for p in prompts) + P.max_tokens))
         prog.close()
-        res["costs"] = round_costs(res, forward, P.k, parallel=draft.config.mask_token_id is not None)
+        res["costs"] = round_costs(res, forward, P.k, parallel=one_forward_per_round(draft))
         return res
 
     local = cached(P.stage_dir / "local.json", config, work)

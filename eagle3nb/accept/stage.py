@@ -22,6 +22,7 @@ from eagle3nb.accept.online import baseline_label, probe_endpoints, run_online
 from eagle3nb.accept.params import STAGE, AcceptParams
 from eagle3nb.accept.predict import prediction
 from eagle3nb.accept.report import save_figures
+from eagle3nb.drafts import one_forward_per_round
 from eagle3nb.progress import write_json_atomic
 
 
@@ -36,7 +37,7 @@ def run(P: AcceptParams) -> dict[str, Any]:
     offline = run_offline(P, draft, tokenizer)
     local = run_local(P, target, draft, tokenizer) if P.local_prompts else None
     benchmarks = run_benchmarks(P, target, draft)
-    pred = prediction(P, offline, local, parallel=draft.config.mask_token_id is not None)
+    pred = prediction(P, offline, local, parallel=one_forward_per_round(draft))
     del target, draft  # the benchmark's servers load their own
     context = context_check(P)
     online = run_online(P)

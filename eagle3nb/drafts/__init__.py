@@ -40,7 +40,8 @@ from typing import Any
 
 from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, check_fits
 
-__all__ = ["METHODS", "DraftMethod", "DraftMismatchError", "check_fits", "get", "load_draft", "method_of", "of"]
+__all__ = ["METHODS", "DraftMethod", "DraftMismatchError", "check_fits", "get", "load_draft", "method_of", "of",
+           "one_forward_per_round"]
 
 # method name -> the package whose METHOD it is; the first claims a config.json before the others.
 METHODS = {
@@ -60,6 +61,12 @@ def get(name: str) -> DraftMethod:
 def of(model: Any) -> DraftMethod:
     """The algorithm of a draft model (its ``method`` attribute)."""
     return get(model.method)
+
+
+def one_forward_per_round(model: Any) -> bool:
+    """Whether the draft proposes a round's tokens in one forward (a P-EAGLE draft's mask slots, a block drafter's
+    block: both have a ``mask_token_id``), so 04 and the doctor charge one draft forward per round, not k."""
+    return getattr(model.config, "mask_token_id", None) is not None
 
 
 def method_of(config: dict[str, Any], where: str = "config.json") -> DraftMethod:

@@ -230,7 +230,7 @@ def chance_acceptance(data) -> float:
 
 def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     from eagle3nb.accept.offline import offline_acceptance
-    from eagle3nb.drafts import load_draft
+    from eagle3nb.drafts import load_draft, one_forward_per_round
     from eagle3nb.hf import compute_device
 
     drafts = [d for label, d in ctx.drafts if label == "draft"]
@@ -246,7 +246,7 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.specials.segments)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])
-    gain = speedup(tau, SANITY_K, TYPICAL_COST_RATIO, TYPICAL_OVERHEAD, parallel=model.config.mask_token_id is not None)
+    gain = speedup(tau, SANITY_K, TYPICAL_COST_RATIO, TYPICAL_OVERHEAD, parallel=one_forward_per_round(model))
     details = {"per_position": res["per_position"], "acceptance_length": tau, "chance": chance,
                "predicted_speedup": gain, "samples": len(data), "draft": str(drafts[0])}
     measured = (f"{len(data)} held-out samples, greedy k={SANITY_K}: first-token acceptance {a0:.1%} "
