@@ -396,7 +396,12 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
 
 STAGE = dict(run_name="test", block_size=BLOCK, num_layers=2, anchors_per_seq=64, max_length=256, batch_tokens=400,
              lr=5e-3, warmup_ratio=0.05, max_steps=100, eval_every=50, save_every=50, holdout_fraction=0.2, seed=0,
-             export_format="both", num_speculative_tokens=3)
+             export_format="both")
+
+
+def stage_method(method: str) -> dict:
+    """03's method and the vLLM k its block drafts (DFlash: the block less its anchor; DSpark: the block)."""
+    return {"method": method, "num_speculative_tokens": BLOCK - (method == "dflash")}
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +427,7 @@ def staged(one_thread, stage_data, tmp_path_factory):
     def get(method: str):
         if method not in done:
             out = tmp_path_factory.mktemp(method)
-            metrics = run(from_dict("03_train", {**STAGE, "method": method, "data_dir": str(stage_data),
+            metrics = run(from_dict("03_train", {**STAGE, **stage_method(method), "data_dir": str(stage_data),
                                                  "output_dir": str(out)}))
             draft = load_draft(out / "draft", embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
             done[method] = out, metrics, draft
@@ -495,7 +500,8 @@ def test_a_killed_block_drafter_run_resumes_exactly(staged, stage_data, tmp_path
     again = tmp_path / "again"
     shutil.copytree(out, again)
     checkpoints(again / "checkpoints")[-1].unlink()
-    run(from_dict("03_train", {**STAGE, "method": "dflash", "data_dir": str(stage_data), "output_dir": str(again)}))
+    run(from_dict("03_train", {**STAGE, **stage_method("dflash"), "data_dir": str(stage_data),
+                               "output_dir": str(again)}))
 
     def curve(folder: Path) -> list[float]:
         return [r["loss"] for r in read_metrics(folder) if r["kind"] == "train"]

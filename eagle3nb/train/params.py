@@ -114,7 +114,7 @@ class TrainParams(StageParams):
                                                  "acceptance grows (the paper's best: 3)")
     block_size: int = Field(8, ge=2, description="dflash / dspark: block slots per draft forward (the anchor then "
                                                  "masks); DFlash drafts block_size-1 tokens a round, DSpark "
-                                                 "block_size (num_speculative_tokens at most that)")
+                                                 "block_size: num_speculative_tokens must be that")
     anchors_per_seq: int = Field(512, ge=1, description="dflash / dspark: blocks trained per sequence, anchored at "
                                                         "random generated tokens (all of them when fewer)")
     block_loss: Literal["kl", "ce"] = Field("kl", description="dflash / dspark: per slot KL to the target's "
@@ -169,10 +169,10 @@ class TrainParams(StageParams):
             raise ValueError(f"parallel_drafting exports vLLM's eagle3 layout (mask_token_id + mask_hidden) only: set "
                              f"export_format: eagle3, not {self.export_format}")
         if self.method != "eagle3":
-            most = self.block_size - (self.method == "dflash")
-            if self.num_speculative_tokens > most:
-                raise ValueError(f"method {self.method}: a block of {self.block_size} drafts {most} tokens, so "
-                                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be at most {most}")
+            n = self.block_size - (self.method == "dflash")
+            if self.num_speculative_tokens != n:  # vLLM sizes the block it runs by num_speculative_tokens
+                raise ValueError(f"method {self.method}: a block of {self.block_size} drafts {n} tokens, so "
+                                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be {n}")
             if self.parallel_drafting or self.draft_attention != "llama":
                 raise ValueError(f"parallel_drafting and draft_attention shape an EAGLE-3 draft; method "
                                  f"{self.method} has its own (leave them at false / llama)")

@@ -40,14 +40,16 @@ class ContextCache:
 class BlockDrafting:
     """A block drafter's step for rows sharing one ``PaddedKV`` of context features (``eagle3nb.drafts.base.
     Drafting``): each round the row's pending target states join its context, then one forward drafts a block
-    from its anchor (the last verified token) and the round proposes its first ``k`` drafts (at most the block's
-    ``drafts_per_block``). DSpark draws left to right, each slot biased by the token drawn before it."""
+    from its anchor (the last verified token) and the round proposes its ``k`` drafts (the block's
+    ``drafts_per_block``: vLLM sizes the block it runs by k). DSpark draws left to right, each slot biased by the
+    token drawn before it."""
 
     def __init__(self, draft: DFlashDraft, k: int, device: torch.device):
-        most = draft.config.drafts_per_block
-        if k > most:
-            raise DraftMismatchError(f"k = {k} drafted tokens a round, but a block of {draft.config.block_size} "
-                                     f"drafts {most}: use k <= {most}")
+        n = draft.config.drafts_per_block
+        if k != n:  # vLLM sizes the block by k (DFlash: the anchor + k masks): another k is another block
+            raise DraftMismatchError(f"k = {k} drafted tokens a round, but this {draft.method} draft's block of "
+                                     f"{draft.config.block_size} drafts {n}: use k = {n} (vLLM's "
+                                     "num_speculative_tokens)")
         self.draft, self.k, self.device = draft, k, device
         self.first = 0 if draft.config.sample_from_anchor else 1  # the block slot of the first drafted token
 
@@ -75,7 +77,7 @@ class BlockDrafting:
         anchors = pend_ids.gather(1, (pend_n - 1)[:, None])  # shape: [B, 1]
         # 2. One forward drafts every row's block.
         logits = model.logits(model(ctx, anchors, length[:, None], ctx_valid=valid))[:, 0]  # shape: [B, S, V]
-        logits = logits[:, self.first:self.first + self.k].float()  # shape: [B, k, V]
+        logits = logits[:, self.first:].float()  # shape: [B, k, V]
         toks, qs = [], [[] for _ in rows]
         prev = anchors[:, 0]  # shape: [B]
         for j in range(self.k):
