@@ -158,10 +158,12 @@ def test_position_weights_decay_and_dpace():
 
 @pytest.mark.parametrize("markov_rank", [0, 8], ids=["dflash", "dspark"])
 def test_exports_load_back_exactly_in_both_layouts(tmp_path, target, target_config, markov_rank):
-    """Both layouts hold the same tensors (the target's embedding and head left out) and load back to the same
-    drafter: every parameter, and its blocks' logits."""
+    """Both layouts hold the same tensors (the target's embedding and head left out), are claimed by this method
+    alone among the registered ones (EAGLE-3's included), and load back to the same drafter: every parameter, and
+    its blocks' logits."""
     from safetensors.torch import load_file
 
+    from eagle3nb.drafts import METHODS, get
     from eagle3nb.drafts.dflash.layouts import TARGET_TENSORS, load_draft, save_draft
 
     m = drafter(target, target_config, markov_rank)
@@ -178,6 +180,9 @@ def test_exports_load_back_exactly_in_both_layouts(tmp_path, target, target_conf
         with torch.no_grad():
             args = (torch.tensor([[5, 7]]), torch.tensor([[3, 8]]))
             assert torch.equal(back(back.context(ctx_aux), *args), m(m.context(ctx_aux), *args))
+    for layout in ("vllm", "speculators"):  # exactly one registered method reads each config: this one
+        config = json.loads((tmp_path / layout / "config.json").read_text())
+        assert [name for name in METHODS if get(name).claims(config)] == [m.method]
     cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert cfg["architectures"] == [{0: "DFlashDraftModel", 8: "Qwen3DSparkModel"}[markov_rank]]
     assert cfg["dflash_config"] == {"mask_token_id": m.config.mask_token_id, "block_size": BLOCK, "causal": False,
