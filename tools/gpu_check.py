@@ -724,7 +724,7 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/train/loop.py Trainer"),
     CudaPath("train_recipes", check_train_recipes,
              ("eagle3nb/train/loop.py", "eagle3nb/drafts/eagle3/objective.py", "eagle3nb/train/optim.py",
-              "eagle3nb/drafts/eagle3/model.py"),
+              "eagle3nb/drafts/eagle3/model.py", "eagle3nb/drafts/eagle3/cache.py"),
              "see eagle3nb/train/loop.py Trainer"),
     CudaPath("online_source", check_online_source, ("eagle3nb/hidden/online.py", "eagle3nb/train/sources.py"),
              "see eagle3nb/hidden/online.py OnlineStates"),
