@@ -101,7 +101,9 @@ def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFl
 
 def save(model: DFlashDraft, path: str | Path, layout: str = "vllm", dtype: torch.dtype | None = None,
          verifier: str | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in ``layout``, without the target's embedding and head."""
+    """Write ``config.json`` + ``model.safetensors`` in ``layout``, without the target's embedding and head.
+    ``verifier`` (the target's path or hub id) is where speculators reloads them from: without it, it leaves both
+    NaN."""
     from safetensors.torch import save_file
 
     path = Path(path)
