@@ -155,7 +155,8 @@ def measure_modules(T: int) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from eagle3nb.drafts.eagle3.model import Eagle3Draft, TTTCache
+    from eagle3nb.drafts.eagle3.cache import TTTCache
+    from eagle3nb.drafts.eagle3.model import Eagle3Draft
 
     cfg = kimi_config()
     with torch.device("meta"):

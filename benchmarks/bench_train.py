@@ -36,7 +36,7 @@ from eagle3nb.drafts.eagle3.objective import TTTObjective
 
 H, HEADS, HEAD_DIM, INTER, V, VD, STEPS, B, T = 512, 8, 64, 1536, 32000, 8192, 7, 2, 512
 GOAL = 0.6
-STEP0_CAUSAL = False  # draft._sdpa passes step 0 an explicit causal mask: the flash kernel scores the full square
+STEP0_CAUSAL = False  # cache.sdpa passes step 0 an explicit causal mask: the flash kernel scores the full square
 # Per (position, draft-vocab entry) and TTT step, forward: max, subtract, exp, sum (logsumexp), multiply-add with
 # the target probabilities; backward: exp, scale, subtract, scale. ~10 element-wise FLOPs.
 VOCAB_FLOPS = 10

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3nb.drafts import DraftMismatchError, check_fits, load_draft
+from eagle3nb.drafts.eagle3.cache import DraftCache, TTTCache
 from eagle3nb.drafts.eagle3.layouts import save_draft
-from eagle3nb.drafts.eagle3.model import DraftCache, Eagle3Config, Eagle3Draft, TTTCache
+from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 
 H, V, VD, T = 32, 50, 20, 12
 # The draft variants every decoding test holds: Llama attention, DeepSeek's latent attention with and without a

@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.drafts import load_draft
+from eagle3nb.drafts.eagle3.cache import TTTCache
 from eagle3nb.drafts.eagle3.layouts import draft_config_json, save_draft
-from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft, TTTCache
+from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 from eagle3nb.families import is_mla
 from eagle3nb.layers import default_aux_layer_ids
 from eagle3nb.params import from_dict

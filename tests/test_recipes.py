@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from test_draft import MLA, T, inputs, tiny_draft
 
 from eagle3nb.drafts import load_draft
+from eagle3nb.drafts.eagle3.cache import DraftCache, TTTCache
 from eagle3nb.drafts.eagle3.layouts import save_draft
-from eagle3nb.drafts.eagle3.model import DraftCache, TTTCache
 
 from worlds import requires_vllm
 

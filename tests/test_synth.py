@@ -164,6 +164,19 @@ def test_server_ids_are_used_and_compared_with_the_template(tpl):
     # a server that leaves the sampled end-of-turn out of token_ids still gets it in the stream
     got = build(tpl, messages, "two plus two", "4", "stop", prompt_ids, completion_ids[:-1])
     assert got["input_ids"] == ref["input_ids"]
+    # vLLM's finish for a turn its tool parser read (tool_choice auto) ends the turn the same way
+    called = build(tpl, messages, "two plus two", "4", "tool_calls", prompt_ids, completion_ids[:-1])
+    assert called["input_ids"] == ref["input_ids"]
+
+
+def test_a_turn_that_ends_in_tool_calls_is_a_kept_answer():
+    from eagle3nb.synth.session import answer_status
+
+    assert answer_status(True, "tool_calls", "because") == answer_status(True, "stop", "because") == "ok"
+    assert answer_status(False, "tool_calls", None) == "ok"
+    assert answer_status(True, "tool_calls", None) == "no_reasoning"
+    assert answer_status(False, "content_filter", None) == "error"
+    assert answer_status(False, "length", None) == "truncated"
 
 
 def test_story_bug_naive_concatenation_is_not_the_stream(tpl):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft, TTTCache
+from eagle3nb.drafts.eagle3.cache import TTTCache
+from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 from eagle3nb.drafts.eagle3.objective import TTTObjective
 
 V, VD, STEPS, DECAY = 96, 40, 4, 0.8

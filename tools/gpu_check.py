@@ -12,7 +12,7 @@ the stages' own functions do the work. Library output and tracebacks go to ``out
 The CUDA paths (where the code picks or follows a device), and what each check compares:
 
 - ``cuda_device``: torch sees the GPU (nvidia-smi lists one but a CPU build of torch cannot use it: FAIL).
-- ``ttt_attention``: ``draft.TTTCache.attend`` takes fused ``scaled_dot_product_attention`` with a block mask
+- ``ttt_attention``: ``cache.TTTCache.attend`` takes fused ``scaled_dot_product_attention`` with a block mask
   on CUDA (``dense=None`` -> ``q.is_cuda``): fused vs element-wise on cuda vs the CPU fp32 element-wise
   reference, fp32 (rel. error <= 1e-5) and bf16 (<= 2e-2: bf16 keeps 8 bits, one rounding is 3.9e-3).
 - ``hidden_transformers``: 02 ``hidden.stage.run`` (``hf.load_target`` with ``device_map="auto"``, dtype
@@ -315,7 +315,7 @@ def check_cuda_device(w: World) -> str:
 def check_ttt_attention(w: World) -> str:
     import torch
 
-    from eagle3nb.drafts.eagle3.model import TTTCache
+    from eagle3nb.drafts.eagle3.cache import TTTCache
 
     g = torch.Generator().manual_seed(0)
     B, nh, T, d, steps = 2, 4, 384, 32, 4
@@ -333,7 +333,7 @@ def check_ttt_attention(w: World) -> str:
             ("fused bf16", rel(fused16, ref), 2e-2), ("element-wise bf16", rel(elem16, ref), 2e-2)]
     measured = ", ".join(within(n, e, lim) for n, e, lim in errs) + f" (vs CPU fp32, {steps} TTT steps, T={T})"
     expect(all(e <= lim for _, e, lim in errs), measured,
-           "fix TTTCache.attend in eagle3nb/drafts/eagle3/model.py: its fused (dense) path must equal the "
+           "fix TTTCache.attend in eagle3nb/drafts/eagle3/cache.py: its fused (dense) path must equal the "
            "element-wise one")
     return expect(torch.equal(default, fused16), measured + "; the cuda default is NOT the fused path",
                   "TTTCache(dense=None) must take the fused path on CUDA (long sequences do not fit otherwise)")
@@ -711,8 +711,8 @@ class CudaPath:
 
 PATHS: list[CudaPath] = [
     CudaPath("cuda_device", check_cuda_device, (), "install a CUDA build of torch in .venv"),
-    CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/drafts/eagle3/model.py",),
-             "see eagle3nb/drafts/eagle3/model.py TTTCache"),
+    CudaPath("ttt_attention", check_ttt_attention, ("eagle3nb/drafts/eagle3/cache.py",),
+             "see eagle3nb/drafts/eagle3/cache.py TTTCache"),
     CudaPath("hidden_transformers", check_hidden_transformers,
              ("eagle3nb/hf.py", "eagle3nb/hidden/extract.py", "eagle3nb/hidden/capture.py", "eagle3nb/data/head.py",
               "eagle3nb/hidden/params.py"), "see eagle3nb/hf.py load_target and eagle3nb/hidden/extract.py"),
@@ -724,7 +724,7 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/train/loop.py Trainer"),
     CudaPath("train_recipes", check_train_recipes,
              ("eagle3nb/train/loop.py", "eagle3nb/drafts/eagle3/objective.py", "eagle3nb/train/optim.py",
-              "eagle3nb/drafts/eagle3/model.py"),
+              "eagle3nb/drafts/eagle3/model.py", "eagle3nb/drafts/eagle3/cache.py"),
              "see eagle3nb/train/loop.py Trainer"),
     CudaPath("online_source", check_online_source, ("eagle3nb/hidden/online.py", "eagle3nb/train/sources.py"),
              "see eagle3nb/hidden/online.py OnlineStates"),

@@ -103,8 +103,8 @@ def build(tpl: Template | None, messages: list[dict], reasoning: str | None, con
     server = None
     if prompt_ids is not None and completion_ids is not None:
         completion = list(completion_ids)
-        # A stop at end-of-turn was sampled: keep it in the stream even if a server left it out of token_ids.
-        if (finish_reason == "stop" and tpl is not None and tpl.end_id is not None
+        # A stop at end-of-turn was sampled (after calls too): keep it in the stream even if a server left it out.
+        if (finish_reason in ("stop", "tool_calls") and tpl is not None and tpl.end_id is not None
                 and (not completion or completion[-1] != tpl.end_id)):
             completion.append(tpl.end_id)
         server = (list(prompt_ids), completion)

@@ -33,10 +33,11 @@ class SynthError(StageError):
 
 
 def answer_status(thinking: bool, finish_reason: str | None, reasoning: str | None) -> str:
-    """A stored answer's status from its finish reason (and, with thinking on, whether reasoning came back)."""
+    """A stored answer's status from its finish reason (and, with thinking on, whether reasoning came back). vLLM
+    ends a turn whose calls its tool parser read with ``tool_calls`` (``tool_choice: auto``), a complete answer."""
     if finish_reason == "length":
         return "truncated"
-    if finish_reason != "stop":
+    if finish_reason not in ("stop", "tool_calls"):
         return "error"
     return "no_reasoning" if thinking and not reasoning else "ok"
 

@@ -122,7 +122,8 @@ def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype
                include_embed: bool = False, verifier: str | None = None,
                num_speculative_tokens: int | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in ``format``. The target's embedding and head are never
-    written (``include_embed`` changes nothing): vLLM shares the target's, ``load_draft`` takes them."""
+    written (``include_embed`` changes nothing): vLLM shares the target's, ``load_draft`` takes them, and
+    speculators reloads them from ``verifier`` (the target's path or hub id): without it, it leaves both NaN."""
     from safetensors.torch import save_file
 
     path = Path(path)

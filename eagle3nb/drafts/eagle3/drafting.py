@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from eagle3nb.drafts.eagle3.model import DraftCache, Eagle3Draft
+from eagle3nb.drafts.eagle3.cache import DraftCache
+from eagle3nb.drafts.eagle3.model import Eagle3Draft
 from eagle3nb.spec.padded import PaddedKV, draft_mask
 from eagle3nb.spec.verify import Sampling, probs_at
 

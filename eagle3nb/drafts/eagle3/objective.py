@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from eagle3nb.drafts.eagle3.model import Eagle3Draft, TTTCache
+from eagle3nb.drafts.eagle3.cache import TTTCache
+from eagle3nb.drafts.eagle3.model import Eagle3Draft
 
 # 03's ``loss`` choices; forward_kl is EAGLE-3's soft cross-entropy (KL(p||q) + H(p): the same gradient), fused.
 LOSSES = ("forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda")

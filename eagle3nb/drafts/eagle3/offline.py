@@ -8,7 +8,7 @@ the per-position results into acceptance rates.
 from __future__ import annotations
 
 from eagle3nb.drafts.base import expected_acceptance
-from eagle3nb.drafts.eagle3.model import TTTCache
+from eagle3nb.drafts.eagle3.cache import TTTCache
 
 
 def chain_logits(draft, aux, input_ids, steps: int):
