@@ -626,3 +626,68 @@ def test_03_trains_a_block_drafter_online_as_from_stored_states(staged, stage_da
     accs = {name: torch.tensor([r["acc"] for r in rs if r["kind"] == "eval"]) for name, rs in rows.items()}
     assert torch.equal(accs["online"][0], accs["stored"][0]) and torch.allclose(accs["online"], accs["stored"],
                                                                                   atol=0.05)
+
+
+def test_04s_views_draw_a_block_drafters_rounds_as_blocks(staged, stage_data, target, toy_smoke, tmp_path):
+    """04's token views of a trained DFlash draft's rounds (its records carry the method's unit, block position):
+    local decoding's real rounds render exactly each round's accepted prefix as accepted and its first rejected
+    block position as rejected (the record's ``outcomes``), the target's token after a full block apart; the
+    offline record of the same output (the method's chains on the target's states) draws the same blocks where it
+    simulates rounds; the key and the static excerpt say block position."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from eagle3nb import drafts
+    from eagle3nb.accept import misses
+    from eagle3nb.accept.offline import position_record
+    from eagle3nb.families import detect
+    from eagle3nb.spec.batch import SpecDecoder
+
+    draft = staged("dflash")[2]
+    k, unit = draft.config.drafts_per_block, drafts.of(draft).unit
+    tok, family = AutoTokenizer.from_pretrained(toy_smoke), detect(toy_smoke)
+    dec = SpecDecoder(target, draft, k)
+    data, held = heldout(stage_data)
+    prompts, local, offline = [], {"outputs": [], "accepted_per_round": [], "drafted_per_round": []}, []
+    for i in held[:3]:
+        item = data[i]
+        prompt = item["input_ids"][item["loss_mask"] == 0].tolist()
+        out = dec.generate(prompt, 24)
+        prompts.append(prompt)
+        for key, value in zip(local, (out.tokens, out.accepted_per_round, out.drafted_per_round)):
+            local[key].append(value)
+        ids = torch.tensor(prompt + out.tokens)
+        with torch.no_grad():
+            states = target(input_ids=ids[None], output_hidden_states=True)
+        aux = torch.cat([states.hidden_states[j][0] for j in draft.config.aux_layer_ids], -1)
+        own = {"id": f"prompt-{len(offline)}", "aux": aux, "input_ids": ids,
+               "loss_mask": (torch.arange(len(ids)) >= len(prompt)).long()}
+        chains = drafts.of(draft).chain_acceptance(draft, own, states.logits[0].argmax(-1), None, k, 0.0)
+        offline.append(misses.with_pieces(position_record(own, chains, k, unit), tok, "offline", family))
+    records = [misses.with_pieces(r, tok, "local", family) for r in misses.local_records(prompts, local, None, unit)]
+
+    def marks(rec: dict) -> list[str | None]:
+        spans = re.findall(r'<span class="tv-role-[^"]*?(?: tv-mark-(\w+))?" data-id', misses.render_record(rec, k))
+        assert len(spans) == len(rec["ids"])
+        return [m or None for m in spans]
+
+    partial = 0
+    for rec, off in zip(records, offline):
+        assert rec["unit"] == off["unit"] == "block position"
+        want = [{1: "blk_ok", 0: "blk_miss"}.get(o) for o in misses.outcomes(rec)]
+        for p, n, _ in rec["rounds"]:
+            if n == k and p + n < len(want):
+                want[p + n] = "blk_full"
+            partial += 0 < n < k
+        shown = marks(rec)
+        assert shown == want
+        # offline, on the target's own output: the same blocks wherever it simulates a round (whole blocks only)
+        sim = marks(off)
+        assert sum(m == "blk_ok" for m in sim) > 0
+        assert [m for m in sim if m] == [m for m, s in zip(shown, sim) if s]
+    assert partial > 0, "no round accepted part of its block: nothing shows an accepted prefix before a rejection"
+    assert "block position" in misses.key(k, unit) and "draft step" not in misses.key(k, unit)
+    misses.write_records(tmp_path / misses.ROUNDS, records)
+    static = str(misses.excerpts(tmp_path, k, "local"))
+    assert "tv-mark-blk_ok" in static and "tv-mark-blk_miss" in static and "block position accepted" in static

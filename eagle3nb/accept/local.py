@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from eagle3nb import drafts
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.misses import ROUNDS, local_records, with_pieces, write_records
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.accept.predict import round_costs
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.stream import Template
-from eagle3nb.drafts import one_forward_per_round
 from eagle3nb.progress import Progress
 from eagle3nb.spec.batch import SpecDecoder
 from eagle3nb.spec.reference import plain_generate
@@ -65,12 +65,12 @@ def run_local(P: AcceptParams, target, draft, tokenizer) -> dict[str, Any]:
             res = compare_with_plain(target, draft, prompts, P.k, P.max_tokens, 0.0, eos, P.seed, prog)
             forward = measure_costs(target, draft, P.k, context=min(256, max(len(p) for p in prompts) + P.max_tokens))
         prog.close()
-        res["costs"] = round_costs(res, forward, P.k, parallel=one_forward_per_round(draft))
+        res["costs"] = round_costs(res, forward, P.k, parallel=drafts.one_forward_per_round(draft))
         return res
 
     local = cached(P.stage_dir / "local.json", config, work)
     rows = load_prompts(P.prompts, P.local_prompts)
-    records = local_records(prompts, local, rows)
+    records = local_records(prompts, local, rows, drafts.of(draft).unit)
     write_records(P.stage_dir / ROUNDS, [with_pieces(r, tokenizer, "local", P.target_family) for r in records])
     return local
 

@@ -6,9 +6,11 @@ Two sources, one record shape (one JSON line per sample): ``positions.jsonl`` fr
 hidden states (``accepted[p]`` = accepted tokens of the chain whose first drafted token is p), and
 ``local_rounds.jsonl`` from the local speculative decoding run (the real rounds: each token carries its round's
 accepted count, ``rounds`` lists what was drafted). Each record: ``source``, ``id``, ``category``, ``ids``,
-``loss_mask``, ``accepted`` (-1: not drafted), ``misses`` ([position, draft's guess, target's token]) and
-``pieces`` (each id's text, so no tokenizer is needed to show it). ``stage.run`` writes them; the views here
-(tables, static excerpts, the JupyterLab browser) only read them."""
+``loss_mask``, ``accepted`` (-1: not drafted), ``misses`` ([position, draft's guess, target's token]), ``unit``
+(the method's name for a round's i-th drafted token, ``DraftMethod.unit``) and ``pieces`` (each id's text, so no
+tokenizer is needed to show it). ``stage.run`` writes them; the views here (tables, static excerpts, the
+JupyterLab browser) only read them. A block drafter's records (``unit`` block position) are drawn as blocks: per
+round, the accepted prefix, the first rejected block position and the target's token after a full block."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ ROUNDS = "local_rounds.jsonl"  # local speculative decoding
 SOURCES = {"offline": POSITIONS, "local": ROUNDS}
 SEGMENT_OF_ROLE = {"think": "reasoning", "reasoning": "reasoning", "answer": "answer", "end": "answer"}
 MIN_CHECKED = 5  # a kind needs this many checked positions before the table names it as the worst
+BLOCK = "block position"  # a block drafter's unit (its objective's): the views draw its rounds as blocks
 
 
 # ----------------------------------------------------------------------------------------- writing (stage.run)
@@ -46,11 +49,12 @@ def with_pieces(record: dict[str, Any], tokenizer: Any, source: str, family: Fam
 
 
 def local_records(prompts: Sequence[Sequence[int]], local: dict[str, Any],
-                  rows: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                  rows: Sequence[dict[str, Any]] | None = None, unit: str = "draft step") -> list[dict[str, Any]]:
     """Records of the local run's real rounds (``compare_with_plain``'s ``outputs``, ``accepted_per_round``,
     ``drafted_per_round``): round r drafts k tokens after the verified ones; its n accepted drafts and the
     target's own token are the round's tokens, each coloured by n; a round with n < k missed at its last token,
-    where the draft had guessed ``drafted[n]``. ``rows``: the prompts' rows (their ``id`` and ``category``)."""
+    where the draft had guessed ``drafted[n]``. ``rows``: the prompts' rows (their ``id`` and ``category``);
+    ``unit``: the draft method's (``DraftMethod.unit``)."""
     out = []
     for i, (prompt, tokens, accepted, drafted) in enumerate(zip(prompts, local["outputs"], local["accepted_per_round"],
                                                                 local["drafted_per_round"])):
@@ -68,7 +72,7 @@ def local_records(prompts: Sequence[Sequence[int]], local: dict[str, Any],
         row = rows[i] if rows else {}
         out.append({"id": row.get("id", f"prompt-{i}"), "category": row.get("category"), "ids": seq,
                     "loss_mask": [0] * len(prompt) + [1] * len(tokens), "accepted": acc, "misses": misses,
-                    "rounds": rounds})
+                    "rounds": rounds, "unit": unit})
     return out
 
 
@@ -256,34 +260,92 @@ def accept_colour(n: int, k: int) -> str:
     return f"hsl({hue:.0f},75%,78%)"
 
 
-def mark_styles(k: int) -> dict[str, tuple[str, str]]:
-    """tokenview marks ``acc0`` .. ``acc<k>``: the token's background by accepted count, a miss outlined."""
-    styles = {f"acc{n}": (f"background:{accept_colour(n, k)};", f"{n} of {k} accepted") for n in range(k + 1)}
-    styles["acc0"] = (styles["acc0"][0] + "outline:1px solid #d62728;", f"0 of {k} accepted (a miss)")
+def mark_styles(k: int, unit: str = "draft step") -> dict[str, tuple[str, str]]:
+    """tokenview marks: ``acc0`` .. ``acc<k>`` the token's background by accepted count, a miss outlined; for a
+    block drafter's records (``unit`` block position) ``blk_ok`` / ``blk_miss`` / ``blk_full`` (``block_marks``)."""
+    if unit == BLOCK:
+        return {"blk_ok": (f"background:{accept_colour(k, k)};", "block position accepted"),
+                "blk_miss": (f"background:{accept_colour(0, k)};outline:1px solid #d62728;",
+                             "first block position rejected (the block's later positions unseen)"),
+                "blk_full": ("background:#e0e0e0;", f"the target's token after all {k} block positions accepted")}
+    styles = {f"acc{n}": (f"background:{accept_colour(n, k)};", f"{n} of {k} {unit}s accepted")
+              for n in range(k + 1)}
+    styles["acc0"] = (styles["acc0"][0] + "outline:1px solid #d62728;", f"0 of {k} {unit}s accepted (a miss)")
     return styles
+
+
+def unit_of(records: Sequence[dict[str, Any]]) -> str:
+    """The records' ``unit`` (records written before they carried one: draft step)."""
+    return next((r["unit"] for r in records if r.get("unit")), "draft step")
+
+
+def block_rounds(record: dict[str, Any], k: int) -> list[tuple[int, int]]:
+    """(first drafted position, accepted drafts) of each round: the local run's real rounds; offline, the rounds
+    greedy decoding would run on the sample (as ``offline.simulate_rounds``: the first drafts the token after the
+    first generated one, each next starts n+1 later, while the whole block of ``k`` is generated; a cut keeps
+    its sample's in ``block_rounds``)."""
+    if "rounds" in record:
+        return [(p, n) for p, n, _ in record["rounds"]]
+    if "block_rounds" in record:
+        return [(p, n) for p, n in record["block_rounds"]]
+    acc, mask, out = record["accepted"], record["loss_mask"], []
+    p = mask.index(1) + 1 if 1 in mask else len(acc)
+    while p + k <= len(acc) and all(mask[p:p + k]) and acc[p] >= 0:
+        out.append((p, acc[p]))
+        p += acc[p] + 1
+    return out
+
+
+def block_marks(record: dict[str, Any], k: int) -> list[tuple[str | None, str]]:
+    """Per token of a block drafter's record, its mark and hover: each round's accepted prefix ``blk_ok``, the
+    first rejected block position ``blk_miss`` (the target's token there; the draft's guess where the record has
+    it: a local round's miss, an offline block that missed its first position), the target's token after a fully
+    accepted block ``blk_full``; (None, "") outside every round."""
+    out: list[tuple[str | None, str]] = [(None, "")] * len(record["ids"])
+    got, pc = {m[0]: m for m in record["misses"]}, record["pieces"]
+    for j, (p, n) in enumerate(block_rounds(record, k)):
+        for i in range(min(n, len(out) - p)):
+            out[p + i] = ("blk_ok", f"round {j + 1}, block position {i + 1} of {k}: accepted")
+        q = p + n
+        if q >= len(out):
+            continue
+        if n == k:
+            out[q] = ("blk_full", f"round {j + 1}: all {k} block positions accepted; the target's own token")
+            continue
+        tip = f"round {j + 1}, block position {n + 1} of {k}: rejected, the target's token"
+        if q in got and ("rounds" in record or n == 0):
+            tip += (f"; MISS: draft guessed {pc.get(str(got[q][1]), str(got[q][1]))!r}, target "
+                    f"{pc.get(str(got[q][2]), str(got[q][2]))!r}")
+        out[q] = ("blk_miss", tip)
+    return out
 
 
 def render_record(record: dict[str, Any], k: int, span: tuple[int, int] | None = None,
                   segment: str = "all") -> str:
-    """HTML of one sample: tokens coloured by accepted count (outside ``segment`` / ``span``: role colour
-    only), hover for the count, and at a miss the draft's guess beside the target's token."""
+    """HTML of one sample: tokens coloured by accepted count, or a block drafter's rounds as blocks
+    (``block_marks``), outside ``segment`` / ``span`` role colour only; hover for the count or block position, and
+    at a miss the draft's guess beside the target's token."""
     pieces = [record["pieces"][str(i)] for i in record["ids"]]
     rl = roles(record)
     got = {m[0]: m for m in record["misses"]}
     starts = {r[0]: (j, r) for j, r in enumerate(record.get("rounds", []))}
+    unit = record.get("unit", "draft step")
+    blocks = block_marks(record, k) if unit == BLOCK else None
     lo, hi = span or (0, len(pieces))
     marks, titles = [], []
     for p, n in enumerate(record["accepted"]):
-        shown = n >= 0 and lo <= p < hi and (segment == "all" or SEGMENT_OF_ROLE.get(rl[p]) == segment)
-        marks.append(f"acc{min(n, k)}" if shown else None)
-        tip = ""
-        if n >= 0:
-            tip = (f"round accepted {n} of {k}" if "rounds" in record
-                   else f"{n} of {k} drafted tokens accepted from here")
+        shown = lo <= p < hi and (segment == "all" or SEGMENT_OF_ROLE.get(rl[p]) == segment)
+        if blocks:
+            mark, tip = blocks[p]
+        else:
+            mark = f"acc{min(n, k)}" if n >= 0 else None
+            tip = "" if n < 0 else (f"round accepted {n} of {k}" if "rounds" in record
+                                    else f"{n} of {k} drafted tokens accepted from here")
+        marks.append(mark if shown else None)
         if p in starts:
             j, (_, _, d) = starts[p]
             tip += f"; round {j + 1} drafted " + " ".join(repr(record["pieces"].get(str(t), str(t))) for t in d)
-        if p in got:
+        if p in got and not blocks:
             _, g, t = got[p]
             pc = record["pieces"]
             tip += f"; MISS: draft guessed {pc.get(str(g), str(g))!r}, target {pc.get(str(t), str(t))!r}"
@@ -292,7 +354,7 @@ def render_record(record: dict[str, Any], k: int, span: tuple[int, int] | None =
               f"{' · ' + html.escape(str(record['category'])) if record.get('category') else ''}"
               f" · {len(pieces)} tokens · {len(record['misses'])} misses</div>")
     body = render_tokens(pieces, record["ids"], rl, marks, titles, loss_mask=record["loss_mask"], with_legend=False,
-                         mark_styles=mark_styles(k))
+                         mark_styles=mark_styles(k, unit))
     return header + body + misses_list(record, lo, hi)
 
 
@@ -306,9 +368,9 @@ def misses_list(record: dict[str, Any], lo: int = 0, hi: int | None = None, limi
     return f"<div style='font-size:12px;margin:4px 0 10px'>misses: {'; '.join(items) or 'none'}{more}</div>"
 
 
-def key(k: int) -> str:
-    """The colour key of the miss view."""
-    return legend((), list(mark_styles(k)), mark_styles(k))
+def key(k: int, unit: str = "draft step") -> str:
+    """The colour key of the miss view (a block drafter's: ``unit`` block position)."""
+    return legend((), list(mark_styles(k, unit)), mark_styles(k, unit))
 
 
 def window(record: dict[str, Any], width: int) -> tuple[int, int]:
@@ -321,12 +383,15 @@ def window(record: dict[str, Any], width: int) -> tuple[int, int]:
     return best, best + width
 
 
-def cut_record(rec: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
-    """Tokens [lo, hi) of ``rec`` as a record of their own (positions renumbered from 0)."""
+def cut_record(rec: dict[str, Any], lo: int, hi: int, k: int) -> dict[str, Any]:
+    """Tokens [lo, hi) of ``rec`` as a record of their own (positions renumbered from 0; a block drafter's
+    offline rounds as the whole sample's, ``block_rounds``)."""
     out = {**rec, "ids": rec["ids"][lo:hi], "loss_mask": rec["loss_mask"][lo:hi], "accepted": rec["accepted"][lo:hi],
            "misses": [[p - lo, g, t] for p, g, t in rec["misses"] if lo <= p < hi]}
     if "rounds" in rec:
         out["rounds"] = [[p - lo, n, d] for p, n, d in rec["rounds"] if lo <= p < hi]
+    elif rec.get("unit") == BLOCK:
+        out["block_rounds"] = [[p - lo, n] for p, n in block_rounds(rec, k) if lo <= p < hi]
     return out
 
 
@@ -338,13 +403,13 @@ def excerpts(stage_dir: Path, k: int, source: str = "offline", width: int = 240)
     stats = sorted((m, i) for m, i in stats if m is not None)
     if not stats:
         return HTML(f"<i>no {source} positions recorded in {stage_dir}</i>")
-    parts = [key(k)]
+    parts = [key(k, unit_of(records))]
     for label, (m, i) in (("worst", stats[0]), ("typical (median)", stats[len(stats) // 2])):
         rec = records[i]
         lo, hi = window(rec, width)
         cut = f", tokens {lo}-{hi - 1} of {len(rec['ids'])}" if (lo, hi) != (0, len(rec["ids"])) else ""
         parts.append(f"<h4 style='margin:10px 0 2px'>{label}: mean accepted {m:.2f} of {k}{cut}</h4>")
-        parts.append(render_record(cut_record(rec, lo, hi), k))
+        parts.append(render_record(cut_record(rec, lo, hi, k), k))
     return HTML("".join(parts))
 
 
@@ -401,7 +466,8 @@ def browser(stage_dir: Path, k: int):
 
     def show(_: Any = None) -> None:
         rec = next((r for r in data[source.value] if r["id"] == pick.value), None)
-        view.value = key(k) + render_record(rec, k, span.value, segment.value) if rec else "<i>no sample</i>"
+        view.value = key(k, unit_of([rec])) + render_record(rec, k, span.value, segment.value) if rec \
+            else "<i>no sample</i>"
 
     for c in (source, sort, segment, category, span):
         c.observe(refilter, names="value")

@@ -193,7 +193,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
             parts["category"] += [item.get("category")] * (len(ids) - 1)
             parts["turn"] += [turn_label(item["id"])] * (len(ids) - 1)
             parts["position"].append(torch.arange(2, len(ids) + 1))  # index of the first drafted token t+2
-            positions.append(position_record(item, r, k))
+            positions.append(position_record(item, r, k, method.unit))
             for key in ("greedy", "sampled", "valid"):
                 if r[key] is not None:
                     parts[key].append(r[key])
@@ -245,17 +245,18 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
     return {**result, "positions": positions} if keep_positions else result
 
 
-def position_record(item: dict, chains: dict, k: int) -> dict[str, Any]:
+def position_record(item: dict, chains: dict, k: int, unit: str) -> dict[str, Any]:
     """One held-out sample for the miss view: ``accepted[p]`` = how many of the ``k`` tokens drafted from token p
-    on the target accepted (-1: not drafted), and ``misses`` = [p, draft's guess, target's token] where the
-    first drafted token was rejected (target vocabulary ids)."""
+    on the target accepted (-1: not drafted), ``misses`` = [p, draft's guess, target's token] where the
+    first drafted token was rejected (target vocabulary ids), and ``unit`` (the method's name for a drafted
+    token: a block drafter's block position has the view draw rounds as blocks)."""
     ids = item["input_ids"].tolist()
     counts = chain_counts(chains["greedy"], chains["valid"], k)
     accepted = ([-1, -1] + counts)[:len(ids)]
     guess, target = chains["guess"].tolist(), chains["target"].tolist()
     misses = [[p, guess[p - 2], target[p - 2]] for p, n in enumerate(accepted) if n == 0]
     return {"id": item.get("id"), "category": item.get("category"), "ids": ids,
-            "loss_mask": item["loss_mask"].tolist(), "accepted": accepted, "misses": misses}
+            "loss_mask": item["loss_mask"].tolist(), "accepted": accepted, "misses": misses, "unit": unit}
 
 
 def run_offline(P: AcceptParams, draft, tokenizer) -> dict[str, Any]:

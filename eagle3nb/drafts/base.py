@@ -64,6 +64,12 @@ class DraftMethod:
     # None: 03 shapes it itself (EAGLE-3's options, eagle3nb.train.build)
     fresh: Callable[..., nn.Module] | None = None
 
+    @property
+    def unit(self) -> str:
+        """What a round's i-th drafted token is called: its objective's ``unit`` (EAGLE-3's TTT step, a block
+        drafter's block position), which 03's stats and 04's records carry for their labels."""
+        return getattr(getattr(self.objective, "__self__", None), "unit", "draft step")
+
 
 def check_fits(cfg, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,
                num_layers: int | None = None, draft_vocab_size: int | None = None,
