@@ -37,6 +37,7 @@ def test_offline_positions_hold_the_chains_acceptance_and_the_misses(judged):
     assert sum(n >= 1 for n in drafted) / len(drafted) == pytest.approx(off["greedy"]["per_position"][0])
     assert sum(n >= 0 for n in drafted) == off["greedy"]["positions"]
     for r in records:
+        assert r["unit"] == "TTT step"  # EAGLE-3's (DraftMethod.unit): drawn by accepted count, not as blocks
         assert all(r["loss_mask"][p] for p, n in enumerate(r["accepted"]) if n >= 0)  # only generated tokens
         assert [m[0] for m in r["misses"]] == [p for p, n in enumerate(r["accepted"]) if n == 0]
         assert all(g != t for _, g, t in r["misses"])  # a miss: the draft's guess is not the target's token
@@ -48,6 +49,7 @@ def test_local_rounds_replay_the_real_decoding(judged):
     records = misses.load_records(P.stage_dir, "local")
     assert len(records) == 2
     for rec, out, acc in zip(records, local["outputs"], local["accepted_per_round"]):
+        assert rec["unit"] == "TTT step"
         assert rec["ids"][-len(out):] == out
         assert [n for _, n, _ in rec["rounds"]] == acc
         for p, n, d in rec["rounds"]:
