@@ -126,7 +126,8 @@ class Measure:
             tpl = Template(P.model_dir, True, "auto", P.trust_remote_code, P.target_family)
             self._loaded = (target, tpl)
         target, tpl = self._loaded
-        draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
+        draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach(),
+                           lm_head=target.get_output_embeddings().weight.detach())
         eos = sorted({i for i in (tpl.end_id, tpl.tokenizer.eos_token_id) if i is not None})
         return per_request(SpecDecoder(target, draft, P.k), tpl, self.rows, P.max_tokens, eos)
 
@@ -200,7 +201,7 @@ def offline_by_group(P: RefreshParams, heldout: list[dict], vocab: int, out: Pat
         from eagle3nb.drafts import load_draft
 
         data = HiddenStates(data_dir)
-        draft = load_draft(P.draft_path, embed_tokens=data.embed_tokens())
+        draft = load_draft(P.draft_path, embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
         res = offline_acceptance(draft, data, P.k, P.k)
         return {g: v["greedy"]["acceptance_length"] for g, v in res.get("by_category", {}).items()}
 
