@@ -70,7 +70,7 @@ def meta_of(model_dir: Path, config: dict) -> dict:
 
 
 def shaped(P, meta: dict, draft_vocab_size: int):
-    """The config of 03's fresh EAGLE-3 draft for the target 02 recorded in ``meta`` (its config.json as 03 reads it)."""
+    """03's fresh EAGLE-3 draft config for the target 02 recorded in ``meta`` (its config.json as 03 reads it)."""
     return fresh_config(P, meta, target_config(meta), draft_vocab_size)
 
 
