@@ -28,8 +28,11 @@ from eagle3nb.paths import outputs_root, project_root, resolve
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.track import NONE, missing
 
-STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
-STAGE_MODULES = {
+STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]  # what a run runs unless told otherwise
+# Run after those only when asked (``--stages``, or the stage's YAML in the run's folder): 05 needs traffic a
+# deployment served, which a first run does not have.
+ON_REQUEST = ["05_refresh"]
+STAGE_MODULES = {  # every stage, in pipeline order
     "01_synth": "eagle3nb.synth",
     "02_hidden_states": "eagle3nb.hidden",
     "03_train": "eagle3nb.train",
@@ -165,7 +168,7 @@ def register(stage: str):
 
 def schema_for(stage: str) -> type[StageParams]:
     if stage not in STAGE_MODULES:
-        raise ParamsError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+        raise ParamsError(f"unknown stage {stage!r}; stages are {', '.join(STAGE_MODULES)}")
     if stage not in _REGISTRY:
         importlib.import_module(STAGE_MODULES[stage])
     return _REGISTRY[stage]

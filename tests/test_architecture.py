@@ -35,8 +35,6 @@ STAGE_IMPORTS = {
 DRAFT_ROLES = ("__init__.py", "model.py", "objective.py", "layouts.py", "drafting.py", "offline.py")
 # Modules outside eagle3nb/drafts/ that import one algorithm's package instead of the registry -> why.
 METHOD_IMPORTS = {
-    ("eagle3nb.train.build", "eagle3nb.drafts.eagle3.model"):
-        "03's draft_attention / fc_norm / num_layers / parallel_drafting params shape a fresh EAGLE-3 draft",
     ("eagle3nb.train.build", "eagle3nb.drafts.eagle3.layouts"):
         "03's EAGLE-3.1 params (EAGLE31_KEYS) default on for a fresh draft and must match a fine-tuned one",
     ("eagle3nb.train.checkpoint", "eagle3nb.drafts.eagle3.layouts"):

@@ -88,18 +88,18 @@ def test_a_fresh_draft_is_31_by_default_and_a_resumed_run_keeps_its_own_choice(t
     """03's default (null) is EAGLE-3.1 for a fresh draft, but a run whose checkpoints were made before that
     default (no fc_norm in their settings) resumes as the EAGLE-3.0 draft it is, and one made with it as EAGLE-3.1;
     explicit values win, and a fine-tune (init_from) is left to its checkpoint's layout."""
-    from test_published_drafts import meta_of, target_dir
+    from test_published_drafts import meta_of, shaped, target_dir
 
-    from eagle3nb.train.build import fresh_config, with_recipe_defaults
+    from eagle3nb.train.build import with_recipe_defaults
     from eagle3nb.train.checkpoint import run_config
     from eagle3nb.train.params import TrainParams
 
     llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
              "intermediate_size": 128, "vocab_size": 100}
     meta = meta_of(target_dir(tmp_path / "target", llama), llama)
-    fresh = fresh_config(TrainParams(), meta, draft_vocab_size=50)
+    fresh = shaped(TrainParams(), meta, 50)
     assert fresh.fc_norm and fresh.norm_output
-    assert not fresh_config(TrainParams(fc_norm=False, norm_output=False), meta, 50).fc_norm
+    assert not shaped(TrainParams(fc_norm=False, norm_output=False), meta, 50).fc_norm
 
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()

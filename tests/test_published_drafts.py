@@ -18,13 +18,14 @@ from safetensors.torch import load_file, save_file
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.drafts import load_draft
 from eagle3nb.drafts.eagle3.cache import TTTCache
+from eagle3nb.drafts.eagle3.fresh import fresh_config
 from eagle3nb.drafts.eagle3.layouts import draft_config_json, save_draft
 from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 from eagle3nb.families import is_mla
 from eagle3nb.layers import default_aux_layer_ids
 from eagle3nb.params import from_dict
 from eagle3nb.train import build
-from eagle3nb.train.build import build_draft, fresh_config
+from eagle3nb.train.build import build_draft, target_config
 from eagle3nb.train.stage import run
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,11 +62,16 @@ def target_dir(root: Path, config: dict) -> Path:
 
 
 def meta_of(model_dir: Path, config: dict) -> dict:
-    """What 02 records about a target (index.json's keys fresh_config reads)."""
+    """What 02 records about a target (index.json's keys a fresh draft reads)."""
     text = config.get("text_config") or config
     return {"model_path": str(model_dir), "hidden_size": text["hidden_size"], "vocab_size": text["vocab_size"],
             "layer_ids": default_aux_layer_ids(text["num_hidden_layers"]),
             "num_layers": text["num_hidden_layers"]}
+
+
+def shaped(P, meta: dict, draft_vocab_size: int):
+    """03's fresh EAGLE-3 draft config for the target 02 recorded in ``meta`` (its config.json as 03 reads it)."""
+    return fresh_config(P, meta, target_config(meta), draft_vocab_size)
 
 
 # ---- the shape of a fresh draft ---------------------------------------------------------------------------------
@@ -75,7 +81,7 @@ def meta_of(model_dir: Path, config: dict) -> dict:
 def test_fresh_draft_of_an_mla_target_is_shaped_like_the_published_kimi_drafter(tmp_path, nested):
     config = {"model_type": "kimi_k25", "text_config": KIMI_K2} if nested else KIMI_K2
     assert is_mla(config)
-    cfg = fresh_config(train_params(), meta_of(target_dir(tmp_path, config), config), draft_vocab_size=32000)
+    cfg = shaped(train_params(), meta_of(target_dir(tmp_path, config), config), 32000)
     # AQ-MedAI's Kimi-K2 drafter: all 64 heads are KV heads, 128 wide (the value width), MLP 18432 (dense layer).
     assert cfg.hidden_size == cfg.target_hidden_size == KIMI_K2["hidden_size"]
     assert cfg.num_attention_heads == cfg.num_key_value_heads == KIMI_K2["num_attention_heads"]
@@ -89,15 +95,15 @@ def test_fresh_draft_of_an_mla_target_is_shaped_like_the_published_kimi_drafter(
 def test_mla_head_width_falls_back_to_qk_nope_and_explicit_params_win(tmp_path):
     config = {k: v for k, v in KIMI_K2.items() if k not in ("v_head_dim", "num_key_value_heads")}
     config["qk_nope_head_dim"] = 96
-    cfg = fresh_config(train_params(), meta_of(target_dir(tmp_path / "a", config), config), 32000)
+    cfg = shaped(train_params(), meta_of(target_dir(tmp_path / "a", config), config), 32000)
     assert cfg.head_dim == config["qk_nope_head_dim"]
     assert cfg.num_key_value_heads == config["num_attention_heads"]
     over = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=160, intermediate_size=4096)
-    cfg = fresh_config(train_params(**over), meta_of(target_dir(tmp_path / "b", KIMI_K2), KIMI_K2), 32000)
+    cfg = shaped(train_params(**over), meta_of(target_dir(tmp_path / "b", KIMI_K2), KIMI_K2), 32000)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (
         over["num_attention_heads"], over["num_key_value_heads"], over["head_dim"], over["intermediate_size"])
     # only heads given: the KV heads follow them (every head a KV head), not the target's count
-    cfg = fresh_config(train_params(num_attention_heads=16), meta_of(target_dir(tmp_path / "c", KIMI_K2), KIMI_K2),
+    cfg = shaped(train_params(num_attention_heads=16), meta_of(target_dir(tmp_path / "c", KIMI_K2), KIMI_K2),
                        32000)
     assert cfg.num_attention_heads == cfg.num_key_value_heads == 16 and cfg.head_dim == KIMI_K2["v_head_dim"]
 
@@ -105,7 +111,7 @@ def test_mla_head_width_falls_back_to_qk_nope_and_explicit_params_win(tmp_path):
 @pytest.mark.parametrize("config", [QWEN3_8B, LLAMA31_8B], ids=["qwen3", "llama31"])
 def test_fresh_draft_of_a_llama_like_target_keeps_the_targets_layer_shape(tmp_path, config):
     assert not is_mla(config)
-    cfg = fresh_config(train_params(), meta_of(target_dir(tmp_path, config), config), 32000)
+    cfg = shaped(train_params(), meta_of(target_dir(tmp_path, config), config), 32000)
     assert cfg.num_attention_heads == config["num_attention_heads"]
     assert cfg.num_key_value_heads == config["num_key_value_heads"]
     assert cfg.head_dim == config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
@@ -118,7 +124,7 @@ def test_a_draft_whose_heads_do_not_tile_its_hidden_size_trains_and_round_trips(
            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "head_dim": 8, "intermediate_size": 80, "vocab_size": 40,
            "num_hidden_layers": 8}
     torch.manual_seed(0)
-    cfg = fresh_config(train_params(), meta_of(target_dir(tmp_path / "t", mla), mla), draft_vocab_size=40)
+    cfg = shaped(train_params(), meta_of(target_dir(tmp_path / "t", mla), mla), 40)
     width = cfg.num_attention_heads * cfg.head_dim
     assert width == 4 * mla["v_head_dim"] != cfg.hidden_size
     draft = Eagle3Draft(cfg)

@@ -16,8 +16,9 @@ import pytest
 from eagle3nb.accept.cache import fingerprint
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.params import from_dict
+from eagle3nb.refresh.report import served_table, weak_table
 
-from worlds import SEED, THREADS, build_trained_run
+from worlds import SEED, THREADS, build_trained_run, requires_vllm
 
 LOG = Path(__file__).parent / "fixtures" / "traffic" / "embedded-requests.log"
 FAKE_KEY = "sk-" + "test0000fixture0000key0000"
@@ -55,9 +56,18 @@ def refresh(weak: dict, toy_smoke: Path, url: str, name: str, **values):
         torch.set_num_threads(threads)
 
 
-def test_refresh_lifts_the_weak_group_and_ships(weak, toy_smoke, embedded) -> None:
+SHIPS = dict(steps=60, replay=0.5, seeds=[SEED, SEED + 1], offline=True)
+
+
+@pytest.fixture(scope="module")
+def shipped(weak, toy_smoke, embedded) -> dict:
+    """The refresh that ships, and the current draft's fingerprint before it ran."""
     before = fingerprint(weak["draft"])
-    m = refresh(weak, toy_smoke, embedded.url, "ships", steps=60, replay=0.5, seeds=[SEED, SEED + 1])
+    return {"metrics": refresh(weak, toy_smoke, embedded.url, "ships", **SHIPS), "before": before}
+
+
+def test_refresh_lifts_the_weak_group_and_ships(weak, shipped) -> None:
+    m, before = shipped["metrics"], shipped["before"]
     # the traffic as read: every request counted, the key redacted, nothing of it in the stage's files
     bodies = sum("JSON body: {" in line for line in LOG.read_text().splitlines())
     assert m["traffic"]["requests"] == sum(m["traffic"]["groups"].values()) == bodies
@@ -67,12 +77,31 @@ def test_refresh_lifts_the_weak_group_and_ships(weak, toy_smoke, embedded) -> No
     assert m["weak"][0]["group"] == "math" and m["weak"][0]["speedup_lost"] > 0
     assert m["refresh_data"]["traffic"].get("math", 0) > m["refresh_data"]["traffic"].get("chat", 0)
     assert m["refresh_data"]["replayed"] > 0
+    # offline (04's acceptance over the target's own answers to the held-out requests, no decoding) finds it too
+    offline = {w["group"]: w["offline_acceptance_length"] for w in m["weak"]}
+    assert offline["math"] < offline["chat"] and set(offline) == set(m["traffic"]["groups"]), offline
+    assert "offline_acceptance_length" in weak_table(m).columns
     gate = {g["name"]: g for g in m["gate"]["groups"]}
     assert gate["math"]["change"] > gate["math"]["noise"] > 0, gate["math"]
     assert all(g["passed"] for g in gate.values()), gate
     assert m["gate"]["ship"] and m["gate"]["speedup_after"] > m["gate"]["speedup_before"]
     # the refreshed draft beside the current one, which is untouched
     assert (Path(m["draft"]) / "config.json").exists() and fingerprint(weak["draft"]) == before
+
+
+@requires_vllm()
+def test_served_ab_through_the_real_vllm(weak, shipped, toy_smoke, embedded) -> None:
+    """The same refresh asked for the served A/B (every earlier step reused from its files): the current and the
+    refreshed draft, each in the real vLLM beside the target, on the weak group's held-out requests. vLLM's own
+    acceptance rises there too, and the report's table shows it."""
+    m = refresh(weak, toy_smoke, embedded.url, "ships", **SHIPS, served_ab="vllm")
+    assert m["gate"] == shipped["metrics"]["gate"]  # nothing before the A/B was redone differently
+    ab, math = m["served_ab"], next(g for g in m["gate"]["groups"] if g["name"] == "math")
+    assert ab["group"] == m["weak"][0]["group"] == "math" and ab["requests"] == math["requests"]
+    assert ab["current"]["errors"] == ab["refreshed"]["errors"] == 0
+    assert ab["refreshed"]["acceptance_length"] > ab["current"]["acceptance_length"] > 1, ab
+    table = served_table(m)
+    assert list(table.index) == ["current", "refreshed"] and "math" in table.index.name
 
 
 def test_refresh_that_forgets_a_group_is_refused(weak, toy_smoke, embedded) -> None:

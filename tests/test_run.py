@@ -27,10 +27,11 @@ import yaml
 
 from eagle3nb import params
 from eagle3nb.cli import main
-from eagle3nb.params import STAGES, ParamsError
+from eagle3nb.params import ON_REQUEST, STAGES, ParamsError
 from eagle3nb.progress import read_progress
 from eagle3nb.run.execute import run
 from eagle3nb.run.lock import RunLocked
+from eagle3nb.run.plan import parse_stages, plan
 from eagle3nb.run.status import status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = '''
 from pathlib import Path
 from pydantic import Field
-from eagle3nb.params import STAGES, ParamsError, StageParams, register
+from eagle3nb.params import STAGE_MODULES, ParamsError, StageParams, register
 
 
 class FixtureParams(StageParams):
@@ -57,7 +58,7 @@ class FixtureParams(StageParams):
             raise ParamsError(f"parameter 'needs' in {self.params_file}: {self.needs} does not exist")
 
 
-for stage in STAGES:
+for stage in STAGE_MODULES:
     register(stage)(type(f"Fixture_{stage}", (FixtureParams,), {}))
 '''
 
@@ -161,7 +162,7 @@ def world(tmp_path, monkeypatch) -> World:
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
-    for stage in STAGES:
+    for stage in [*STAGES, *ON_REQUEST]:
         write_fixture_notebook(nbs / f"{stage}.ipynb")
     pdir = tmp_path / "params" / "fx"
     pdir.mkdir(parents=True)
@@ -224,6 +225,20 @@ def test_stages_selection_skip_done_force_html_and_log(world, capsys):
     assert rec["state"] == "failed" and "'needs'" in rec["error"] and not (w.out / "03_train.ipynb").exists()
 
 
+def test_refresh_runs_after_04_only_when_asked(world):
+    """05 is in a run when its YAML is in the run's folder or --stages names it, and then after 04."""
+    w = world
+    assert plan(w.params, **w.kw()).stages == STAGES
+    assert parse_stages("5,4") == ["04_acceptance", "05_refresh"]
+    w.set("05_refresh")
+    assert plan(w.params, **w.kw()).stages == [*STAGES, "05_refresh"]
+    assert run(w.params, stages="05", **w.kw()) == 0
+    st = w.status_json()
+    states = {s: r["state"] for s, r in st["stages"].items()}
+    assert states == {**dict.fromkeys(STAGES, "pending"), "05_refresh": "done"}
+    assert w.executions("05_refresh") and (w.out / "05_refresh.html").exists()
+
+
 def test_failing_cell_reports_and_stops(world, capsys):
     w = world
     w.set("01_synth", fail=True)
@@ -267,8 +282,8 @@ def test_bad_params_fail_before_any_notebook(world, capsys):
     out = main_output(["run", str(w.params), "--output-root", str(w.root), "--notebooks-dir", str(w.nbs),
                        "--stages", "02"], capsys)
     assert out.startswith("rc=2") and "02_hidden_states.yaml line" in out and "not valid YAML" in out
-    with pytest.raises(ParamsError, match="unknown stage '05'"):
-        run(w.params, stages="01,05", **w.kw())
+    with pytest.raises(ParamsError, match="unknown stage '06'"):
+        run(w.params, stages="01,06", **w.kw())
     with pytest.raises(ParamsError, match="no such parameter folder"):
         run(w.params.parent / "nope", **w.kw())
     w.set("02_hidden_states", run_name="elsewhere")

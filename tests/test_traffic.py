@@ -73,6 +73,22 @@ def test_vllm_request_log_and_folders(tmp_path: Path) -> None:
         read_traffic(tmp_path / "empty", per_group=1)
 
 
+def test_the_real_vllm_request_log(tmp_path: Path) -> None:
+    """The log the real vLLM writes (tests/fixtures/traffic/vllm-requests.log, made by tools/make_traffic_logs.py:
+    --enable-log-requests at DEBUG, its bodies as pydantic dumps them, among ~600 other lines) reads exactly as the
+    requests sent, written as a gateway's JSONL, do: the same requests, messages, groups and one key redacted."""
+    from tools.make_traffic_logs import FAKE_KEY, OUT, requests
+
+    sent = requests(8, 8)
+    gateway = tmp_path / "sent.jsonl"
+    gateway.write_text("".join(json.dumps({"model": "toy:smoke", "messages": m}) + "\n" for m in sent))
+    got, want = read_traffic(OUT / "vllm-requests.log", 100), read_traffic(gateway, 100)
+    assert got.requests == want.requests == len(sent) and not got.dropped
+    assert got.groups == want.groups and got.redacted == want.redacted == 1
+    key = lambda r: json.dumps(r["messages"], sort_keys=True)  # noqa: E731
+    assert sorted(map(key, got.rows)) == sorted(map(key, want.rows)) and FAKE_KEY not in json.dumps(got.rows)
+
+
 def _big_log(path: Path, n: int) -> None:
     with open(path, "w") as f:
         for i in range(n):

@@ -2,6 +2,7 @@
 real openai client sends it requests.
 
     python tools/make_traffic_logs.py --server embedded   # eagle3nb serve --enable-log-requests (vLLM's DEBUG lines)
+    python tools/make_traffic_logs.py --server vllm --arith 8 --other 8   # the real vLLM, its request log at DEBUG
 
 The requests are toy:heldout prompts, arithmetic-rich (the demo world's weak domain: a draft trained without
 arithmetic), plus one request that pastes an API key into its message, which the reader must redact. Each log keeps
@@ -17,6 +18,7 @@ from pathlib import Path
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.traffic import read_traffic
 from eagle3nb.launch import start_server
+from eagle3nb.serve.vllm import start_vllm
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "traffic"
 FAKE_KEY = "sk-" + "test0000fixture0000key0000"
@@ -34,11 +36,12 @@ def main() -> None:
     from openai import OpenAI
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", choices=["embedded"], required=True)
+    ap.add_argument("--server", choices=["embedded", "vllm"], required=True)
     ap.add_argument("--arith", type=int, default=60)
     ap.add_argument("--other", type=int, default=60)
     args = ap.parse_args()
-    handle = start_server("toy:smoke", extra_args=["--enable-log-requests"])
+    handle = (start_server("toy:smoke", extra_args=["--enable-log-requests"]) if args.server == "embedded" else
+              start_vllm("toy:smoke", log_requests=True))
     try:
         client = OpenAI(base_url=handle.base_url, api_key="EMPTY")
         for messages in requests(args.arith, args.other):

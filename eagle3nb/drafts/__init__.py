@@ -14,8 +14,8 @@ that engines name apart: ``dflash`` serves DFlash and DSpark, DFlash's backbone 
   dir, format, dtype=None, include_embed=True, verifier=None, num_speculative_tokens=3) -> dir``,
   ``config_json(model, format, dtype=None, verifier=None, num_speculative_tokens=3) -> dict``; ``layouts`` the
   formats, vLLM's first;
-- ``fresh(P, meta, target_config, embed_tokens, lm_head) -> model``: 03's new draft (None for EAGLE-3, whose
-  options 03's ``train/build.py`` shapes);
+- ``fresh(P, data, target_config) -> model``: 03's new draft on 02's data (its meta, draft vocabulary, the
+  target's embedding and head), shaped by the method's own 03 params;
 - ``objective(model, P) -> nn.Module`` whose ``forward(batch)`` returns (loss, stats [4, steps]: loss sum, loss
   positions, correct, scored positions), batch as 03 builds it (``aux``, ``input_ids``, ``loss_mask``,
   ``target_argmax``, ``target_probs``);

@@ -60,9 +60,9 @@ class DraftMethod:
     drafting: Callable[..., Drafting]  # (model, k, device) -> its step in the batched decoder
     chain_acceptance: Callable[..., dict[str, Any]]  # 04's offline simulation on one held-out sample
     layouts: tuple[str, ...]  # the formats ``save`` writes; the first is the one vLLM serves (03's draft/)
-    # (03's params, 02's meta, the target's config.json, its embed_tokens and lm_head [V, H]) -> a fresh draft;
-    # None: 03 shapes it itself (EAGLE-3's options, eagle3nb.train.build)
-    fresh: Callable[..., nn.Module] | None = None
+    # (03's params, 02's data: meta, d2t / t2d, embed_tokens() and lm_head() [V, H], the target's config.json)
+    # -> 03's fresh draft, shaped by the method's own params
+    fresh: Callable[..., nn.Module]
 
     @property
     def unit(self) -> str:

@@ -44,9 +44,15 @@ class RefreshParams(TargetParams):
                                                                "gate's seed noise")
     k: int = Field(3, ge=1, le=16, description="drafted tokens per target step when measuring and predicting")
     max_tokens: int = Field(64, ge=1, description="tokens decoded per held-out request when measuring acceptance")
+    offline: bool = Field(False, description="also measure the current draft offline per group: 01 answers the "
+                                             "held-out requests, 02 extracts, 04's offline acceptance by group "
+                                             "(no local decoding: what a target too big for this machine allows)")
     cost_ratio: float | None = Field(None, gt=0, description="draft/target step cost for the expected speedup; null = "
                                                              "04's measured value beside the draft's run")
     overhead: float | None = Field(None, ge=0, description="verify overhead for the expected speedup; null = 04's")
+    served_ab: Literal["none", "vllm"] = Field("none", description="also serve the current and the refreshed draft "
+                                                                   "with the real vLLM on the weak group's held-out "
+                                                                   "requests and compare vLLM's own acceptance")
     output_dir: str | None = Field(None, description="default outputs/<run_name>/05_refresh")
 
     @property

@@ -36,11 +36,23 @@ def gate_table(metrics: dict[str, Any]):
     return pd.DataFrame(rows).set_index("group").round(3)
 
 
-def weak_table(metrics: dict[str, Any]):
-    """The current draft's groups, the one losing the most speedup first."""
+def served_table(metrics: dict[str, Any]):
+    """The served A/B (``served_ab: vllm``): per draft, vLLM's own acceptance on the weakest group's held-out
+    requests; None when it was not asked for."""
     import pandas as pd
 
-    return pd.DataFrame(metrics["weak"]).set_index("group")
+    ab = metrics.get("served_ab")
+    if not ab:
+        return None
+    rows = {name: v for name, v in ab.items() if isinstance(v, dict)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(f"{ab['group']} ({ab['requests']} requests)")
+
+
+def weak_table(metrics: dict[str, Any]):
+    """The current draft's groups, the one losing the most speedup first (the offline column when measured)."""
+    import pandas as pd
+
+    return pd.DataFrame(metrics["weak"]).set_index("group").dropna(axis=1, how="all")
 
 
 def plot_gate(metrics: dict[str, Any]):

@@ -20,6 +20,7 @@ from eagle3nb.params import STAGE_MODULES, ParamsError, from_dict
 from eagle3nb.progress import PROGRESS_FILE, write_json_atomic
 from eagle3nb.refresh.gate import GroupScores, judge
 from eagle3nb.refresh.params import RefreshParams
+from eagle3nb.refresh.served import served_ab
 from eagle3nb.refresh.weak import per_request, rank, table
 
 
@@ -37,23 +38,25 @@ def run(P: RefreshParams) -> dict[str, Any]:
     print(f"traffic: {traffic.requests} requests in {len(traffic.groups)} groups, {len(traffic.rows)} sampled "
           f"({len(heldout)} held out); dropped {dict(traffic.dropped) or 'none'}; {traffic.redacted} secrets redacted",
           flush=True)
-    # 2. the current draft on held-out traffic, per group, and the groups ranked by the speedup they lose
+    # 2. the current draft on held-out traffic, per group, and the groups ranked by the speedup they lose; with
+    #    `offline`, also 04's offline acceptance per group over the target's own answers to the same requests
     measure = Measure(P, heldout)
     before = measure(P.draft_path, out / "before.json")
+    vocab = json.loads((P.draft_path / "config.json").read_text())["draft_vocab_size"]
+    offline = offline_by_group(P, heldout, vocab, out) if P.offline else {}
     c, o = costs(P)
     ranked = rank(before, traffic.shares(), P.k, c, o)
     for w in ranked:
-        print(f"group {w.name}: {w.share:.0%} of traffic, acceptance length {w.acceptance_length:.2f}, "
-              f"speedup lost {w.speedup_lost:.3f}x", flush=True)
+        print(f"group {w.name}: {w.share:.0%} of traffic, acceptance length {w.acceptance_length:.2f}"
+              + (f" (offline {offline[w.name]:.2f})" if w.name in offline else "")
+              + f", speedup lost {w.speedup_lost:.3f}x", flush=True)
     # 3. the refresh data: a budget of requests drawn toward the weak groups, answered on-policy, plus a replay
     picks = allocate({w.name: w.speedup_lost for w in ranked}, pool, P.budget)
-    synth_dir = answer(P, picks, out)
+    synth_dir = answer(P, picks, out / "refresh-prompts.jsonl", out / "01_synth")
     mixed, replayed = mix(synth_dir, P.synth_path, round(len(picks) * P.replay / (1 - P.replay)), P.seeds[0],
                           out / "refresh-data")
     # 4. 02's hidden states over the refresh data, with a draft vocabulary of the current draft's size
-    vocab = json.loads((P.draft_path / "config.json").read_text())["draft_vocab_size"]
-    data_dir = sub_stage("02_hidden_states", P, {"synth_dir": mixed, "output_dir": out / "02_hidden_states",
-                                                 "model_path": P.model_path, "draft_vocab_size": vocab})
+    data_dir = extract(P, mixed, vocab, out / "02_hidden_states")
     # 5. 03 fine-tunes from the current draft, once per seed (lm_head rows follow their ids where the refresh
     #    data's vocabulary differs: remap_vocab), exporting its last weights: the gate judges, not 03's held-out
     drafts = {s: sub_stage("03_train", P, {"data_dir": data_dir, "init_from": P.draft_path, "max_steps": P.steps,
@@ -72,15 +75,22 @@ def run(P: RefreshParams) -> dict[str, Any]:
         shipped = out / "draft"
         shutil.rmtree(shipped, ignore_errors=True)
         shutil.copytree(drafts[best], shipped)
+    # 8. on request, the served A/B: both drafts in the real vLLM on the weakest group's held-out requests
+    served = None
+    if P.served_ab == "vllm":
+        weakest = ranked[0].name
+        served = served_ab(P, weakest, [r for r in heldout if r["group"] == weakest],
+                           {"current": P.draft_path, "refreshed": drafts[best]}, out / "served-ab.json")
     metrics = {"stage": "05_refresh", "run_name": P.run_name, "current_draft": str(P.draft_path),
                "traffic": {"requests": traffic.requests, "groups": dict(traffic.groups), "shares": traffic.shares(),
                            "dropped": dict(traffic.dropped), "redacted": traffic.redacted,
                            "sampled": len(traffic.rows), "heldout": len(heldout)},
-               "weak": table(ranked), "refresh_data": {"traffic": _count(picks), "replayed": replayed},
+               "weak": [{**row, "offline_acceptance_length": offline.get(row["group"])} for row in table(ranked)],
+               "refresh_data": {"traffic": _count(picks), "replayed": replayed},
                "costs": {"cost_ratio": c, "overhead": o, "k": P.k},
                "gate": {"ship": verdict.ship, "reason": verdict.reason, "speedup_before": verdict.speedup_before,
                         "speedup_after": verdict.speedup_after, "groups": [vars(g) for g in verdict.groups]},
-               "best_seed": best, "draft": str(shipped) if shipped else None}
+               "best_seed": best, "draft": str(shipped) if shipped else None, "served_ab": served}
     write_json_atomic(out / "metrics.json", metrics)
     return metrics
 
@@ -116,7 +126,8 @@ class Measure:
             tpl = Template(P.model_dir, True, "auto", P.trust_remote_code, P.target_family)
             self._loaded = (target, tpl)
         target, tpl = self._loaded
-        draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
+        draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach(),
+                           lm_head=target.get_output_embeddings().weight.detach())
         eos = sorted({i for i in (tpl.end_id, tpl.tokenizer.eos_token_id) if i is not None})
         return per_request(SpecDecoder(target, draft, P.k), tpl, self.rows, P.max_tokens, eos)
 
@@ -156,17 +167,45 @@ def allocate(loss: dict[str, float], pool: list[dict], budget: int) -> list[dict
     return [r for g in sorted(by_group) for r in by_group[g][: take[g]]]
 
 
-def answer(P: RefreshParams, picks: list[dict], out: Path) -> Path:
-    """01 answers the picked requests on-policy (every turn after the target's own earlier answers)."""
-    prompts = out / "refresh-prompts.jsonl"
+def answer(P: RefreshParams, rows: list[dict], prompts: Path, output_dir: Path) -> Path:
+    """01 answers ``rows`` on-policy (every turn after the target's own earlier answers), their group as the
+    category; the prompts written once to ``prompts``, 01's folder ``output_dir``."""
     if not prompts.exists():
         prompts.write_text("".join(json.dumps({"id": r["id"], "messages": r["messages"], "tools": r["tools"],
                                                "tool_choice": r["tool_choice"], "category": r["group"]}) + "\n"
-                                   for r in picks))
+                                   for r in rows))
     return sub_stage("01_synth", P, {"prompts": prompts, "max_samples": None, "multi_turn": "every",
                                      "vllm_url": P.vllm_url, "api_key_env": P.api_key_env, "model_path": P.model_path,
                                      "max_completion_tokens": P.max_completion_tokens, "seed": P.seeds[0],
-                                     "output_dir": out / "01_synth"})
+                                     "output_dir": output_dir})
+
+
+def extract(P: RefreshParams, synth_dir: Path, vocab: int, output_dir: Path) -> Path:
+    """02's hidden states over an 01 folder, with a draft vocabulary of the current draft's size."""
+    return sub_stage("02_hidden_states", P, {"synth_dir": synth_dir, "output_dir": output_dir,
+                                             "model_path": P.model_path, "draft_vocab_size": vocab})
+
+
+def offline_by_group(P: RefreshParams, heldout: list[dict], vocab: int, out: Path) -> dict[str, float]:
+    """The current draft's offline acceptance length per group (04's ``offline_acceptance``, greedy, by category):
+    01 answers the held-out requests (the target's own answers), 02 extracts their states; no decoding here, so
+    it is what a target too big to decode locally allows."""
+    data_dir = extract(P, answer(P, heldout, out / "heldout-prompts.jsonl", out / "01_heldout"), vocab,
+                       out / "02_heldout")
+    config = {"draft": fingerprint(P.draft_path), "data": str(data_dir), "k": P.k,
+              "requests": [r["id"] for r in heldout]}
+
+    def work() -> dict[str, float]:
+        from eagle3nb.accept.offline import offline_acceptance
+        from eagle3nb.data.reader import HiddenStates
+        from eagle3nb.drafts import load_draft
+
+        data = HiddenStates(data_dir)
+        draft = load_draft(P.draft_path, embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
+        res = offline_acceptance(draft, data, P.k, P.k)
+        return {g: v["greedy"]["acceptance_length"] for g, v in res.get("by_category", {}).items()}
+
+    return cached(out / "offline-before.json", config, work)
 
 
 def mix(synth_dir: Path, source: Path, n: int, seed: int, dest: Path) -> tuple[Path, int]:

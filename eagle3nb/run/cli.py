@@ -28,7 +28,8 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
                                    "params/<run>/ into outputs/<run>/; done stages are skipped, failed or "
                                    "killed ones re-run and resume from their own progress.")
     r.add_argument("params_dir", help="the run's parameter folder, e.g. params/demo/")
-    r.add_argument("--stages", help="only these stages, in pipeline order: numbers or names, e.g. 01,03")
+    r.add_argument("--stages", help="only these stages, in pipeline order: numbers or names, e.g. 01,03; without "
+                                    "it 01-04, then 05 (refresh) when the folder holds 05_refresh.yaml")
     r.add_argument("--force", action="store_true",
                    help="re-execute stages already done (each still resumes from its own files; delete "
                         "outputs/<run>/<NN_name>/ to redo one from scratch)")

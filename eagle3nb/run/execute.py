@@ -113,7 +113,7 @@ def run(params_dir: str | os.PathLike, stages: str | list[str] | None = None, fo
 
 def _run_locked(p: Plan, before: dict[str, Any], log: logging.Logger) -> int:
     recs = before.get("stages", {})
-    for stage in STAGES:
+    for stage in dict.fromkeys([*STAGES, *p.stages]):
         recs.setdefault(stage, {"state": "pending"})
     for rec in recs.values():  # we hold the lock, so whoever was executing these is gone
         if rec["state"] == "running":

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.params import STAGES, ParamsError, from_dict, run_params
+from eagle3nb.params import ON_REQUEST, STAGE_MODULES, STAGES, ParamsError, from_dict, run_params
 from eagle3nb.paths import outputs_root, project_root
 
 
@@ -51,20 +51,27 @@ def user_path(path: str | os.PathLike) -> Path:
 
 
 def parse_stages(spec: str | list[str] | None) -> list[str] | None:
-    """``"01,03"`` / ``["01_synth", "3"]`` -> full stage names in pipeline order; None means all."""
+    """``"01,03"`` / ``["01_synth", "3"]`` -> full stage names in pipeline order; None means the default ones
+    (:func:`default_stages`)."""
     if spec is None:
         return None
     items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     chosen = set()
     for item in items:
-        hits = [s for s in STAGES if item in (s, s[:2], s[1:2], s[3:])]
+        hits = [s for s in STAGE_MODULES if item in (s, s[:2], s[1:2], s[3:])]
         if len(hits) != 1:
-            raise ParamsError(f"--stages: unknown stage {item!r}; use numbers or names from {', '.join(STAGES)} "
-                              f"(e.g. --stages 01,03)")
+            raise ParamsError(f"--stages: unknown stage {item!r}; use numbers or names from "
+                              f"{', '.join(STAGE_MODULES)} (e.g. --stages 01,03)")
         chosen.add(hits[0])
     if not chosen:
         raise ParamsError("--stages is empty; give e.g. --stages 01,03, or leave it out to run every stage")
-    return [s for s in STAGES if s in chosen]
+    return [s for s in STAGE_MODULES if s in chosen]
+
+
+def default_stages(params_dir: Path) -> list[str]:
+    """The stages a run without ``--stages`` executes: the four, then each stage run only on request
+    (``params.ON_REQUEST``: 05_refresh) whose YAML the run's folder holds."""
+    return [*STAGES, *(s for s in ON_REQUEST if (params_dir / f"{s}.yaml").exists())]
 
 
 def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, force: bool = False,
@@ -78,11 +85,11 @@ def plan(params_dir: str | os.PathLike, stages: str | list[str] | None = None, f
     params_dir = user_path(params_dir)
     if not params_dir.is_dir():
         raise ParamsError(f"{params_dir}: no such parameter folder; pass params/<run>/ (e.g. params/demo/)")
-    if not any((params_dir / f"{name}.yaml").exists() for name in ["common", *STAGES]):
+    if not any((params_dir / f"{name}.yaml").exists() for name in ["common", *STAGE_MODULES]):
         raise ParamsError(f"{params_dir} holds no parameter files (common.yaml, {STAGES[0]}.yaml, ...); "
                           f"pass a folder like params/demo/")
     requested = parse_stages(stages)
-    chosen = requested or list(STAGES)
+    chosen = requested or default_stages(params_dir)
     nb_dir = user_path(notebooks_dir) if notebooks_dir else project_root() / "notebooks"
     if output_root:  # the stages' default folders follow it (in this process and the kernels it starts)
         os.environ["EAGLE3NB_OUTPUTS"] = str(Path(output_root).expanduser().resolve())

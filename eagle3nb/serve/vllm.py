@@ -109,14 +109,17 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
 
 
 def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str = "127.0.0.1", port: int = 0,
-               api_key_env: str | None = None, timeout: float = 600.0, fixes: bool = True, **kw) -> ServerHandle:
+               api_key_env: str | None = None, timeout: float = 600.0, fixes: bool = True, log_requests: bool = False,
+               **kw) -> ServerHandle:
     """Start the real vLLM (CPU build, its own environment) in one of :data:`MODES` and wait for ``/health``.
 
     ``model_dir`` may be ``toy:smoke`` / ``toy:demo`` (built first, served under that name). The API key,
     when ``api_key_env`` names a variable, reaches vLLM through its environment (``VLLM_API_KEY``), never its
     command line. ``fixes=False`` starts it without ``tools/vllm/eagle3nb_vllm_fixes`` (the plugin with our fixes
     for the CPU build's defects: docs/vllm.md), through vLLM's own plugin allowlist, to show what they fix.
-    Raises RuntimeError naming the fix when vLLM's environment is missing."""
+    ``log_requests``: vLLM's request log (``--enable-log-requests`` at log level DEBUG: each chat request's body as
+    one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). Raises RuntimeError naming the fix when
+    vLLM's environment is missing."""
     reason = unavailable_reason()
     if reason:
         raise InputError(f"the real vLLM cannot start: {reason}")
@@ -125,9 +128,10 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
         kw.setdefault("served_model_name", model)
         model = str(resolve_model_path(model))
     port = port or free_port(host)
-    args = vllm_args(model, mode, **kw)
+    args = vllm_args(model, mode, **kw) + (["--enable-log-requests"] if log_requests else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"), "VLLM_LOGGING_LEVEL": "INFO"}
+           "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"),
+           "VLLM_LOGGING_LEVEL": "DEBUG" if log_requests else "INFO"}
     if kw.get("tools"):
         env.update(TOOL_ENV)
     if not fixes:

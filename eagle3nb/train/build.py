@@ -11,8 +11,6 @@ import torch
 from eagle3nb import drafts
 from eagle3nb.drafts import DraftMismatchError, check_fits, load_draft
 from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
-from eagle3nb.drafts.eagle3.model import MLA_KEYS, Eagle3Config, Eagle3Draft
-from eagle3nb.families import is_mla
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.train.checkpoint import checkpoints
 from eagle3nb.train.params import TrainParams
@@ -32,31 +30,6 @@ def target_config(meta: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
 
-def fresh_shape(P, tc: dict[str, Any], hidden_size: int, where: str = "the target") -> dict[str, int]:
-    """The attention and MLP sizes of a fresh draft: the target's own, explicit 03_train params winning.
-
-    A Llama-like target (Llama, Qwen3, GLM, gpt-oss) lends its heads, KV heads and head width. An MLA target
-    (DeepseekV3 / Kimi-K2: ``families.is_mla``) has no Llama head layout to copy: its ``head_dim`` is the rotary
-    part only (qk_rope_head_dim, 64) and its KV lives in a latent. The published drafters of such targets
-    (AQ-MedAI's Kimi-K2 EAGLE-3, docs/DESIGN-FACTS.md) are Llama layers with every head a KV head, of the
-    target's value width (v_head_dim, else qk_nope_head_dim: 128 on Kimi-K2) and its dense MLP width, so a
-    fresh draft is shaped the same way and a published checkpoint fits where a fresh draft would."""
-    heads = P.num_attention_heads or tc.get("num_attention_heads")
-    inter = P.intermediate_size or tc.get("intermediate_size")
-    if not heads or not inter:
-        raise DraftMismatchError(
-            f"cannot read the target's config.json at {where} to shape a fresh draft; set num_attention_heads, "
-            "num_key_value_heads, head_dim and intermediate_size in the 03_train parameters")
-    if is_mla(tc):
-        kv = P.num_key_value_heads or heads
-        head_dim = P.head_dim or tc.get("v_head_dim") or tc.get("qk_nope_head_dim") or hidden_size // heads
-    else:
-        kv = P.num_key_value_heads or tc.get("num_key_value_heads") or heads
-        head_dim = P.head_dim or tc.get("head_dim") or hidden_size // heads
-    return {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-            "intermediate_size": inter}
-
-
 def with_recipe_defaults(P: TrainParams, ckpt_dir: Path | None = None) -> TrainParams:
     """EAGLE-3.1's options left null, made concrete: on in a fresh draft (03's default), the choice a resumed run's
     checkpoints in ``ckpt_dir`` were made with (absent, so off, in every run from before the default), and for a
@@ -69,39 +42,6 @@ def with_recipe_defaults(P: TrainParams, ckpt_dir: Path | None = None) -> TrainP
     return P.model_copy(update={k: True if before is None else bool(before.get(k, False)) for k in auto})
 
 
-def mask_token_id(tc: dict[str, Any], vocab_size: int) -> int:
-    """The token a parallel-drafting draft's mask positions read: the target's pad token (a row no text contains),
-    else its last id (a reserved or padding row in the big vocabularies). The embedding is frozen and the learned
-    ``mask_hidden`` carries the "mask" signal, so any fixed row works; these are rows ordinary text never uses."""
-    pad = tc.get("pad_token_id")
-    return pad if isinstance(pad, int) and 0 <= pad < vocab_size else vocab_size - 1
-
-
-def fresh_config(P, meta: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
-    """A draft (``num_layers`` decoder layers) shaped like one of the target's layers (:func:`fresh_shape`),
-    unless the params say otherwise; EAGLE-3.1 unless they turn it off."""
-    P = with_recipe_defaults(P)
-    tc = target_config(meta)
-    H = meta["hidden_size"]
-    shape = fresh_shape(P, tc, H, where=repr(meta.get("model_path")))
-    llama = {**tc, "hidden_size": H, **shape, "vocab_size": meta["vocab_size"],
-             "draft_vocab_size": draft_vocab_size}
-    mla = None
-    if P.draft_attention == "mla":
-        if not is_mla(tc):
-            raise DraftMismatchError(f"draft_attention: mla copies the target's latent attention, but the target at "
-                                     f"{meta.get('model_path')!r} has no kv_lora_rank (it is not an MLA model); "
-                                     "set draft_attention: llama")
-        # vLLM 0.32's deepseek_eagle3 loader always stacks kv_a_proj_with_mqa into fused_qkv_a_proj, so it loads
-        # only drafts with a low-rank query: a target without one (the toy) lends its hidden size as the rank.
-        mla = {**{k: tc.get(k) for k in MLA_KEYS}, "q_lora_rank": tc.get("q_lora_rank") or H}
-    return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla,
-                                        fc_norm=bool(P.fc_norm), norm_output=bool(P.norm_output),
-                                        num_layers=int(getattr(P, "num_layers", 1)),
-                                        mask_token_id=mask_token_id(tc, meta["vocab_size"])
-                                        if getattr(P, "parallel_drafting", False) else None)
-
-
 def fresh_draft(P, data) -> Any:
     """A new draft of ``P.method`` shaped by its package (``fresh``) on the target's embedding and head; its
     vocabulary must be the data's, whose target distributions the loss reads."""
@@ -110,7 +50,7 @@ def fresh_draft(P, data) -> Any:
     if not tc:
         raise DraftMismatchError(f"cannot read the target's config.json at {meta.get('model_path')!r} to shape a "
                                  f"fresh {P.method} draft")
-    model = drafts.get(P.method).fresh(P, meta, tc, data.embed_tokens(), data.lm_head())
+    model = drafts.get(P.method).fresh(P, data, tc)
     if model.config.draft_vocab_size != data.d2t.shape[0]:
         raise DraftMismatchError(
             f"method {P.method} drafts over the target's whole vocabulary ({model.config.draft_vocab_size} ids) but "
@@ -124,16 +64,8 @@ def build_draft(P, data) -> tuple[Any, dict[str, Any]]:
     the target's lm_head rows for the draft vocabulary, so step 0 already speaks the target's language."""
     meta = data.meta
     d2t, t2d = data.d2t, data.t2d
-    if P.init_path is None and drafts.get(P.method).fresh is not None:
-        return fresh_draft(P, data), {"init": "fresh"}
     if P.init_path is None:
-        torch.manual_seed(P.seed)
-        model = Eagle3Draft(fresh_config(P, meta, d2t.shape[0]))
-        model.set_vocab(d2t, t2d)
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(data.embed_tokens())
-            model.lm_head.weight.copy_(data.lm_head()[d2t + torch.arange(d2t.shape[0])])
-        return model, {"init": "fresh"}
+        return fresh_draft(P, data), {"init": "fresh"}
     init = P.init_path
     model = load_draft(init, embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
     if drafts.of(model).name != P.method:
@@ -172,8 +104,7 @@ def build_draft(P, data) -> tuple[Any, dict[str, Any]]:
     return model, notes
 
 
-def remap_vocab(model: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_head: torch.Tensor,
-                ) -> Eagle3Draft:
+def remap_vocab(model: Any, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_head: torch.Tensor) -> Any:
     """The same draft over another draft vocabulary: lm_head rows follow their target ids."""
     old_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size))
     row_of = {int(t): r for r, t in enumerate(old_ids)}
@@ -182,7 +113,7 @@ def remap_vocab(model: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, target
                         for t in new_ids])
     cfg = model.config
     cfg.draft_vocab_size = d2t.shape[0]
-    new = Eagle3Draft(cfg)
+    new = type(model)(cfg)
     state = {k: v for k, v in model.state_dict().items() if k not in ("lm_head.weight", "d2t")}
     new.load_state_dict({**state, "lm_head.weight": rows, "d2t": d2t, "t2d": t2d})
     return new

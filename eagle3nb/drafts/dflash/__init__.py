@@ -16,7 +16,8 @@ def _method(name: str, title: str, markov_rank_of) -> DraftMethod:
         name=name, title=title, claims=layouts.claimer(name), load=layouts.load_draft, save=layouts.save_draft,
         config_json=layouts.draft_config_json, objective=objective.BlockObjective.from_params,
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
-        fresh=lambda P, *a: model.fresh_draft(P, *a, markov_rank=markov_rank_of(P)))
+        fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
+                                                   markov_rank=markov_rank_of(P)))
 
 
 METHODS = {
