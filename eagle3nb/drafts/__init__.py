@@ -16,6 +16,7 @@ that engines name apart: ``dflash`` serves DFlash and DSpark, DFlash's backbone 
   formats, vLLM's first;
 - ``fresh(P, data, target_config) -> model``: 03's new draft on 02's data (its meta, draft vocabulary, the
   target's embedding and head), shaped by the method's own 03 params;
+- ``unit``: what a round's i-th drafted token is called (TTT step, block position), for 03's and 04's labels;
 - ``objective(model, P) -> nn.Module`` whose ``forward(batch)`` returns (loss, stats [4, steps]: loss sum, loss
   positions, correct, scored positions), batch as 03 builds it (``aux``, ``input_ids``, ``loss_mask``,
   ``target_argmax``, ``target_probs``);

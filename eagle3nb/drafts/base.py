@@ -63,12 +63,9 @@ class DraftMethod:
     # (03's params, 02's data: meta, d2t / t2d, embed_tokens() and lm_head() [V, H], the target's config.json)
     # -> 03's fresh draft, shaped by the method's own params
     fresh: Callable[..., nn.Module]
-
-    @property
-    def unit(self) -> str:
-        """What a round's i-th drafted token is called: its objective's ``unit`` (EAGLE-3's TTT step, a block
-        drafter's block position), which 03's stats and 04's records carry for their labels."""
-        return getattr(getattr(self.objective, "__self__", None), "unit", "draft step")
+    # what a round's i-th drafted token is called (EAGLE-3's TTT step, a block drafter's block position): the
+    # label 03's stats and 04's records and views carry
+    unit: str
 
 
 def check_fits(cfg, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,

@@ -17,7 +17,8 @@ def _method(name: str, title: str, markov_rank_of) -> DraftMethod:
         config_json=layouts.draft_config_json, objective=objective.BlockObjective.from_params,
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
-                                                   markov_rank=markov_rank_of(P)))
+                                                   markov_rank=markov_rank_of(P)),
+        unit=objective.BlockObjective.unit)
 
 
 METHODS = {
