@@ -639,7 +639,7 @@ def test_04s_views_draw_a_block_drafters_rounds_as_blocks(staged, stage_data, ta
     from transformers import AutoTokenizer
 
     from eagle3nb import drafts
-    from eagle3nb.accept import misses
+    from eagle3nb.accept import misses, views
     from eagle3nb.accept.offline import position_record
     from eagle3nb.families import detect
     from eagle3nb.spec.batch import SpecDecoder
@@ -668,7 +668,7 @@ def test_04s_views_draw_a_block_drafters_rounds_as_blocks(staged, stage_data, ta
     records = [misses.with_pieces(r, tok, "local", family) for r in misses.local_records(prompts, local, None, unit)]
 
     def marks(rec: dict) -> list[str | None]:
-        spans = re.findall(r'<span class="tv-role-[^"]*?(?: tv-mark-(\w+))?" data-id', misses.render_record(rec, k))
+        spans = re.findall(r'<span class="tv-role-[^"]*?(?: tv-mark-(\w+))?" data-id', views.render_record(rec, k))
         assert len(spans) == len(rec["ids"])
         return [m or None for m in spans]
 
@@ -687,7 +687,7 @@ def test_04s_views_draw_a_block_drafters_rounds_as_blocks(staged, stage_data, ta
         assert sum(m == "blk_ok" for m in sim) > 0
         assert [m for m in sim if m] == [m for m, s in zip(shown, sim) if s]
     assert partial > 0, "no round accepted part of its block: nothing shows an accepted prefix before a rejection"
-    assert "block position" in misses.key(k, unit) and "draft step" not in misses.key(k, unit)
+    assert "block position" in views.key(k, unit) and "draft step" not in views.key(k, unit)
     misses.write_records(tmp_path / misses.ROUNDS, records)
-    static = str(misses.excerpts(tmp_path, k, "local"))
+    static = str(views.excerpts(tmp_path, k, "local"))
     assert "tv-mark-blk_ok" in static and "tv-mark-blk_miss" in static and "block position accepted" in static

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3nb.accept import misses
+from eagle3nb.accept import misses, views
 from eagle3nb.accept.local import run_local
 from eagle3nb.accept.models import load_models
 from eagle3nb.accept.offline import run_offline
@@ -62,7 +62,7 @@ def test_local_rounds_replay_the_real_decoding(judged):
 def test_miss_view_widget_table_and_excerpts(judged):
     P = judged["P"]
     records = misses.load_records(P.stage_dir, "offline")
-    box = misses.browser(P.stage_dir, P.k)
+    box = views.browser(P.stage_dir, P.k)
     html = box.view.value
     assert "tv-mark-acc" in html  # drafted positions coloured by their accepted count
     shown = next(r for r in records if r["id"] in html)
@@ -91,7 +91,7 @@ def test_miss_view_widget_table_and_excerpts(judged):
     worst = misses.worst_kind(table)
     assert worst.startswith(("the draft fails most at", "misses spread"))
     assert "MISS" not in worst
-    static = str(misses.excerpts(P.stage_dir, P.k))
+    static = str(views.excerpts(P.stage_dir, P.k))
     assert "worst: mean accepted" in static and "typical (median)" in static and "tv-mark-acc" in static
 
 
