@@ -15,8 +15,8 @@ SYNTH_STATUSES = ("ok", "truncated", "no_reasoning", "error")
 
 # Settings that change the stored data: a different value against an existing output_dir is refused
 # (or, with force, the old shards are discarded).
-DATA_KEYS = ("model_path", "aux_layer_ids", "max_length", "storage", "topk", "draft_vocab_size", "statuses",
-             "max_samples", "shard_tokens", "dtype", "backend")
+DATA_KEYS = ("model_path", "aux_layer_ids", "max_length", "storage", "topk", "draft_vocab_size", "vocab_from",
+             "statuses", "max_samples", "shard_tokens", "dtype", "backend")
 
 
 @register(STAGE)
@@ -62,6 +62,10 @@ class HiddenParams(TargetParams):
                                                           "retry (with jitter, capped at 60 s)")
     draft_vocab_size: int = Field(256, ge=1, description="draft vocabulary size: the most frequent target ids over "
                                                          "loss-masked tokens (32000 for big models)")
+    vocab_from: str | None = Field(None, description="keep the draft vocabulary of this earlier 02 folder (its "
+                                                     "draft_vocab.safetensors) instead of choosing one from these "
+                                                     "samples: data for a draft already trained on it (05's on-policy "
+                                                     "distillation, whose few scored tokens would choose another)")
     statuses: list[str] = Field(["ok"], description="01_synth sample statuses to use (ok, truncated, no_reasoning, "
                                                     "error)")
     max_samples: int | None = Field(None, ge=1, description="use only the first N samples (by id order); null = all")
