@@ -16,7 +16,7 @@ import pytest
 from eagle3nb.accept.cache import fingerprint
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.params import from_dict
-from eagle3nb.refresh.report import served_table, weak_table
+from eagle3nb.refresh.report import opd_table, served_table, weak_table
 
 from worlds import SEED, THREADS, build_trained_run, requires_vllm
 
@@ -140,3 +140,6 @@ def test_on_policy_distillation_replays_the_drafts_proposals_and_is_measured_wit
     gate = {g["name"]: g for g in m["gate"]["groups"]}
     assert gate["math"]["change"] > gate["math"]["noise"] > 0 and all(g["passed"] for g in gate.values()), gate
     assert m["gate"]["ship"], m["gate"]["reason"]
+    table = opd_table(m)
+    assert list(table.index) == ["without", "with"]
+    assert table.loc["with", "math"] == pytest.approx(opd["with"]["groups"]["math"], abs=1e-3)
