@@ -15,8 +15,8 @@ SYNTH_STATUSES = ("ok", "truncated", "no_reasoning", "error")
 
 # Settings that change the stored data: a different value against an existing output_dir is refused
 # (or, with force, the old shards are discarded).
-DATA_KEYS = ("model_path", "aux_layer_ids", "max_length", "storage", "topk", "draft_vocab_size", "vocab_from",
-             "statuses", "max_samples", "shard_tokens", "dtype", "backend")
+DATA_KEYS = ("model_path", "aux_layer_ids", "max_length", "storage", "topk", "draft_vocab_size", "statuses",
+             "max_samples", "shard_tokens", "dtype", "backend")
 
 
 @register(STAGE)
@@ -106,8 +106,10 @@ class HiddenParams(TargetParams):
         return self.out_dir(self.synth_dir, "01_synth")
 
     def data_config(self) -> dict:
-        """The data-affecting settings, stored with the shards and compared on resume."""
-        return {k: getattr(self, k) for k in DATA_KEYS}
+        """The data-affecting settings, stored with the shards and compared on resume (``vocab_from`` only when
+        set, so data made before it existed keeps its key)."""
+        return {**{k: getattr(self, k) for k in DATA_KEYS}, **({"vocab_from": self.vocab_from} if self.vocab_from
+                                                               else {})}
 
     def check_paths(self) -> None:
         src = self.params_file or "the notebook's parameters cell"
