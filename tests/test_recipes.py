@@ -276,6 +276,31 @@ def test_a_short_ttt_run_lowers_each_loss(loss):
     assert last < 0.8 * first, (first, last)
 
 
+def test_opd_takes_reverse_kl_where_the_target_rejected_and_forward_kl_where_it_accepted():
+    """loss opd over a batch whose loss mask flags drafted tokens accepted (1) or rejected (REJECTED), at every TTT
+    step: the per-step loss sum is the reverse-KL sum over the rejected positions (reverse_kl's own objective with
+    only those scored) plus the forward-KL sum over the accepted ones (the fused soft cross-entropy with only those
+    scored, less the target's entropy H(p) there), so a flag lost on the way would change it."""
+    from eagle3nb.data.samples import REJECTED
+    from eagle3nb.drafts.eagle3.objective import TTTObjective
+
+    m, steps = tiny_draft(num_layers=1).eval(), 3
+    batch = ttt_batch(m, seed=9)
+    flags = torch.randint(0, 3, batch["loss_mask"].shape, generator=torch.Generator().manual_seed(9))
+    assert bool((flags == REJECTED).any() and (flags == 1).any())
+    only = {v: {**batch, "loss_mask": (flags == v).long()} for v in (1, REJECTED)}
+    opd = TTTObjective(m, steps, 0.8, loss="opd")({**batch, "loss_mask": flags})[1]
+    rev = TTTObjective(m, steps, 0.8, loss="reverse_kl")(only[REJECTED])[1]
+    fwd = TTTObjective(m, steps, 0.8, loss="forward_kl")(only[1])[1]
+    p = batch["target_probs"]
+    entropy = -(torch.xlogy(p, p)).sum(-1)  # shape: [B, T]
+    for i in range(steps):
+        # step i's position t scores token t+2+i against the target's distribution at u = t+1+i
+        h = (entropy[:, 1 + i:T - 1] * only[1]["loss_mask"][:, 2 + i:]).sum().double()
+        assert float(opd[0, i]) == pytest.approx(float(rev[0, i] + fwd[0, i] - h), rel=1e-4)
+        assert opd[1, i] == rev[1, i] + fwd[1, i]  # every flagged position counted once
+
+
 # ---- the optimizer -------------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ import pytest
 from eagle3nb.accept.cache import fingerprint
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.params import from_dict
-from eagle3nb.refresh.report import served_table, weak_table
+from eagle3nb.refresh.report import opd_table, served_table, weak_table
 
 from worlds import SEED, THREADS, build_trained_run, requires_vllm
 
@@ -118,3 +118,28 @@ def test_refresh_that_forgets_a_group_is_refused(weak, toy_smoke, embedded) -> N
     assert gate["math"]["change"] > 0
     assert not gate["chat"]["passed"], gate["chat"]
     assert not m["gate"]["ship"] and m["draft"] is None and not (weak["out"] / "forgets" / "draft").exists()
+
+
+def test_on_policy_distillation_replays_the_drafts_proposals_and_is_measured_with_and_without(weak, shipped,
+                                                                                             toy_smoke, embedded):
+    """The shipping refresh (its steps reused from its files) with on-policy distillation, one seed: the refreshed
+    draft's own proposals on the refresh requests are replayed through 02 (accepted and rejected drafted tokens
+    both there), 03 distils from it with loss opd, the gate judges the distilled draft, and the metrics say both."""
+    ships = weak["out"] / "ships"
+    m = refresh(weak, toy_smoke, embedded.url, "ships", **{**SHIPS, "seeds": [SEED]}, opd_steps=20, opd_lr=5e-4)
+    opd = m["opd"]
+    n = opd["proposals"][str(SEED)]
+    assert n["records"] > 0 and n["accepted"] > 0 and n["rejected"] > 0, n
+    # without: the supervised draft as the shipping run measured it; with: the distilled one, which the gate judged
+    sft = json.loads((ships / f"after-seed{SEED}.json").read_text())["result"]
+    assert opd["without"]["groups"] == {g: sum(v) / len(v) for g, v in sorted(sft.items())}
+    assert opd["with"]["speedup"] == m["gate"]["speedup_after"]
+    distilled = ships / f"opd-seed{SEED}" / "03_train" / "draft"
+    assert fingerprint(distilled) != fingerprint(ships / f"03_train-seed{SEED}" / "draft")
+    # at a quarter of the fine-tune's rate the distilled draft keeps the refresh's gain and the gate ships it
+    gate = {g["name"]: g for g in m["gate"]["groups"]}
+    assert gate["math"]["change"] > gate["math"]["noise"] > 0 and all(g["passed"] for g in gate.values()), gate
+    assert m["gate"]["ship"], m["gate"]["reason"]
+    table = opd_table(m)
+    assert list(table.index) == ["without", "with"]
+    assert table.loc["with", "math"] == pytest.approx(opd["with"]["groups"]["math"], abs=1e-3)

@@ -70,6 +70,21 @@ def build_draft_vocab(samples: Iterable[dict], vocab_size: int, draft_vocab_size
             "distinct_loss_tokens": distinct, "loss_tokens": total}
 
 
+def keep_draft_vocab(samples: Iterable[dict], path: Path, vocab_size: int, draft_vocab_size: int) -> dict:
+    """``build_draft_vocab``'s result for the vocabulary stored at ``path`` (an earlier 02's), its coverage
+    measured over ``samples``."""
+    d2t, t2d = load_draft_vocab(path)
+    if d2t.shape[0] != draft_vocab_size or t2d.shape[0] != vocab_size:
+        raise InputError(f"{path} holds a draft vocabulary of {d2t.shape[0]} ids over {t2d.shape[0]}, but this run "
+                         f"asks for {draft_vocab_size} over the target's {vocab_size}: set draft_vocab_size to match")
+    masked, _ = token_counts(samples, vocab_size)
+    target_ids = draft_target_ids(d2t)
+    total = int(masked.sum())
+    return {"target_ids": target_ids, "d2t": d2t, "t2d": t2d, "coverage": int(masked[target_ids.numpy()].sum())
+            / max(total, 1), "padded": 0, "note": "", "distinct_loss_tokens": int((masked > 0).sum()),
+            "loss_tokens": total}
+
+
 def save_draft_vocab(path: Path, vocab: dict) -> None:
     from safetensors.torch import save_file
 

@@ -62,6 +62,10 @@ class HiddenParams(TargetParams):
                                                           "retry (with jitter, capped at 60 s)")
     draft_vocab_size: int = Field(256, ge=1, description="draft vocabulary size: the most frequent target ids over "
                                                          "loss-masked tokens (32000 for big models)")
+    vocab_from: str | None = Field(None, description="keep the draft vocabulary of this earlier 02 folder (its "
+                                                     "draft_vocab.safetensors) instead of choosing one from these "
+                                                     "samples: data for a draft already trained on it (05's on-policy "
+                                                     "distillation, whose few scored tokens would choose another)")
     statuses: list[str] = Field(["ok"], description="01_synth sample statuses to use (ok, truncated, no_reasoning, "
                                                     "error)")
     max_samples: int | None = Field(None, ge=1, description="use only the first N samples (by id order); null = all")
@@ -102,8 +106,10 @@ class HiddenParams(TargetParams):
         return self.out_dir(self.synth_dir, "01_synth")
 
     def data_config(self) -> dict:
-        """The data-affecting settings, stored with the shards and compared on resume."""
-        return {k: getattr(self, k) for k in DATA_KEYS}
+        """The data-affecting settings, stored with the shards and compared on resume (``vocab_from`` only when
+        set, so data made before it existed keeps its key)."""
+        return {**{k: getattr(self, k) for k in DATA_KEYS}, **({"vocab_from": self.vocab_from} if self.vocab_from
+                                                               else {})}
 
     def check_paths(self) -> None:
         src = self.params_file or "the notebook's parameters cell"

@@ -18,10 +18,11 @@ from eagle3nb.data.head import text_config
 from eagle3nb.data.reader import INDEX_FILE
 from eagle3nb.data.samples import latest, sample_files
 from eagle3nb.data.shards import ShardError, bytes_per_token, check_shard, shard_name
-from eagle3nb.data.vocab import build_draft_vocab
+from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, keep_draft_vocab
 from eagle3nb.hidden.params import HiddenParams
 from eagle3nb.layers import check_layer_ids, default_aux_layer_ids
 from eagle3nb.params import StageError
+from eagle3nb.paths import resolve
 from eagle3nb.progress import read_progress, write_json_atomic
 
 PLAN_FILE = "plan.json"
@@ -225,7 +226,8 @@ def make_plan(P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]
     """Samples, draft vocabulary and shards; the finished shards of an earlier run taken over; the projected disk
     use printed and checked against the free space."""
     samples, sample_report = prepare_samples(P)
-    vocab = build_draft_vocab(samples, info["vocab_size"], P.draft_vocab_size)
+    vocab = (keep_draft_vocab(samples, resolve(P.vocab_from) / VOCAB_FILE, info["vocab_size"], P.draft_vocab_size)
+             if P.vocab_from else build_draft_vocab(samples, info["vocab_size"], P.draft_vocab_size))
     if vocab["note"]:
         print("draft vocab:", vocab["note"], flush=True)
     shards = plan_shards(samples, P.shard_tokens)

@@ -40,6 +40,14 @@ class RefreshParams(TargetParams):
     max_completion_tokens: int = Field(256, ge=1, description="token budget of each regenerated answer")
     steps: int = Field(100, ge=1, description="fine-tune steps from the current draft (03's max_steps)")
     lr: float = Field(1e-3, gt=0, description="fine-tune peak learning rate")
+    opd_steps: int = Field(0, ge=0, description="on-policy distillation after the fine-tune, per seed (03's max_steps "
+                                               "with loss opd over the refreshed draft's own replayed proposals); "
+                                               "0 = off. The gate judges the distilled drafts; metrics say both")
+    opd_lr: float = Field(2e-4, gt=0, description="on-policy distillation's peak learning rate (a fifth of the "
+                                                  "fine-tune's: its few scored tokens, at the fine-tune's rate, "
+                                                  "cost the groups it has none of)")
+    opd_rounds: int = Field(4, ge=1, description="on-policy distillation: decoding rounds kept per refresh request, "
+                                                 "spread over its answer")
     seeds: list[int] = Field([0, 1], min_length=1, description="one refreshed draft per seed; their spread is the "
                                                                "gate's seed noise")
     k: int = Field(3, ge=1, le=16, description="drafted tokens per target step when measuring and predicting")

@@ -48,6 +48,19 @@ def served_table(metrics: dict[str, Any]):
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis(f"{ab['group']} ({ab['requests']} requests)")
 
 
+def opd_table(metrics: dict[str, Any]):
+    """With ``opd_steps``: per held-out group, the refreshed drafts' acceptance length without on-policy
+    distillation and with it (mean over seeds), and the traffic-weighted speedup of each; None when not run."""
+    import pandas as pd
+
+    opd = metrics.get("opd")
+    if not opd:
+        return None
+    rows = {side: {**opd[side]["groups"], "speedup": opd[side]["speedup"]} for side in ("without", "with")}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(f"on-policy distillation ({opd['steps']} steps)"
+                                                                    ).round(3)
+
+
 def weak_table(metrics: dict[str, Any]):
     """The current draft's groups, the one losing the most speedup first (the offline column when measured)."""
     import pandas as pd

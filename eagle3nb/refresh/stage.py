@@ -19,6 +19,7 @@ from eagle3nb.data.traffic import read_traffic
 from eagle3nb.params import STAGE_MODULES, ParamsError, from_dict
 from eagle3nb.progress import PROGRESS_FILE, write_json_atomic
 from eagle3nb.refresh.gate import GroupScores, judge
+from eagle3nb.refresh.opd import counts, proposals, write_records
 from eagle3nb.refresh.params import RefreshParams
 from eagle3nb.refresh.served import served_ab
 from eagle3nb.refresh.weak import per_request, rank, table
@@ -63,10 +64,23 @@ def run(P: RefreshParams) -> dict[str, Any]:
                                            "lr": P.lr, "seed": s, "remap_vocab": True, "keep_best": False,
                                            "output_dir": out / f"03_train-seed{s}"}) / "draft"
               for s in P.seeds}
-    # 6. the gate: each refreshed draft on the same held-out requests, group by group
+    # 6. the gate: each refreshed draft on the same held-out requests, group by group; with `opd_steps`, the
+    #    drafts after on-policy distillation (5b) are judged and the supervised ones are kept as the comparison
     after = {s: measure(d, out / f"after-seed{s}.json") for s, d in drafts.items()}
-    groups = [GroupScores(g, traffic.shares()[g], before[g], [after[s][g] for s in P.seeds]) for g in sorted(before)]
-    verdict = judge(groups, P.k, c, o)
+    verdict = judge(scores(traffic.shares(), before, after, P.seeds), P.k, c, o)
+    opd = None
+    if P.opd_steps:
+        sft, supervised = after, verdict
+        proposed = {s: distil(P, measure, d, picks, s, (vocab, data_dir), out / f"opd-seed{s}")
+                    for s, d in drafts.items()}
+        drafts = {s: d for s, (d, _) in proposed.items()}
+        after = {s: measure(d, out / f"after-opd-seed{s}.json") for s, d in drafts.items()}
+        verdict = judge(scores(traffic.shares(), before, after, P.seeds), P.k, c, o)
+        opd = {"steps": P.opd_steps, "proposals": {str(s): n for s, (_, n) in proposed.items()},
+               "without": {"speedup": supervised.speedup_after, "groups": _means(sft)},
+               "with": {"speedup": verdict.speedup_after, "groups": _means(after)}}
+        print(f"on-policy distillation: traffic-weighted speedup {supervised.speedup_after:.3f}x without, "
+              f"{verdict.speedup_after:.3f}x with", flush=True)
     print(verdict.reason, flush=True)
     # 7. the refreshed draft beside the current one when it ships
     best = max(P.seeds, key=lambda s: sum(traffic.shares()[g] * sum(v) / len(v) for g, v in after[s].items()))
@@ -90,9 +104,41 @@ def run(P: RefreshParams) -> dict[str, Any]:
                "costs": {"cost_ratio": c, "overhead": o, "k": P.k},
                "gate": {"ship": verdict.ship, "reason": verdict.reason, "speedup_before": verdict.speedup_before,
                         "speedup_after": verdict.speedup_after, "groups": [vars(g) for g in verdict.groups]},
-               "best_seed": best, "draft": str(shipped) if shipped else None, "served_ab": served}
+               "opd": opd, "best_seed": best, "draft": str(shipped) if shipped else None, "served_ab": served}
     write_json_atomic(out / "metrics.json", metrics)
     return metrics
+
+
+def scores(shares: dict[str, float], before: dict[str, list[float]], after: dict[int, dict[str, list[float]]],
+           seeds: list[int]) -> list[GroupScores]:
+    """The gate's input: per group, the current draft's acceptance and each seed's refreshed one."""
+    return [GroupScores(g, shares[g], before[g], [after[s][g] for s in seeds]) for g in sorted(before)]
+
+
+def _means(after: dict[int, dict[str, list[float]]]) -> dict[str, float]:
+    """Per group, the refreshed drafts' mean acceptance length over seeds and requests."""
+    rows: dict[str, list[float]] = {}
+    for per_group in after.values():
+        for g, v in per_group.items():
+            rows.setdefault(g, []).extend(v)
+    return {g: sum(v) / len(v) for g, v in sorted(rows.items())}
+
+
+def distil(P: RefreshParams, measure: Measure, draft: Path, rows: list[dict], seed: int, vocab: tuple[int, Path],
+           folder: Path) -> tuple[Path, dict[str, int]]:
+    """On-policy distillation of one refreshed draft (``eagle3nb.refresh.opd``): its proposals on ``rows``
+    replayed through the target (02 over the records, keeping the vocabulary of ``vocab``'s 02 folder, the one the
+    draft was fine-tuned on: the proposals' few scored tokens would choose another and cost the draft the rest),
+    then 03 from it with ``loss: opd``. Returns the distilled draft and the proposals' counts."""
+    records = folder / "proposals"
+    if not records.is_dir():
+        decoder, tpl, eos = measure.decoder(draft)
+        write_records(proposals(decoder, tpl, rows, P.max_tokens, eos, P.opd_rounds), records)
+    data_dir = extract(P, records, vocab[0], folder / "02_hidden_states", vocab_from=vocab[1])
+    trained = sub_stage("03_train", P, {"data_dir": data_dir, "init_from": draft, "max_steps": P.opd_steps,
+                                        "lr": P.opd_lr, "seed": seed, "loss": "opd",
+                                        "keep_best": False, "output_dir": folder / "03_train"})
+    return trained / "draft", counts(records)
 
 
 def _count(rows: list[dict]) -> dict[str, int]:
@@ -115,6 +161,11 @@ class Measure:
         return cached(path, config, lambda: self._measure(draft_dir))
 
     def _measure(self, draft_dir: Path) -> dict[str, list[float]]:
+        decoder, tpl, eos = self.decoder(draft_dir)
+        return per_request(decoder, tpl, self.rows, self.P.max_tokens, eos)
+
+    def decoder(self, draft_dir: Path):
+        """(the draft beside the target as a ``SpecDecoder`` at k, the chat template, the end-of-turn ids)."""
         from eagle3nb.data.stream import Template
         from eagle3nb.drafts import load_draft
         from eagle3nb.hf import DECODER, load_target
@@ -129,7 +180,7 @@ class Measure:
         draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach(),
                            lm_head=target.get_output_embeddings().weight.detach())
         eos = sorted({i for i in (tpl.end_id, tpl.tokenizer.eos_token_id) if i is not None})
-        return per_request(SpecDecoder(target, draft, P.k), tpl, self.rows, P.max_tokens, eos)
+        return SpecDecoder(target, draft, P.k), tpl, eos
 
 
 def costs(P: RefreshParams) -> tuple[float, float]:
@@ -180,10 +231,12 @@ def answer(P: RefreshParams, rows: list[dict], prompts: Path, output_dir: Path) 
                                      "output_dir": output_dir})
 
 
-def extract(P: RefreshParams, synth_dir: Path, vocab: int, output_dir: Path) -> Path:
-    """02's hidden states over an 01 folder, with a draft vocabulary of the current draft's size."""
+def extract(P: RefreshParams, synth_dir: Path, vocab: int, output_dir: Path, vocab_from: Path | None = None) -> Path:
+    """02's hidden states over an 01 folder, with a draft vocabulary of the current draft's size (``vocab_from``'s
+    vocabulary when given)."""
     return sub_stage("02_hidden_states", P, {"synth_dir": synth_dir, "output_dir": output_dir,
-                                             "model_path": P.model_path, "draft_vocab_size": vocab})
+                                             "model_path": P.model_path, "draft_vocab_size": vocab,
+                                             "vocab_from": vocab_from})
 
 
 def offline_by_group(P: RefreshParams, heldout: list[dict], vocab: int, out: Path) -> dict[str, float]:

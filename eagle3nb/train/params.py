@@ -103,13 +103,15 @@ class TrainParams(StageParams):
                                                        "the last token, trained in the TTT unroll as vLLM's "
                                                        "parallel_drafting feeds them; needs ttt_steps >= "
                                                        "num_speculative_tokens and export_format eagle3")
-    loss: Literal["forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda"] = Field(
+    loss: Literal["forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda", "opd"] = Field(
         "forward_kl", description="the TTT loss per position against the target's distribution p (the draft's: q): "
                                   "forward_kl (EAGLE-3's soft cross-entropy, KL(p||q) + H(p)), reverse_kl "
                                   "KL(q||p), tv (total variation 1/2 sum|p-q| = 1 - acceptance), jsd "
                                   "(Jensen-Shannon), lk_alpha (-log acceptance) or lk_lambda (lambda KL(p||q) + "
                                   "(1-lambda)(1 - acceptance), lambda = exp(-lk_eta acceptance)): the LK losses "
-                                  "of arXiv 2602.23881, acceptance = sum min(p, q)")
+                                  "of arXiv 2602.23881, acceptance = sum min(p, q)), or opd (on-policy "
+                                  "distillation over 05's replayed proposals: KL(q||p) where the target rejected "
+                                  "the drafted token, loss_mask 2, KL(p||q) where it accepted it)")
     lk_eta: float = Field(3.0, ge=0, description="loss lk_lambda: how fast the weight moves from KL to TV as the "
                                                  "acceptance grows (the paper's best: 3)")
     block_size: int = Field(8, ge=2, description="dflash / dspark: block slots per draft forward (the anchor then "

@@ -28,22 +28,27 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from eagle3nb.data.samples import REJECTED
 from eagle3nb.drafts.eagle3.cache import TTTCache
 from eagle3nb.drafts.eagle3.model import Eagle3Draft
 
 # 03's ``loss`` choices; forward_kl is EAGLE-3's soft cross-entropy (KL(p||q) + H(p): the same gradient), fused.
-LOSSES = ("forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda")
+LOSSES = ("forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda", "opd")
 TINY = torch.finfo(torch.float32).tiny  # the floor under a log of a probability that may be 0 (compact storage)
 
 
-def divergence(loss: str, z: torch.Tensor, p: torch.Tensor, eta: float = 3.0) -> torch.Tensor:
+def divergence(loss: str, z: torch.Tensor, p: torch.Tensor, eta: float = 3.0,
+               rejected: torch.Tensor | None = None) -> torch.Tensor:
     """The per-position loss [B, T] of the draft's logits ``z`` [B, T, V] (float32) against the target's
     distribution ``p`` [B, T, V] (rows of zeros: padding, finite and weighted 0), q = softmax(z):
 
     reverse_kl KL(q||p) = sum q log(q/p); tv 1/2 sum |p - q| (= 1 - acceptance); jsd 1/2 KL(p||m) + 1/2 KL(q||m),
     m = (p + q)/2; lk_alpha -log(acceptance); lk_lambda lambda KL(p||q) + (1 - lambda)(1 - acceptance), lambda =
     exp(-eta sg[acceptance]): KL's strong gradient while the draft is far, TV's (acceptance itself) once close;
-    acceptance = sum min(p, q), what rejection sampling accepts. forward_kl here is KL(p||q) (the fused
+    acceptance = sum min(p, q), what rejection sampling accepts; opd (on-policy distillation over the draft's own
+    replayed proposals) KL(q||p) where ``rejected`` [B, T] (the target rejected the token predicted there:
+    push the draft's mass off what the target does not want), KL(p||q) elsewhere (accepted: cover the target's
+    mass). forward_kl here is KL(p||q) (the fused
     ``SoftCrossEntropy`` trains on it plus the constant H(p))."""
     logq = torch.log_softmax(z, dim=-1)  # shape: [B, T, V]
     q = logq.exp()
@@ -63,6 +68,10 @@ def divergence(loss: str, z: torch.Tensor, p: torch.Tensor, eta: float = 3.0) ->
     if loss == "lk_lambda":
         lam = torch.exp(-eta * accept.detach())
         return lam * kl + (1 - lam) * (1 - accept)
+    if loss == "opd":
+        if rejected is None:
+            raise ValueError("loss opd needs the per-position rejected flags")
+        return torch.where(rejected, divergence("reverse_kl", z, p), kl)
     raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
 
 
@@ -109,6 +118,8 @@ class TTTObjective(nn.Module):
         # position u: the token after u is in the loss mask (scored), and also expressible in the draft vocab
         scored_at = torch.cat([batch["loss_mask"][:, 1:].bool(), ids.new_zeros(B, pad + 1, dtype=torch.bool)], 1)
         counted_at = scored_at & d.t2d[argmax]  # shape: [B, T + pad] both
+        # loss opd: position u predicts a drafted token the target rejected (loss_mask value REJECTED)
+        rejected_at = torch.cat([batch["loss_mask"][:, 1:] == REJECTED, scored_at.new_zeros(B, pad + 1)], 1)
         pos = torch.arange(T, device=ids.device).expand(B, T)  # shape: [B, T]
 
         # 2. Step 0's input feature: the target's low, mid and high hidden states fused into one (g_t).
@@ -134,7 +145,8 @@ class TTTObjective(nn.Module):
                 loss_i, ce, pred = SoftCrossEntropy.apply(logits, probs[:, 1 + i:], weight, keep)  # [] [B,keep] x2
             else:
                 z = logits[:, :keep].float()  # shape: [B, keep, Vd]
-                per = divergence(self.loss, z, probs[:, 1 + i:].float(), self.eta)  # shape: [B, keep]
+                per = divergence(self.loss, z, probs[:, 1 + i:].float(), self.eta,
+                                 rejected_at[:, s][:, :keep])  # shape: [B, keep]
                 loss_i, ce, pred = (per * weight).sum(), per.detach(), z.argmax(-1)
             loss = loss + loss_i
             # c. accuracy: the draft's greedy token is the target's
