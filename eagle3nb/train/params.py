@@ -178,6 +178,9 @@ class TrainParams(StageParams):
             if self.parallel_drafting or self.draft_attention != "llama":
                 raise ValueError(f"parallel_drafting and draft_attention shape an EAGLE-3 draft; method "
                                  f"{self.method} has its own (leave them at false / llama)")
+            if self.loss != "forward_kl":  # the block objective reads block_loss; loss would be ignored
+                raise ValueError(f"loss: {self.loss} is EAGLE-3's training-time-test loss; method {self.method} "
+                                 "trains with block_loss (kl | ce) and block_weighting: leave loss at forward_kl")
         return self
 
     @property
