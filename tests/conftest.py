@@ -66,6 +66,10 @@ def _project_env(tmp_path_factory):
     run's default output folders to a temporary one: a test that writes under ``outputs/`` fails here."""
     os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
     os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+    # The real vLLM servers run their model worker inside the engine-core process (vLLM's uni executor, what it
+    # uses on one GPU) instead of the CPU build's separate worker process: one Python start (vLLM's import) fewer
+    # per server, ~10 s of a 30-s start on two cores (docs/testing.md); the kernels and the engine are the same.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ["EAGLE3NB_OUTPUTS"] = str(tmp_path_factory.mktemp("outputs"))
     before = _outputs_snapshot()
     yield
