@@ -18,14 +18,20 @@ pytest_plugins = ["budget"]
 # The tiers, assigned here only (test files carry no tier marks of their own; `make test-fast` deselects all three,
 # `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks, or that uses a server of the
 # ``engines`` registry through its fixtures (the real vLLM); ``browser``:
-# headless Chromium; ``slow``: the modules and shared fixtures whose measured cost (docs/testing.md's table) would
-# push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long trainings.
+# headless Chromium; ``slow``: the modules, shared fixtures and single tests whose measured cost (docs/testing.md's
+# table) would push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long
+# trainings, kill-and-resume runs in subprocesses.
 BROWSER_MODULES = {"test_browser.py"}
 # papermill over the smoke run; the GLM toy, trained here; 05's refreshes (a draft trained, then fine-tuned per seed)
 SLOW_MODULES = {"test_e2e.py", "test_family_glm.py", "test_refresh.py"}
 # the trained runs (any fixture of that name: the session's, and a family module's own), the toys built from a
 # family's real tokenizer, Kimi's trained MLA draft
 SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained"}
+# single tests of fast modules that alone cost 10-20 s on a quiet machine (a toy rebuilt from its recipe, a torchrun
+# killed and resumed, 02 killed and resumed in a subprocess): the rest of their module stays in the inner loop
+SLOW_TESTS = {"test_toy.py::test_a_fresh_rebuild_is_as_good_as_the_shipped_toy",
+              "test_scale.py::test_online_under_torchrun_resumes_after_kill9_exactly",
+              "test_hidden.py::test_kill_9_and_resume_gives_identical_shards"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -35,7 +41,9 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.engine)
         if module in BROWSER_MODULES:
             item.add_marker(pytest.mark.browser)
-        if module in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):  # fixturenames: with what they use
+        slow_test = f"{module}::{item.originalname}" in SLOW_TESTS
+        # fixturenames: with what they use
+        if module in SLOW_MODULES or slow_test or SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 
 
@@ -58,6 +66,10 @@ def _project_env(tmp_path_factory):
     run's default output folders to a temporary one: a test that writes under ``outputs/`` fails here."""
     os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
     os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+    # The real vLLM servers run their model worker inside the engine-core process (vLLM's uni executor, what it
+    # uses on one GPU) instead of the CPU build's separate worker process: one Python start (vLLM's import) fewer
+    # per server, ~10 s of a 30-s start on two cores (docs/testing.md); the kernels and the engine are the same.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ["EAGLE3NB_OUTPUTS"] = str(tmp_path_factory.mktemp("outputs"))
     before = _outputs_snapshot()
     yield
