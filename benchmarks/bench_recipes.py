@@ -17,7 +17,11 @@ temperature 1 (sampled drafting):
   vLLM runs with the project's fixes for its CPU build (``tools/vllm/eagle3nb_vllm_fixes``: without them its T=1
   acceptance is ~1.0 whatever the draft); ``--no-vllm-fixes`` serves the drafts without them, to show that.
 
-with the spread over the seeds and 03's training tokens/s. A recipe "beats" the baseline only when its mean is
+with the spread over the seeds and 03's training tokens/s. The block drafters' rows (``dflash/4`` ... ``dspark/8``:
+issue 35, item 6) train the same steps on a copy of the same answers that keeps the whole vocabulary (a block
+drafter has no reduced one) and are judged at their block's k (DFlash: block - 1, DSpark: block); vLLM serves
+DFlash here and refuses DSpark on a CPU (its V1 runner has no dspark, V2 needs Triton): that row's vLLM cells
+carry vLLM's own error. A recipe "beats" the baseline only when its mean is
 above the baseline's by more than both half ranges (over the seeds) together.
 
 On ``toy:kimi`` (a DeepseekV3 MLA target) every draft, the baseline's too, is an MLA draft (``draft_attention:
@@ -27,6 +31,7 @@ mla``, the one vLLM's CPU build serves beside an MLA target); a recipe 03 refuse
     python benchmarks/bench_recipes.py --no-vllm     # offline and local only (~17 min)
     python benchmarks/bench_recipes.py --seeds 1 --only baseline,muon
     python benchmarks/bench_recipes.py --toys kimi --only eagle3.1,num_layers=2,loss=lk_lambda --samples 32 --steps 40
+    python benchmarks/bench_recipes.py --only eagle3.1,dflash/4,dflash/8,dspark/4,dspark/8   # the block drafters
 """
 
 from __future__ import annotations
