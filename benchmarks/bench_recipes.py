@@ -201,14 +201,16 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
 
 
 def root_cause(e: Exception) -> str:
-    """The first error vLLM's log names (its engine's own, not the "initialization failed" that follows it),
-    else the exception's last line: what a row says when vLLM did not start on its draft."""
+    """The first error vLLM's log names (its engine's own, not the "initialization failed" that follows it; for a
+    config vLLM's pydantic validation refuses, the refusal's own words on the line after), else the exception's last
+    line: what a row says when vLLM did not start on its draft."""
     text = str(e).strip()
     log = re.search(r"its output \((\S+)\)", text)
     lines = Path(log.group(1)).read_text(errors="replace").splitlines() if log and Path(log.group(1)).exists() \
         else text.splitlines()
-    causes = [m.group(0) for line in lines if (m := re.search(r"\b\w+Error: .*", line))
-              and "WARNING" not in line and "initialization failed" not in line]
+    causes = [m.group(1) for line in lines if (m := re.search(r"\bValue error, (.*?) \[type=", line))]
+    causes += [m.group(0) for line in lines if (m := re.search(r"\b\w+Error: .*", line))
+               and "WARNING" not in line and "initialization failed" not in line]
     return (causes[0] if causes else text.splitlines()[-1]).split(". ")[0][:200]  # its first sentence
 
 
