@@ -83,6 +83,9 @@ RECIPES: dict[str, dict] = {
     # the block less its anchor; DSpark: the block), the other settings 03's defaults (one layer, like EAGLE's).
     **{f"{m}/{b}": {"method": m, "block_size": b, "num_speculative_tokens": b - (m == "dflash")}
        for m in ("dflash", "dspark") for b in (4, 8)},
+    # ... and at the depth of the num_layers=2 row: a DFlash mask slot reads its anchor only through attention
+    **{f"{m}/4-2layers": {"method": m, "block_size": 4, "num_speculative_tokens": 4 - (m == "dflash"), "num_layers": 2}
+       for m in ("dflash", "dspark")},
 }
 # The smoke run's 03 settings (params/smoke/03_train.yaml), a held-out quarter.
 TRAIN = {"run_name": "bench", "ttt_steps": 3, "lr": 5e-3, "warmup_ratio": 0.05, "max_length": 1024,
