@@ -17,7 +17,11 @@ temperature 1 (sampled drafting):
   vLLM runs with the project's fixes for its CPU build (``tools/vllm/eagle3nb_vllm_fixes``: without them its T=1
   acceptance is ~1.0 whatever the draft); ``--no-vllm-fixes`` serves the drafts without them, to show that.
 
-with the spread over the seeds and 03's training tokens/s. A recipe "beats" the baseline only when its mean is
+with the spread over the seeds and 03's training tokens/s. The block drafters' rows (``dflash/4`` ... ``dspark/8``:
+issue 35, item 6) train the same steps on a copy of the same answers that keeps the whole vocabulary (a block
+drafter has no reduced one) and are judged at their block's k (DFlash: block - 1, DSpark: block); vLLM serves
+DFlash here and refuses DSpark on a CPU (its V1 runner has no dspark, V2 needs Triton): that row's vLLM cells
+carry vLLM's own error. A recipe "beats" the baseline only when its mean is
 above the baseline's by more than both half ranges (over the seeds) together.
 
 On ``toy:kimi`` (a DeepseekV3 MLA target) every draft, the baseline's too, is an MLA draft (``draft_attention:
@@ -27,11 +31,13 @@ mla``, the one vLLM's CPU build serves beside an MLA target); a recipe 03 refuse
     python benchmarks/bench_recipes.py --no-vllm     # offline and local only (~17 min)
     python benchmarks/bench_recipes.py --seeds 1 --only baseline,muon
     python benchmarks/bench_recipes.py --toys kimi --only eagle3.1,num_layers=2,loss=lk_lambda --samples 32 --steps 40
+    python benchmarks/bench_recipes.py --only eagle3.1,dflash/4,dflash/8,dspark/4,dspark/8   # the block drafters
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -73,17 +79,34 @@ RECIPES: dict[str, dict] = {
     "loss=lk_lambda": {**BASELINE, "loss": "lk_lambda"},
     "muon": {**BASELINE, "optimizer": "muon"},
     "parallel_drafting": {**BASELINE, "parallel_drafting": True},  # P-EAGLE: all k drafts in one forward
+    # Block drafters (eagle3nb/drafts/dflash): a block of drafts in one forward, k = the block's drafts (DFlash:
+    # the block less its anchor; DSpark: the block), the other settings 03's defaults (one layer, like EAGLE's).
+    **{f"{m}/{b}": {"method": m, "block_size": b, "num_speculative_tokens": b - (m == "dflash")}
+       for m in ("dflash", "dspark") for b in (4, 8)},
+    # ... and at the depth of the num_layers=2 row: a DFlash mask slot reads its anchor only through attention
+    **{f"{m}/4-2layers": {"method": m, "block_size": 4, "num_speculative_tokens": 4 - (m == "dflash"), "num_layers": 2}
+       for m in ("dflash", "dspark")},
 }
 # The smoke run's 03 settings (params/smoke/03_train.yaml), a held-out quarter.
 TRAIN = {"run_name": "bench", "ttt_steps": 3, "lr": 5e-3, "warmup_ratio": 0.05, "max_length": 1024,
          "batch_tokens": 1024, "eval_every": 0, "save_every": 1000, "holdout_fraction": 0.25}
 # What every run on a toy sets beyond TRAIN: an MLA target's drafts are MLA drafts (params/vllm-cpu-kimi).
 TOYS: dict[str, dict] = {"smoke": {}, "kimi": {"draft_attention": "mla"}}
-K = 3
+K = 3  # the EAGLE recipes' k; a block drafter's is its block's drafts (``k_of``)
 TEMPERATURES = (0.0, 1.0)
 # Offline (t0, t1), local (l0, l1) acceptance lengths and train tokens/s per seed; vLLM's (v0, v1, speedup) at
 # seed 0, or the one-line reason it did not serve the draft.
 Row = dict[str, list[float] | str]
+
+
+def k_of(name: str) -> int:
+    """The drafts a round of recipe ``name`` proposes (vLLM's ``num_speculative_tokens``)."""
+    return RECIPES[name].get("num_speculative_tokens", K)
+
+
+def full_vocab(name: str) -> bool:
+    """A block drafter drafts over the target's whole vocabulary (02 must store it: no reduced draft vocab)."""
+    return RECIPES[name].get("method") in ("dflash", "dspark")
 
 
 def spread(xs: list[float]) -> str:
@@ -99,10 +122,10 @@ def verdict(xs: list[float], base: list[float]) -> str:
     return f"{gap:+.3f} {'beats' if gap > noise else 'worse' if gap < -noise else 'within spread'}"
 
 
-def judge(out: Path, data: HiddenStates, held: list[int]) -> tuple[float, float]:
-    """(greedy, sampled T=1) acceptance length at k=3 of ``out/draft`` on the held-out samples."""
-    draft = load_draft(out / "draft", embed_tokens=data.embed_tokens())
-    r = offline_acceptance(draft, data, k=K, max_k=K, temperature=1.0, indices=held)
+def judge(out: Path, data: HiddenStates, held: list[int], k: int) -> tuple[float, float]:
+    """(greedy, sampled T=1) acceptance length at ``k`` of ``out/draft`` on the held-out samples."""
+    draft = load_draft(out / "draft", embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
+    r = offline_acceptance(draft, data, k=k, max_k=k, temperature=1.0, indices=held)
     return r["greedy"]["acceptance_length"], r["sampled"]["acceptance_length"]
 
 
@@ -117,13 +140,15 @@ class Local:
         self.plain = [plain_generate(self.target, p, max_tokens, eos_token_ids=self.eos) for p in self.prompts]
 
     @torch.inference_mode()
-    def decode(self, draft_dir: Path) -> tuple[float, float, int]:
-        """(acceptance length at T=0, at T=1, prompts whose T=0 output differs from the target's)."""
-        draft = load_draft(draft_dir, embed_tokens=self.target.get_input_embeddings().weight.detach())
-        dec = SpecDecoder(self.target, draft, K)
+    def decode(self, draft_dir: Path, k: int) -> tuple[float, float, int]:
+        """(acceptance length at T=0, at T=1, prompts whose T=0 output differs from the target's), ``k`` drafts a
+        round."""
+        draft = load_draft(draft_dir, embed_tokens=self.target.get_input_embeddings().weight.detach(),
+                           lm_head=self.target.get_output_embeddings().weight.detach())
+        dec = SpecDecoder(self.target, draft, k)
         taus, mismatched = [], 0
         for t in TEMPERATURES:
-            counters = SpecCounters(K)
+            counters = SpecCounters(k)
             for i, (p, want) in enumerate(zip(self.prompts, self.plain)):
                 res = dec.generate(p, self.max_tokens, t, self.eos, torch.Generator().manual_seed(i))
                 counters.merge(res.counters)
@@ -137,9 +162,13 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
     refusal; then, with vLLM, seed 0's drafts served one at a time beside a plain server."""
     t0 = time.perf_counter()
     model_dir = shipped(toy)
-    data_dir = greedy_hidden_states(model_dir, "toy:train", args.samples, 96, root / toy / "data",
-                                    draft_vocab_size=128)
-    data = HiddenStates(data_dir)
+    # The same answers for every recipe; the block drafters' copy keeps the whole vocabulary.
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    data_dirs = {full: greedy_hidden_states(model_dir, "toy:train", args.samples, 96, root / toy / f"data-{full}",
+                                            draft_vocab_size=vocab if full else 128)
+                 for full in sorted({full_vocab(n) for n in names})}
+    datas = {full: HiddenStates(d) for full, d in data_dirs.items()}
+    data = next(iter(datas.values()))
     _, held = split_holdout([s["id"] for s in data.meta["samples"]], TRAIN["holdout_fraction"])
     local = Local(model_dir, args.prompts, args.max_tokens)
     print(f"{toy} data: {len(data)} samples of the toy's greedy answers ({len(held)} held out), "
@@ -151,17 +180,18 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
             row = rows[name]
             if isinstance(row, str):  # refused at an earlier seed: the same settings are refused again
                 continue
-            out = root / toy / "runs" / name / str(seed)
+            out, full = root / toy / "runs" / name / str(seed), full_vocab(name)
             try:
-                metrics = run(from_dict("03_train", {**TRAIN, **TOYS[toy], **RECIPES[name], "data_dir": str(data_dir),
+                metrics = run(from_dict("03_train", {**TRAIN, **TOYS[toy], **RECIPES[name],
+                                                     "data_dir": str(data_dirs[full]),
                                                      "output_dir": str(out), "seed": seed,
                                                      "max_steps": args.steps}))
             except UserError as e:
                 rows[name] = str(e).splitlines()[0]
                 print(f"{toy} {name}: 03 refuses it: {rows[name]}", flush=True)
                 continue
-            t_greedy, t_sampled = judge(out, data, held)
-            l_greedy, l_sampled, lossy = local.decode(out / "draft")
+            t_greedy, t_sampled = judge(out, datas[full], held, k_of(name))
+            l_greedy, l_sampled, lossy = local.decode(out / "draft", k_of(name))
             for key, value in zip(("t0", "t1", "l0", "l1", "lossy", "tps"),
                                   (t_greedy, t_sampled, l_greedy, l_sampled, lossy, metrics["tokens_per_s"])):
                 row[key].append(value)
@@ -174,14 +204,16 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
 
 
 def root_cause(e: Exception) -> str:
-    """The first error vLLM's log names (its engine's own, not the "initialization failed" that follows it),
-    else the exception's last line: what a row says when vLLM did not start on its draft."""
+    """The first error vLLM's log names (its engine's own, not the "initialization failed" that follows it; for a
+    config vLLM's pydantic validation refuses, the refusal's own words on the line after), else the exception's last
+    line: what a row says when vLLM did not start on its draft."""
     text = str(e).strip()
     log = re.search(r"its output \((\S+)\)", text)
     lines = Path(log.group(1)).read_text(errors="replace").splitlines() if log and Path(log.group(1)).exists() \
         else text.splitlines()
-    causes = [m.group(0) for line in lines if (m := re.search(r"\b\w+Error: .*", line))
-              and "WARNING" not in line and "initialization failed" not in line]
+    causes = [m.group(1) for line in lines if (m := re.search(r"\bValue error, (.*?) \[type=", line))]
+    causes += [m.group(0) for line in lines if (m := re.search(r"\b\w+Error: .*", line))
+               and "WARNING" not in line and "initialization failed" not in line]
     return (causes[0] if causes else text.splitlines()[-1]).split(". ")[0][:200]  # its first sentence
 
 
@@ -198,8 +230,9 @@ def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[di
                 continue
             draft_dir = root / toy / "runs" / name / "0" / "draft"
             t0 = time.perf_counter()
-            try:
-                server = start_vllm(f"toy:{toy}", "eagle3", draft_dir=draft_dir, num_speculative_tokens=K,
+            k, method = k_of(name), RECIPES[name].get("method", "eagle3")
+            try:  # DSpark on a CPU: vLLM's own refusal (its V1 runner has no dspark, V2 needs Triton) goes in the row
+                server = start_vllm(f"toy:{toy}", method, draft_dir=draft_dir, num_speculative_tokens=k,
                                     speculative={"draft_sample_method": "probabilistic"}, fixes=fixes)
             except (RuntimeError, UserError) as e:  # a draft vLLM does not start on: its reason goes in the row
                 row["vllm"] = root_cause(e)
@@ -208,8 +241,8 @@ def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[di
             with server:
                 up = time.perf_counter() - t0
                 base = bench_endpoint("plain", plain.base_url, prompts, [1], max_tokens, 0.0, warmup=1)[0]
-                greedy = bench_endpoint(name, server.base_url, prompts, [1], max_tokens, 0.0, warmup=1, k=K)[0]
-                sampled = bench_endpoint(name, server.base_url, prompts, [4], max_tokens, 1.0, warmup=0, k=K)[0]
+                greedy = bench_endpoint(name, server.base_url, prompts, [1], max_tokens, 0.0, warmup=1, k=k)[0]
+                sampled = bench_endpoint(name, server.base_url, prompts, [4], max_tokens, 1.0, warmup=0, k=k)[0]
             errors = base["errors"] + greedy["errors"] + sampled["errors"]
             if errors:
                 row["vllm"] = f"{errors} request(s) failed: {(greedy.get('first_error') or sampled.get('first_error'))}"
@@ -229,7 +262,8 @@ def print_table(toy: str, rows: dict[str, Row | str], args: argparse.Namespace) 
         return
     lossy = sum(sum(r["lossy"]) for r in rows.values() if not isinstance(r, str))
     runs = sum(len(r["lossy"]) for r in rows.values() if not isinstance(r, str))
-    print(f"\n{toy}{' (MLA drafts)' if TOYS[toy] else ''}: acceptance length at k={K} "
+    print(f"\n{toy}{' (MLA drafts)' if TOYS[toy] else ''}: acceptance length at k={K} (a block drafter's: its "
+          "block's drafts) "
           f"(mean ± half range over {args.seeds} seed(s)), {args.steps} steps, {args.samples} samples; offline on "
           f"03's held-out samples, local{' and vLLM' if args.vllm else ''} on {args.prompts} held-out prompts x "
           f"{args.max_tokens} tokens; "
@@ -237,20 +271,21 @@ def print_table(toy: str, rows: dict[str, Row | str], args: argparse.Namespace) 
           f"{runs * args.prompts} prompt runs" +
           (f"; vLLM columns: seed 0{'' if args.vllm_fixes else ', WITHOUT the fixes'}" if args.vllm else ""))
     vllm_cols = " vLLM T=0 (seed 0) | vLLM T=1 (seed 0) | served speedup (seed 0) |" if args.vllm else ""
-    print(f"| recipe | offline T=0 | offline T=1 | local T=0 | local T=1 |{vllm_cols} train tok/s | "
+    print(f"| recipe | k | offline T=0 | offline T=1 | local T=0 | local T=1 |{vllm_cols} train tok/s | "
           "vs baseline (offline T=0 / T=1) |")
-    print("| --- " * (7 + 3 * args.vllm) + "|")
+    print("| --- " * (8 + 3 * args.vllm) + "|")
     for name, row in rows.items():
         if isinstance(row, str):
-            print(f"| {name} |" + " — |" * (5 + 3 * args.vllm) + f" 03 refuses it: {row} |")
+            print(f"| {name} | {k_of(name)} |" + " — |" * (5 + 3 * args.vllm) + f" 03 refuses it: {row} |")
             continue
         verdicts = ["—"] if name == "baseline" else [verdict(row[key], base[key]) for key in ("t0", "t1")]
         served = ""
         if args.vllm:
             served = (f" not served: {row['vllm']} | — | — |" if "vllm" in row else
                       f" {row['v0'][0]:.3f} | {row['v1'][0]:.3f} | {row['speedup'][0]:.2f}x |")
-        print(f"| {name} | {spread(row['t0'])} | {spread(row['t1'])} | {spread(row['l0'])} | {spread(row['l1'])} |"
-              f"{served} {statistics.mean(row['tps']):.0f} | {' / '.join(verdicts)} |")
+        cells = " | ".join(spread(row[key]) for key in ("t0", "t1", "l0", "l1"))
+        print(f"| {name} | {k_of(name)} | {cells} |{served} {statistics.mean(row['tps']):.0f} | "
+              f"{' / '.join(verdicts)} |")
     tps = statistics.mean(base["tps"])
     print(f"\n{toy} training speed vs baseline: " + ", ".join(
         f"{n} {statistics.mean(r['tps']) / tps:.2f}x" for n, r in rows.items() if n != "baseline" and

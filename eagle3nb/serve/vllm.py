@@ -28,7 +28,7 @@ from eagle3nb.toy.real_tokenizers import HARMONY_ENV, harmony_encodings
 from eagle3nb.vllm_config import connector_config, draft_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
-MODES = ("plain", "no_parser", "extract", "eagle3", "dflash")
+MODES = ("plain", "no_parser", "extract", "eagle3", "dflash", "dspark")
 # What makes ``tool_choice: required`` / a named tool constrain the answer (docs/conversations.md "Tool calls"):
 # the tool parser's JSON-schema path instead of its structural tag (arguments free for a tool without
 # ``strict``, whitespace unbounded), with xgrammar named (the option is refused for ``auto``) and no free whitespace.
@@ -61,7 +61,8 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     reasoning parser, e.g. ``kimi_k2``), ``no_parser`` (the story's mistake), ``extract`` (02's
     ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
     ``eagle3`` (the target serving the draft in ``draft_dir``), ``dflash`` (the target serving the DFlash block
-    drafter in ``draft_dir``: ``num_speculative_tokens`` its block size - 1, docs/block-drafters.md). ``family``:
+    drafter in ``draft_dir``: ``num_speculative_tokens`` its block size - 1, docs/block-drafters.md), ``dspark``
+    (the same for a DSpark drafter, k = its block size; vLLM 0.32 serves it on GPUs only). ``family``:
     the target's (auto: detected from ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None:
     this machine's); ``tools``: also parse tool calls with the family's tool-call parser (conversations with
     tools, 01's ``multi_turn``) and constrain forced ones to the tools' schemas (:data:`TOOL_STRUCTURED_OUTPUTS`;
@@ -99,10 +100,10 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
                              f"is {'/'.join(draft_archs) or 'not an MLA draft'}: train it with draft_attention: mla")
         args += ["--speculative-config",
                  json.dumps({**draft_spec(draft_dir, num_speculative_tokens), **(speculative or {})})]
-    if mode == "dflash":
+    if mode in ("dflash", "dspark"):
         if draft_dir is None:
-            raise ValueError("dflash mode needs draft_dir (a DFlash draft in vLLM's layout)")
-        args += ["--speculative-config", json.dumps({"method": "dflash", "model": str(draft_dir),
+            raise ValueError(f"{mode} mode needs draft_dir (a {mode} draft in vLLM's layout)")
+        args += ["--speculative-config", json.dumps({"method": mode, "model": str(draft_dir),
                                                      "num_speculative_tokens": num_speculative_tokens,
                                                      **(speculative or {})})]
     return args
