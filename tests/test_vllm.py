@@ -79,10 +79,14 @@ def drafts(trained, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def spec_servers(vllm, drafts):
     """Our export (drafting by sampling at T > 0, as in production) and the speculators layout beside the plain
-    server."""
-    vllm.start(eagle3={"mode": "eagle3", "draft_dir": drafts["eagle3"], "num_speculative_tokens": K,
-                       "speculative": {"draft_sample_method": "probabilistic"}},
-               speculators={"mode": "eagle3", "draft_dir": drafts["speculators"], "num_speculative_tokens": K})
+    server. These two keep vLLM's own process layout, the model worker in a process of its own as users run it
+    (the session's other servers run it inside the engine core: tests/conftest.py), so the fixes plugin is held
+    where it loads in production: the T=1 test below reads its line from this server's log."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        vllm.start(eagle3={"mode": "eagle3", "draft_dir": drafts["eagle3"], "num_speculative_tokens": K,
+                           "speculative": {"draft_sample_method": "probabilistic"}},
+                   speculators={"mode": "eagle3", "draft_dir": drafts["speculators"], "num_speculative_tokens": K})
     return vllm
 
 
