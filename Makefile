@@ -1,4 +1,7 @@
 # Each target sets itself up: the virtual environment is created and the package installed when missing.
+# Independent set-up steps run side by side (`make test` builds .venv, .venv-vllm and Chromium at once; each
+# target's own recipe stays in order).
+MAKEFLAGS += --jobs=3
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

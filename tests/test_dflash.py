@@ -588,6 +588,36 @@ def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_i
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_the_embedded_server_serves_a_block_drafter_losslessly(staged, target, toy_smoke, method):
+    """The embedded speculative server (``eagle3nb serve --draft``, 01's and 04's stand-in for vLLM) loads 03's
+    block drafter export through the registry: its greedy chat answers are the target's own greedy tokens, its
+    vLLM-style counters count the block's drafts per position, and drafts get accepted. ~3 s each."""
+    from openai import OpenAI
+
+    from eagle3nb.accept.online import metrics_url, scrape
+    from eagle3nb.data.prompts import load_prompts
+    from eagle3nb.formulas import spec_counters, spec_delta
+    from eagle3nb.launch import start_server
+    from eagle3nb.spec.reference import plain_generate
+
+    out, _, draft = staged(method)
+    k = draft.config.drafts_per_block
+    with start_server(toy_smoke, draft_dir=out / "draft", num_speculative_tokens=k) as h:
+        client = OpenAI(base_url=h.base_url, api_key="EMPTY")
+        model = client.models.list().data[0].id
+        before = spec_counters(scrape(metrics_url(h.base_url)))
+        for row in load_prompts("toy:heldout", 4):
+            r = client.chat.completions.create(model=model, messages=row["messages"], max_tokens=24, temperature=0.0,
+                                               extra_body={"return_token_ids": True})
+            prompt, ids = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+            assert ids == plain_generate(target, prompt, len(ids))
+        after = spec_counters(scrape(metrics_url(h.base_url)))
+    d = spec_delta(before, after)
+    assert after["engine"] == "vllm" and len(after["per_pos"]) == k
+    assert d["drafts"] >= 4 and d["accepted"] > 0, d
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_the_batched_decoder_samples_the_targets_distribution_with_a_block_drafter(staged, target, data, method):
     """At T=1 the second generated token (the first one a block drafts) of N seeded rows, decoded together, fits
     the target's own distribution of that token (tests/sampling.py's G-test), at a position where the first token

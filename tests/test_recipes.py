@@ -281,7 +281,7 @@ def test_opd_takes_reverse_kl_where_the_target_rejected_and_forward_kl_where_it_
     step: the per-step loss sum is the reverse-KL sum over the rejected positions (reverse_kl's own objective with
     only those scored) plus the forward-KL sum over the accepted ones (the fused soft cross-entropy with only those
     scored, less the target's entropy H(p) there), so a flag lost on the way would change it."""
-    from eagle3nb.data.samples import REJECTED
+    from eagle3nb.drafts.base import REJECTED
     from eagle3nb.drafts.eagle3.objective import TTTObjective
 
     m, steps = tiny_draft(num_layers=1).eval(), 3

@@ -571,10 +571,12 @@ def check_block_drafter(w: World) -> str:
     compared do not need it trained): one micro-batch's block loss, and greedy block decoding on cuda, which must be
     the target's own greedy output."""
     import copy
+    import tempfile
 
     import torch
 
     from eagle3nb.drafts.dflash.drafting import generate
+    from eagle3nb.drafts.dflash.layouts import load_draft, save_draft
     from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
     from eagle3nb.drafts.dflash.objective import block_loss
     from eagle3nb.hf import DECODER, load_target
@@ -585,9 +587,10 @@ def check_block_drafter(w: World) -> str:
     targets["cpu"] = copy.deepcopy(targets[GPU]).to("cpu")
     torch.manual_seed(0)
     cpu = DFlashDraft(from_target(json.loads((w.toy / "config.json").read_text()), num_layers=2, block_size=4))
-    drafts = {"cpu": cpu, GPU: copy.deepcopy(cpu).to(GPU)}
-    for dev, m in drafts.items():
-        m.set_target(targets[dev].model.embed_tokens.weight, targets[dev].lm_head.weight)
+    cpu.set_target(targets["cpu"].model.embed_tokens.weight, targets["cpu"].lm_head.weight)
+    with tempfile.TemporaryDirectory() as tmp:  # the GPU's copy through the export and its loader's device move
+        drafts = {"cpu": cpu, GPU: load_draft(save_draft(cpu, tmp), targets[GPU].model.embed_tokens.weight,
+                                              device=GPU, lm_head=targets[GPU].lm_head.weight)}
     answer = plain_generate(targets["cpu"], ids[0], MAX_TOKENS, 0.0, eos)
     seq, mask = ids[0] + answer, [0] * len(ids[0]) + [1] * len(answer)
     loss = {}
@@ -596,7 +599,7 @@ def check_block_drafter(w: World) -> str:
             out = targets[dev](input_ids=torch.tensor([seq], device=dev), output_hidden_states=True)
             aux = torch.cat([out.hidden_states[i][0] for i in m.config.aux_layer_ids], -1)[None]
             loss[dev] = float(block_loss(m, aux, torch.tensor([seq], device=dev), torch.tensor([mask], device=dev),
-                                         out.logits, anchors_per_seq=16,
+                                         out.logits.softmax(-1), out.logits.argmax(-1), anchors_per_seq=16,
                                          generator=torch.Generator().manual_seed(0))["loss"])
     gap = abs(loss[GPU] - loss["cpu"]) / max(abs(loss["cpu"]), 1e-9)
     expect(gap <= 1e-4, within("block loss relative gap", gap, 1e-4),
@@ -747,7 +750,8 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/serve/spec_engine.py and eagle3nb/spec/batch.py"),
     CudaPath("block_drafter", check_block_drafter,
              ("eagle3nb/drafts/dflash/model.py", "eagle3nb/drafts/dflash/objective.py",
-              "eagle3nb/drafts/dflash/drafting.py", "eagle3nb/drafts/dflash/offline.py"),
+              "eagle3nb/drafts/dflash/layouts.py", "eagle3nb/drafts/dflash/drafting.py",
+              "eagle3nb/drafts/dflash/offline.py"),
              "see eagle3nb/drafts/dflash/"),
     CudaPath("vllm_install", check_vllm_install, (), "install vLLM's GPU build into .venv-vllm-gpu"),
     CudaPath("vllm_hidden_states", check_vllm_hidden_states, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),

@@ -22,9 +22,6 @@ SAMPLES_GLOB = "samples-*.jsonl"
 RUN_CONFIG = "run_config.json"
 STATUSES = ("ok", "truncated", "no_reasoning", "error")
 # Heavy fields left out of the per-id summaries a resume and the metrics need.
-# A loss_mask value past 1: a drafted token the target rejected, in 05's on-policy distillation records (1 there: one
-# it accepted); any nonzero value is a scored token to every other reader.
-REJECTED = 2
 HEAVY = ("messages", "reasoning", "content", "input_ids", "loss_mask")
 
 

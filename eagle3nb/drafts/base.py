@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from eagle3nb.spec.verify import Sampling
 
 WEIGHTS_FILE = "model.safetensors"
+# A loss_mask value past 1: a drafted token the target rejected, in 05's on-policy distillation records (1 there: one
+# it accepted), read by the objectives; any nonzero value is a scored token to every other reader.
+REJECTED = 2
 
 
 class DraftMismatchError(UserError, ValueError):

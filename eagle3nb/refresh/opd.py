@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3nb.data.samples import REJECTED
+from eagle3nb.drafts.base import REJECTED
 
 
 def proposals(decoder, template, rows: Sequence[dict], max_tokens: int, eos: Sequence[int],

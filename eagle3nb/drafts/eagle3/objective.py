@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from eagle3nb.data.samples import REJECTED
+from eagle3nb.drafts.base import REJECTED
 from eagle3nb.drafts.eagle3.cache import TTTCache
 from eagle3nb.drafts.eagle3.model import Eagle3Draft
 
