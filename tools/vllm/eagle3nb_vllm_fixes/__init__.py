@@ -13,7 +13,8 @@ from __future__ import annotations
 
 def register() -> None:
     """vLLM's entry point: install each fix (called once per process, in the API server, engine core and workers)."""
-    from eagle3nb_vllm_fixes import rotary, sampling
+    from eagle3nb_vllm_fixes import blocksize, rotary, sampling
 
     sampling.install()
     rotary.install()
+    blocksize.install()
