@@ -24,14 +24,17 @@ DFlash here and refuses DSpark on a CPU (its V1 runner has no dspark, V2 needs T
 carry vLLM's own error. A recipe "beats" the baseline only when its mean is
 above the baseline's by more than both half ranges (over the seeds) together.
 
-On ``toy:kimi`` (a DeepseekV3 MLA target) every draft, the baseline's too, is an MLA draft (``draft_attention:
-mla``, the one vLLM's CPU build serves beside an MLA target); a recipe 03 refuses there is listed with 03's error.
+On ``toy:kimi`` (a DeepseekV3 MLA target) every EAGLE draft, the baseline's too, is an MLA draft (``draft_attention:
+mla``, as params/vllm-cpu-kimi trains it); a block drafter keeps its Qwen3 attention, which vLLM's CPU build serves
+beside an MLA target with the fixes plugin's block-size fix. A recipe 03 refuses is listed with 03's error.
 
     python benchmarks/bench_recipes.py               # every recipe on smoke, 3 seeds, vLLM (~25 min on 2 shared cores)
     python benchmarks/bench_recipes.py --no-vllm     # offline and local only (~17 min)
     python benchmarks/bench_recipes.py --seeds 1 --only baseline,muon
     python benchmarks/bench_recipes.py --toys kimi --only eagle3.1,num_layers=2,loss=lk_lambda --samples 32 --steps 40
     python benchmarks/bench_recipes.py --only eagle3.1,dflash/4,dflash/8,dspark/4,dspark/8   # the block drafters
+    python benchmarks/bench_recipes.py --toys kimi \
+        --only eagle3.1,dflash/4-2layers,dflash/8-2layers,dspark/4-2layers,dspark/8-2layers   # ... on the Kimi toy
 """
 
 from __future__ import annotations
@@ -80,17 +83,19 @@ RECIPES: dict[str, dict] = {
     "muon": {**BASELINE, "optimizer": "muon"},
     "parallel_drafting": {**BASELINE, "parallel_drafting": True},  # P-EAGLE: all k drafts in one forward
     # Block drafters (eagle3nb/drafts/dflash): a block of drafts in one forward, k = the block's drafts (DFlash:
-    # the block less its anchor; DSpark: the block), the other settings 03's defaults (one layer, like EAGLE's).
-    **{f"{m}/{b}": {"method": m, "block_size": b, "num_speculative_tokens": b - (m == "dflash")}
+    # the block less its anchor; DSpark: the block), one layer like EAGLE's, the other settings 03's defaults ...
+    **{f"{m}/{b}": {"method": m, "block_size": b, "num_speculative_tokens": b - (m == "dflash"), "num_layers": 1}
        for m in ("dflash", "dspark") for b in (4, 8)},
     # ... and at the depth of the num_layers=2 row: a DFlash mask slot reads its anchor only through attention
-    **{f"{m}/4-2layers": {"method": m, "block_size": 4, "num_speculative_tokens": 4 - (m == "dflash"), "num_layers": 2}
-       for m in ("dflash", "dspark")},
+    **{f"{m}/{b}-2layers": {"method": m, "block_size": b, "num_speculative_tokens": b - (m == "dflash"),
+                            "num_layers": 2}
+       for m in ("dflash", "dspark") for b in (4, 8)},
 }
 # The smoke run's 03 settings (params/smoke/03_train.yaml), a held-out quarter.
 TRAIN = {"run_name": "bench", "ttt_steps": 3, "lr": 5e-3, "warmup_ratio": 0.05, "max_length": 1024,
          "batch_tokens": 1024, "eval_every": 0, "save_every": 1000, "holdout_fraction": 0.25}
-# What every run on a toy sets beyond TRAIN: an MLA target's drafts are MLA drafts (params/vllm-cpu-kimi).
+# What every EAGLE run on a toy sets beyond TRAIN: an MLA target's EAGLE drafts are MLA drafts
+# (params/vllm-cpu-kimi); a block drafter has its own (Qwen3) attention on every target.
 TOYS: dict[str, dict] = {"smoke": {}, "kimi": {"draft_attention": "mla"}}
 K = 3  # the EAGLE recipes' k; a block drafter's is its block's drafts (``k_of``)
 TEMPERATURES = (0.0, 1.0)
@@ -182,7 +187,7 @@ def bench_toy(toy: str, names: list[str], args: argparse.Namespace, root: Path) 
                 continue
             out, full = root / toy / "runs" / name / str(seed), full_vocab(name)
             try:
-                metrics = run(from_dict("03_train", {**TRAIN, **TOYS[toy], **RECIPES[name],
+                metrics = run(from_dict("03_train", {**TRAIN, **({} if full else TOYS[toy]), **RECIPES[name],
                                                      "data_dir": str(data_dirs[full]),
                                                      "output_dir": str(out), "seed": seed,
                                                      "max_steps": args.steps}))
