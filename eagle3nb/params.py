@@ -113,6 +113,11 @@ class StageParams(BaseModel):
         """Resolve a stage's output folder: the given value, else ``<outputs root>/<run_name>/<default_sub>``."""
         return resolve(value) if value else outputs_root() / self.run_name / default_sub
 
+    def default_of(self, name: str) -> Any:
+        """Field ``name``'s default for this run (what the changed-parameters table compares with): the schema's,
+        unless a schema resolves a null default at validation."""
+        return type(self).model_fields[name].get_default(call_default_factory=True)
+
     def check_paths(self) -> None:
         """Hook for schemas: raise ParamsError for paths that must exist (called by ``validate``)."""
 
@@ -249,7 +254,7 @@ class ChangedTable:
         for name, field in cls.model_fields.items():
             if name == "params_file":
                 continue
-            value, default = getattr(params, name), field.get_default(call_default_factory=True)
+            value, default = getattr(params, name), params.default_of(name)
             if _plain(value) != _plain(default):
                 self.rows.append((name, repr(_plain(value)), repr(_plain(default)), field.description or ""))
 

@@ -32,7 +32,7 @@ STAGE_IMPORTS = {
         "retry loop",
 }
 # Every draft algorithm's package has these files (eagle3nb/drafts/__init__.py says what each holds).
-DRAFT_ROLES = ("__init__.py", "model.py", "objective.py", "layouts.py", "drafting.py", "offline.py")
+DRAFT_ROLES = ("__init__.py", "method.py", "model.py", "objective.py", "layouts.py", "drafting.py", "offline.py")
 # Modules outside eagle3nb/drafts/ that import one algorithm's package instead of the registry -> why.
 METHOD_IMPORTS = {
     ("eagle3nb.train.build", "eagle3nb.drafts.eagle3.layouts"):

@@ -420,7 +420,8 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
 
 # ---- through the registry: 03 trains and exports a block drafter, 04 and the batched decoder judge it -------------
 
-STAGE = dict(run_name="test", block_size=BLOCK, num_layers=2, anchors_per_seq=64, max_length=256, batch_tokens=400,
+# num_layers left out: the block drafters' own depth (2), which test_03_trains_a_block_drafter checks reached the draft
+STAGE = dict(run_name="test", block_size=BLOCK, anchors_per_seq=64, max_length=256, batch_tokens=400,
              lr=5e-3, warmup_ratio=0.05, max_steps=100, eval_every=50, save_every=50, holdout_fraction=0.2, seed=0,
              export_format="both")
 
@@ -484,11 +485,12 @@ def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, sta
     them, the report's label says so) and rises over training; ``draft/`` (vLLM's layout) and
     ``draft-speculators/`` are claimed by the method and load back (with the target's embedding and head) to the
     best evaluation's weights, giving its logits; the printed vLLM flags name the method."""
-    from eagle3nb.drafts import load_draft, method_of
+    from eagle3nb.drafts import fresh_num_layers, load_draft, method_of
     from eagle3nb.drafts.dflash.model import DFlashDraft
     from eagle3nb.train.report import acc_unit, read_metrics
 
     out, metrics, draft = staged(method)
+    assert draft.config.num_layers == fresh_num_layers(method) == 2  # num_layers left out: the method's own depth
     k = draft.config.drafts_per_block
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 50, 100] and acc_unit(evals) == "block position"

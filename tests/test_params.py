@@ -62,6 +62,37 @@ def test_a_block_drafter_refuses_eagle3s_own_settings_before_work(method, over, 
     assert from_dict("03_train", {"method": method, **ok}, check_paths=False).method == method
 
 
+def test_03s_num_layers_null_is_the_methods_own_depth_resolved_once_without_torch():
+    """num_layers left out or null is the method's depth (its package's NUM_LAYERS, through the registry), an int
+    from validation on (the fresh draft, the resume check and the saved params read it), shown as the default in
+    the changed-parameters table; a value given wins. Validating loads no torch: the runner validates every stage
+    in its own process (~0.6 s, a subprocess)."""
+    code = """if True:
+        import json, sys
+        from eagle3nb.drafts import METHODS, fresh_num_layers
+        from eagle3nb.params import changed_table, from_dict
+        block = {"dflash": {"block_size": 4, "num_speculative_tokens": 3},
+                 "dspark": {"block_size": 4, "num_speculative_tokens": 4}}
+        out = {}
+        for m in METHODS:
+            over = {"method": m, **block.get(m, {})}
+            left_out, null = (from_dict("03_train", v, check_paths=False) for v in (over, {**over, "num_layers": None}))
+            given = from_dict("03_train", {**over, "num_layers": 5}, check_paths=False)
+            out[m] = [fresh_num_layers(m), left_out.num_layers, null.num_layers, given.num_layers,
+                      [r[0] for r in changed_table(null).rows], [r[1:3] for r in changed_table(given).rows
+                                                                 if r[0] == "num_layers"]]
+        print(json.dumps({"methods": out, "torch": "torch" in sys.modules}))
+    """
+    got = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert got["torch"] is False
+    depths = {m: row[0] for m, row in got["methods"].items()}
+    assert depths == {"eagle3": 1, "dflash": 2, "dspark": 2}  # EAGLE-3's depth; the block drafters' measured one
+    for m, (depth, left_out, null, given, changed, given_row) in got["methods"].items():
+        assert left_out == null == depth and given == 5
+        assert "num_layers" not in changed and given_row == [["5", repr(depth)]]
+
+
 def test_missing_path_names_key_file_and_fix(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(ParamsError) as e:

@@ -283,6 +283,20 @@ def test_an_aq_medai_layout_checkpoint_without_ids_takes_the_datas(data_dir, tmp
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == data.meta["layer_ids"]
 
 
+def test_a_fine_tune_keeps_the_checkpoints_depth_unless_num_layers_asks_another(data_dir, tmp_path):
+    """num_layers left out (null: the method's depth, 1 for EAGLE-3) fine-tunes a 2-layer checkpoint at its own 2;
+    another depth given is refused in one line that names the way out, num_layers: null (ms: tiny drafts)."""
+    from eagle3nb.drafts import DraftMismatchError
+
+    data = HiddenStates(data_dir)
+    deep, _ = build_draft(train_params(data_dir=str(data_dir), num_layers=2), data)
+    save_draft(deep, tmp_path / "deep")
+    model, _ = build_draft(train_params(data_dir=str(data_dir), init_from=str(tmp_path / "deep")), data)
+    assert model.config.num_layers == 2
+    with pytest.raises(DraftMismatchError, match=r"num_layers: 3 shapes a fresh draft, .* has 2; set num_layers: null"):
+        build_draft(train_params(data_dir=str(data_dir), init_from=str(tmp_path / "deep"), num_layers=3), data)
+
+
 def test_a_fresh_draft_for_an_mla_target_trains_and_exports_in_the_published_shape(data_dir, tmp_path, monkeypatch):
     """03 end to end from scratch, the toy's data standing in for an MLA target's (its config made MLA-shaped)."""
     data = HiddenStates(data_dir)

@@ -210,6 +210,36 @@ def test_resume_with_changed_settings_is_refused_and_resume_false_starts_over(re
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_the_old_num_layers_default_resumes_eagle3_and_refuses_a_block_drafter_naming_it(reference, data_dir,
+                                                                                         tmp_path):
+    """num_layers null is now the method's depth. An EAGLE-3 run saved at 1 (the old default: its checkpoints
+    record no num_layers, as every run's before) resumes unchanged with params that leave num_layers out. A block
+    drafter run saved at the old 1 and resumed without num_layers would now train 2 layers: refused in one line
+    naming num_layers with both values (restoring num_layers: 1 resumes it), as is 2 -> 1, whose left-out 1 was
+    not compared before (1.3 s: the finished run run again, nothing trained; the rest reads one checkpoint)."""
+    from eagle3nb.train.checkpoint import load_checkpoint, run_config
+
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    last = checkpoints(out / "checkpoints")[-1]
+    blob = torch.load(last, weights_only=False)
+    assert "num_layers" not in blob["run_config"]
+    again = run(params(data_dir, out, **RUN))
+    assert again["heldout"]["step"] == 30 and curve(out) == curve(reference)  # resumed at the end: nothing retrained
+
+    block = dict(RUN, method="dflash", block_size=4)
+
+    def refusal(saved: int, now: int | None) -> str:
+        """The line resuming with ``now`` gives on a block drafter run saved at ``saved`` layers."""
+        torch.save({**blob, "run_config": run_config(params(data_dir, out, **block, num_layers=saved), 1)}, last)
+        with pytest.raises(ResumeMismatch) as e:
+            load_checkpoint(last, None, None, None, run_config(params(data_dir, out, **block, num_layers=now), 1))
+        return str(e.value)
+
+    assert "other settings (num_layers: checkpoint 1, now 2). Restore them to resume" in refusal(1, None)
+    assert "other settings (num_layers: checkpoint 2, now 1). Restore them to resume" in refusal(2, 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,9 +3,12 @@
 Each package ``eagle3nb/drafts/<method>/`` has the same files (as vllm-project/speculators'
 ``src/speculators/models/<algo>/``): ``model.py`` the model (no I/O, ``# shape:`` lines), ``objective.py`` its
 training objective, ``layouts.py`` its checkpoint layouts (ours, vLLM's, speculators', SGLang's), ``drafting.py``
-its step in the batched decoder, ``offline.py`` 04's offline acceptance simulation, and ``__init__.py`` whose
+its step in the batched decoder, ``offline.py`` 04's offline acceptance simulation, ``method.py`` whose
 ``METHODS`` maps each method it serves to its ``eagle3nb.drafts.base.DraftMethod`` (one package may serve variants
-that engines name apart: ``dflash`` serves DFlash and DSpark, DFlash's backbone with two heads):
+that engines name apart: ``dflash`` serves DFlash and DSpark, DFlash's backbone with two heads), and a light
+``__init__.py`` (no torch: 03's parameters read it while validating) holding ``NUM_LAYERS``, a fresh draft's depth
+when 03's ``num_layers`` is null (:func:`fresh_num_layers`), and ``METHODS`` loaded from ``method.py`` on first use
+(``eagle3nb.drafts.base.lazy_methods``):
 
 - ``name`` (the method's name in a draft's config: vLLM's speculative-config ``method``, speculators'
   ``speculators_model_type``), ``title``, ``claims(config_dict) -> bool`` (does it read this config.json);
@@ -41,8 +44,8 @@ from typing import Any
 
 from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, check_fits
 
-__all__ = ["METHODS", "DraftMethod", "DraftMismatchError", "check_fits", "get", "load_draft", "method_of", "of",
-           "one_forward_per_round"]
+__all__ = ["METHODS", "DraftMethod", "DraftMismatchError", "check_fits", "fresh_num_layers", "get", "load_draft",
+           "method_of", "of", "one_forward_per_round"]
 
 # method name -> the package whose METHOD it is; the first claims a config.json before the others.
 METHODS = {
@@ -57,6 +60,12 @@ def get(name: str) -> DraftMethod:
     if name not in METHODS:
         raise DraftMismatchError(f"unknown draft method {name!r}; known: {', '.join(METHODS)}")
     return importlib.import_module(METHODS[name]).METHODS[name]
+
+
+def fresh_num_layers(name: str) -> int:
+    """A fresh ``name`` draft's decoder layers when 03's ``num_layers`` is null: its package's ``NUM_LAYERS``, read
+    without building its ``METHODS`` (no torch: 03's parameters resolve it while validating)."""
+    return importlib.import_module(METHODS[name]).NUM_LAYERS
 
 
 def of(model: Any) -> DraftMethod:

@@ -4,6 +4,7 @@ acceptance of rejection sampling the offline simulations score with."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,19 @@ class DraftMethod:
     # what a round's i-th drafted token is called (EAGLE-3's TTT step, a block drafter's block position): the
     # label 03's stats and 04's records and views carry
     unit: str
+
+
+def lazy_methods(package: str) -> Callable[[str], Any]:
+    """A draft package's module ``__getattr__`` (PEP 562): its ``METHODS``, imported from ``<package>.method`` on
+    first use, so the package's light facts (``NUM_LAYERS``, read while 03's parameters are validated) load no
+    torch."""
+
+    def method_attr(name: str) -> Any:
+        if name != "METHODS":
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return importlib.import_module(f"{package}.method").METHODS
+
+    return method_attr
 
 
 def check_fits(cfg, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,

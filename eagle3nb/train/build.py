@@ -80,11 +80,11 @@ def build_draft(P, data) -> tuple[Any, dict[str, Any]]:
         raise DraftMismatchError(f"{', '.join(asked)}: true shapes a fresh draft, but checkpoint {init} has none; "
                                  "set them to null (the checkpoint's own layout) to fine-tune it, or init_from: null "
                                  "to train an EAGLE-3.1 draft")
-    layers = int(getattr(P, "num_layers", 1))
-    if layers not in (1, model.config.num_layers):
-        raise DraftMismatchError(f"num_layers: {layers} shapes a fresh draft, but checkpoint {init} has "
-                                 f"{model.config.num_layers}; set num_layers: 1 (the checkpoint's own depth) to "
-                                 "fine-tune it, or init_from: null to train a deeper draft")
+    # null resolved to the method's depth, which here means the checkpoint's own (the params can no longer tell)
+    if P.num_layers not in (drafts.fresh_num_layers(P.method), model.config.num_layers):
+        raise DraftMismatchError(f"num_layers: {P.num_layers} shapes a fresh draft, but checkpoint {init} has "
+                                 f"{model.config.num_layers}; set num_layers: null (the checkpoint's own depth) to "
+                                 "fine-tune it, or init_from: null to train a draft of that depth")
     if getattr(P, "parallel_drafting", False) and model.config.mask_token_id is None:
         raise DraftMismatchError(f"parallel_drafting: true shapes a fresh draft, but checkpoint {init} has no "
                                  "mask_token_id / mask_hidden; set it to false to fine-tune it (a parallel-drafting "

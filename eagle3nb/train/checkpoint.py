@@ -15,6 +15,11 @@ from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.params import StageError
 from eagle3nb.train.params import BLOCK_KEYS, CURVE_KEYS, TrainParams
 
+# The recipes' choices at the value every run had before they existed: a run config leaves them out at that value, so
+# older runs still resume, and a checkpoint without one was made with that value. num_layers' 1 is also EAGLE-3's
+# depth; a block drafter's null now resolves to its own depth (2), so its run saved with 1 is refused, naming it.
+BEFORE = {"num_layers": 1, "loss": "forward_kl", "optimizer": "adamw", "parallel_drafting": False}
+
 
 class ResumeMismatch(StageError, ValueError):
     """The checkpoint to resume from was made with other settings; the message names them and the ways out."""
@@ -29,9 +34,7 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
     for key in EAGLE31_KEYS:  # EAGLE-3.1's options, off in every run before they existed
         if not cfg[key]:
             del cfg[key]
-    # The recipes' choices at the value every run had before they existed, so older runs still resume.
-    for key, before in (("num_layers", 1), ("loss", "forward_kl"), ("optimizer", "adamw"),
-                        ("parallel_drafting", False)):
+    for key, before in BEFORE.items():
         if cfg[key] == before:
             del cfg[key]
     if P.loss != "lk_lambda":
@@ -71,7 +74,9 @@ def save_checkpoint(path: Path, draft, optimizer, scheduler, step: int, config: 
 def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, Any]) -> tuple[int, dict | None]:
     """Restore everything ``save_checkpoint`` wrote: (the step, the best evaluation so far or None)."""
     blob = torch.load(path, map_location="cpu", weights_only=False)
-    changed = {k: (blob["run_config"].get(k), v) for k, v in config.items() if blob["run_config"].get(k) != v}
+    # a key BEFORE names, left out on either side, holds its value before it existed (so 2 -> 1 is caught too)
+    saved, now = {**BEFORE, **blob["run_config"]}, {**BEFORE, **config}
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
     if changed:
         lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
         raise ResumeMismatch(f"{path} was made with other settings ({lines}). Restore them to resume, or set "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from eagle3nb.drafts import METHODS, fresh_num_layers
 from eagle3nb.params import ParamsError, StageParams, register
 from eagle3nb.paths import resolve
 
@@ -94,9 +95,12 @@ class TrainParams(StageParams):
     norm_output: bool | None = Field(None, description="EAGLE-3.1's post-norm state, not the pre-norm one, fed back "
                                                         "as the next draft step's feature (vLLM's norm_output key); "
                                                         "null as fc_norm: true for a fresh draft")
-    num_layers: int = Field(1, ge=1, description="from scratch: draft decoder layers (vLLM's num_hidden_layers): "
-                                                 "the first reads embedding + feature, the later ones only the "
-                                                 "residual stream; each costs one more layer per draft step")
+    num_layers: int | None = Field(
+        None, ge=1, validate_default=True,
+        description="from scratch: draft decoder layers (vLLM's num_hidden_layers); null = the method's own depth ("
+                    + ", ".join(f"{m}: {fresh_num_layers(m)}" for m in METHODS) + "), the checkpoint's own when "
+                    "fine-tuning (init_from); EAGLE-3's first layer reads embedding + feature, the later ones only "
+                    "the residual stream; each costs one more layer per draft step")
     parallel_drafting: bool = Field(False, description="from scratch: a P-EAGLE draft (arXiv 2602.01469) that proposes "
                                                        "all k tokens in one forward: k-1 mask positions (the target's "
                                                        "pad token, else its last id, and a learned mask_hidden) after "
@@ -153,6 +157,19 @@ class TrainParams(StageParams):
     export_embed_tokens: bool = Field(True, description="include the (frozen, target's) embedding in the export; false "
                                                         "for big vocabularies (vLLM then shares the target's)")
     num_speculative_tokens: int = Field(3, ge=1, description="k in the printed vLLM/SGLang serving flags")
+
+    @field_validator("num_layers")
+    @classmethod
+    def _method_depth(cls, v: int | None, info: ValidationInfo) -> int | None:
+        """null = the method's own depth, resolved here once, so every reader (the fresh draft, the resume check,
+        the printed and saved parameters) sees the int (method is declared above, so already validated)."""
+        if v is None and "method" in info.data:  # a method that failed validation is reported on its own
+            return fresh_num_layers(info.data["method"])
+        return v
+
+    def default_of(self, name: str) -> Any:
+        """num_layers' default is its method's depth, what null resolved to."""
+        return fresh_num_layers(self.method) if name == "num_layers" else super().default_of(name)
 
     @model_validator(mode="after")
     def _sizes(self) -> "TrainParams":

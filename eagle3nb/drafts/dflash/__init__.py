@@ -4,24 +4,15 @@ model, objective, layouts, drafting and offline simulation, with the heads on or
 
 ``model`` the network (no I/O), ``objective`` its training loss, ``layouts`` its checkpoints (vLLM's and
 speculators'), ``drafting`` a block's drafting step and greedy local decoding, ``offline`` acceptance by block
-position on stored states. docs/block-drafters.md explains the model, the layouts and the layer-id convention.
+position on stored states, ``method`` the two ``DraftMethod``s (``METHODS``, loaded on first use).
+docs/block-drafters.md explains the model, the layouts and the layer-id convention.
 """
 
-from eagle3nb.drafts.base import DraftMethod
-from eagle3nb.drafts.dflash import drafting, layouts, model, objective, offline
+from eagle3nb.drafts.base import lazy_methods
 
+# A fresh draft's decoder layers when 03's num_layers is null: on the smoke toy (60 steps, 3 seeds) one layer
+# accepted 1.38 (DFlash) / 2.46 (DSpark), two 2.52 / 3.17 (docs/recipes.md); the peers' published DFlash drafts
+# use 5 at 8B scale.
+NUM_LAYERS = 2
 
-def _method(name: str, title: str, markov_rank_of) -> DraftMethod:
-    return DraftMethod(
-        name=name, title=title, claims=layouts.claimer(name), load=layouts.load_draft, save=layouts.save_draft,
-        config_json=layouts.draft_config_json, objective=objective.BlockObjective.from_params,
-        drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
-        fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
-                                                   markov_rank=markov_rank_of(P)),
-        unit=objective.BlockObjective.unit)
-
-
-METHODS = {
-    "dflash": _method("dflash", "DFlash", lambda P: 0),
-    "dspark": _method("dspark", "DSpark", lambda P: P.markov_rank),
-}
+__getattr__ = lazy_methods(__name__)

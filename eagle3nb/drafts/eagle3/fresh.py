@@ -63,7 +63,7 @@ def fresh_config(P, meta: dict[str, Any], tc: dict[str, Any], draft_vocab_size: 
         mla = {**{k: tc.get(k) for k in MLA_KEYS}, "q_lora_rank": tc.get("q_lora_rank") or H}
     return Eagle3Config.from_llama_dict(llama, target_hidden_size=H, aux_layer_ids=list(meta["layer_ids"]), mla=mla,
                                         fc_norm=P.fc_norm is not False, norm_output=P.norm_output is not False,
-                                        num_layers=int(getattr(P, "num_layers", 1)),
+                                        num_layers=P.num_layers,
                                         mask_token_id=mask_token_id(tc, meta["vocab_size"])
                                         if getattr(P, "parallel_drafting", False) else None)
 
