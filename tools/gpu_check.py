@@ -57,6 +57,13 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``vllm_recipes``: ``start_vllm(mode="eagle3", cpu=False)`` serving one draft in both recipe layouts vLLM builds
   differently (a 2-layer EAGLE-3.1 draft: ``fc_norm`` + ``norm_output`` and ``num_hidden_layers: 2``, one server
   start instead of two), trained on cuda: acceptance length within 15% of CPU local decoding of that draft.
+- ``vllm_block_drafters``: a DSpark and a DFlash draft (``BLOCK_DRAFTERS``: block 4, 2 layers; 03 on cuda under
+  autocast for the served draft's steps, on 02's reference data with the whole vocabulary) served by
+  ``start_vllm(mode="dspark" | "dflash", cpu=False)`` (DSpark in vLLM's V2 model runner: ``serve.vllm.MODE_ENV``),
+  greedy on the held-out prompts' ids (``MAX_TOKENS`` each, ``ignore_eos``), one line per method: >= 90% of the
+  completions equal our CPU decoding of the same draft (``SpecDecoder``, itself checked equal to the CPU target's
+  greedy output; 90% as ``embedded_server``: GPU kernels may break near-ties otherwise), vLLM's spec-decode counters
+  give an acceptance length within 15% of that local decoding's.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,6 +105,12 @@ RECIPES: dict[str, tuple[dict[str, Any], float]] = {
     "muon": ({**BASELINE, "optimizer": "muon"}, 5e-2),
 }
 SERVED_RECIPE = {"fc_norm": True, "norm_output": True, "num_layers": 2}  # both layouts vLLM builds differently
+# The block drafters vLLM serves (docs/block-drafters.md): block 4, 2 layers, k = the block's drafts (DFlash: the
+# block less its anchor; DSpark: the block), DSpark first (only a GPU serves it).
+BLOCK_DRAFTERS: dict[str, dict[str, Any]] = {
+    "dspark": {"method": "dspark", "block_size": 4, "num_layers": 2, "num_speculative_tokens": 4},
+    "dflash": {"method": "dflash", "block_size": 4, "num_layers": 2, "num_speculative_tokens": 3},
+}
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 GPU = "cuda"  # the device under test; CPU float32 is the reference
 
@@ -138,6 +152,13 @@ def once(fn: Callable) -> Callable:
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def last_error(e: BaseException) -> str:
+    """`` ... `` and the last error line of ``e``'s text after its first (a server that did not start carries its
+    log's tail there, whose last error is the refusal), or nothing."""
+    found = [x.strip() for x in str(e).strip().splitlines()[1:] if re.search(r"\w+Error:|Value error", x)]
+    return f" ... {found[-1][:200]}" if found else ""
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -185,20 +206,23 @@ class World:
     @once
     def data(self) -> dict[str, Path]:
         """The CPU reference, made in a process that sees no GPU: 01 = the target's greedy answers, 02 in fp32
-        (stored exactly, and with top-k storage). Paths: ``synth``, ``cpu-fp32``, ``cpu-topk``."""
+        (stored exactly, with top-k storage, and with the whole vocabulary as the draft's, which a block drafter
+        needs). Paths: ``synth``, ``cpu-fp32``, ``cpu-topk``, ``cpu-full``."""
         code = (f"import json, sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                 "from testkit.heldout import greedy_hidden_states\nfrom eagle3nb.hidden.stage import run\n"
                 "from eagle3nb.params import from_dict\na = json.loads(sys.argv[1])\n"
                 "greedy_hidden_states(a['toy'], 'toy:train', a['n'], a['max_new'], a['out'])\n"
-                "run(from_dict('02_hidden_states', a['topk']))")
+                "run(from_dict('02_hidden_states', a['topk']))\nrun(from_dict('02_hidden_states', a['full']))")
+        vocab = json.loads((self.toy / "config.json").read_text())["vocab_size"]
         args = {"toy": str(self.toy), "n": N_SAMPLES, "max_new": MAX_NEW, "out": str(self.work / "data"),
-                "topk": self.extract_values("cpu-topk", "float32", "topk")}
+                "topk": self.extract_values("cpu-topk", "float32", "topk"),
+                "full": {**self.extract_values("cpu-full", "float32", "fp32"), "draft_vocab_size": vocab}}
         self.log.flush()
         subprocess.run([sys.executable, "-c", code, json.dumps(args)], check=True, stdout=self.log,
                        stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                        timeout=max(60.0, self.left()))
         return {"synth": self.work / "data" / "01", "cpu-fp32": self.work / "data" / "02",
-                "cpu-topk": self.work / "02-cpu-topk"}
+                "cpu-topk": self.work / "02-cpu-topk", "cpu-full": self.work / "02-cpu-full"}
 
     def train(self, name: str, device: str, autocast: str, steps: int, **recipe: Any) -> dict[str, Any]:
         """03 on the CPU reference data (so only the training device differs between runs); ``recipe``: more 03
@@ -250,6 +274,14 @@ class World:
         """The 2-layer EAGLE-3.1 draft vLLM serves, trained on cuda under autocast, exported."""
         return Path(self.train("served-recipe", GPU, "auto", LONG_STEPS, **SERVED_RECIPE)["draft_dir"])
 
+    def block_draft(self, name: str) -> Path:
+        """The block drafter ``name`` of :data:`BLOCK_DRAFTERS`, trained on cuda under autocast on the
+        full-vocabulary reference data for the served EAGLE-3 draft's steps, exported (one at a time: a failure
+        leaves the other trainable)."""
+        full = str(self.data()["cpu-full"])
+        return Path(self.train(f"served-{name}", GPU, "auto", LONG_STEPS, data_dir=full, **BLOCK_DRAFTERS[name])
+                    ["draft_dir"])
+
     @once
     def served(self) -> dict[str, Any]:
         """The draft every later path uses: trained on cuda under autocast, exported."""
@@ -281,17 +313,35 @@ class World:
             memo[draft_dir] = self._local_cpu(draft_dir)
         return memo[draft_dir]
 
-    def _local_cpu(self, draft_dir: Path) -> dict[str, Any]:
+    @functools.cached_property
+    def cpu_target(self) -> Any:
+        """The target on CPU in float32: the local decoding reference."""
         import torch
         from transformers import AutoModelForCausalLM
 
-        from eagle3nb.accept.local import compare_with_plain
-        from eagle3nb.drafts import load_draft
         from eagle3nb.hf import from_pretrained
 
-        target = from_pretrained(AutoModelForCausalLM, self.toy, trust_remote_code=False, dtype=torch.float32)
+        return from_pretrained(AutoModelForCausalLM, self.toy, trust_remote_code=False, dtype=torch.float32).eval()
+
+    def _local_cpu(self, draft_dir: Path) -> dict[str, Any]:
+        from eagle3nb.accept.local import compare_with_plain
+        from eagle3nb.drafts import load_draft
+
         _, ids, eos = self.prompts
-        return compare_with_plain(target.eval(), load_draft(draft_dir), ids, K, MAX_TOKENS, 0.0, eos)
+        return compare_with_plain(self.cpu_target, load_draft(draft_dir), ids, K, MAX_TOKENS, 0.0, eos)
+
+    def local_block(self, draft_dir: Path) -> dict[str, Any]:
+        """Our batched decoder (``SpecDecoder``, through 04's ``compare_with_plain``) with the block drafter in
+        ``draft_dir`` on the CPU target, greedy, k = the block's drafts, ``MAX_TOKENS`` a prompt past any end of turn
+        (as the served requests, with ``ignore_eos``): ``outputs``, ``identical_to_target``, ``acceptance_length``,
+        ``k``."""
+        from eagle3nb.accept.local import compare_with_plain
+        from eagle3nb.drafts import load_draft
+
+        target = self.cpu_target
+        draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach(),
+                           lm_head=target.get_output_embeddings().weight.detach())
+        return compare_with_plain(target, draft, self.prompts[1], draft.config.drafts_per_block, MAX_TOKENS, 0.0)
 
     def within_local(self, tau: float, share: float, what: str, draft_dir: Path | None = None) -> str:
         local = self.local_cpu_of(draft_dir or self.draft_dir)["acceptance_length"]
@@ -701,6 +751,67 @@ def check_vllm_recipes(w: World) -> str:
         f", {row['output_tokens_per_s']:.0f} tok/s"
 
 
+def serve_greedy(w: World, mode: str, draft_dir: Path, k: int) -> tuple[list[list[int]], dict[str, Any], float]:
+    """The held-out prompts' ids through vLLM on the GPU serving ``draft_dir`` (``mode``, ``k`` drafts a round),
+    greedy, ``MAX_TOKENS`` each with ``ignore_eos``: (the completions' token ids, vLLM's spec-decode counters over
+    them, output tokens/s)."""
+    import httpx
+
+    from eagle3nb.accept.online import first_model, metrics_url, scrape
+    from eagle3nb.formulas import spec_counters, spec_delta
+
+    with start_gpu_vllm(w, mode, draft_dir=draft_dir, num_speculative_tokens=k) as h:
+        model, murl = first_model(h.base_url, "EMPTY"), metrics_url(h.base_url)
+        before, t0 = spec_counters(scrape(murl)), time.monotonic()
+        served = [httpx.post(h.base_url + "/completions", timeout=300, json={
+            "model": model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}).raise_for_status().json()["choices"][0]["token_ids"] for ids in w.prompts[1]]
+        seconds = time.monotonic() - t0
+        return served, spec_delta(before, spec_counters(scrape(murl))), sum(map(len, served)) / seconds
+
+
+def block_drafter_served(w: World, name: str) -> str:
+    """One block drafter of :data:`BLOCK_DRAFTERS` served by vLLM on the GPU against our local decoding of it on CPU:
+    its line, or Mismatch."""
+    draft = w.block_draft(name)
+    local = w.local_block(draft)
+    expect(local["identical_to_target"], f"{name}: our CPU block decoding differs from the target's greedy output "
+           f"on prompts {local['mismatched_prompts']}", "our block decoding is not lossless: see "
+           "eagle3nb/drafts/dflash/drafting.py (BlockDrafting) and eagle3nb/spec/batch.py")
+    served, acc, tps = serve_greedy(w, name, draft, local["k"])
+    same = sum(a == b for a, b in zip(served, local["outputs"]))
+    tau, ref = acc.get("acceptance_length") or 0.0, local["acceptance_length"]
+    measured = (f"{name} (k={local['k']}): {same}/{len(served)} greedy completions the target's (>= 90%), acceptance "
+                f"length {tau:.3f} vs CPU local {ref:.3f} (within 15%; {acc.get('accepted', 0):.0f} of "
+                f"{acc.get('draft_tokens', 0):.0f} drafted), {tps:.0f} tok/s")
+    expect(same >= 0.9 * len(served), measured,
+           f"vLLM's {name} drafting is not lossless against the target: check the draft's config.json "
+           "(dflash_config, target_layer_ids, mask_token_id, sample_from_anchor) from "
+           "eagle3nb/drafts/dflash/layouts.py draft_config_json")
+    return expect(acc.get("engine") == "vllm" and tau > 1.0 and abs(tau - ref) <= 0.15 * ref, measured,
+                  f"vLLM reads the {name} draft differently from eagle3nb/drafts/dflash/drafting.py: compare the "
+                  "tensor names and layer ids eagle3nb/drafts/dflash/layouts.py writes with vLLM's "
+                  "qwen3_dflash.py / qwen3_dspark.py")
+
+
+def check_vllm_block_drafters(w: World) -> str:
+    """Each block drafter (DSpark, which only a GPU serves, then DFlash) served by vLLM on the GPU: one line each,
+    every method tried even when an earlier one fails."""
+    lines, fixes = [], []
+    for name in BLOCK_DRAFTERS:
+        try:
+            lines.append(block_drafter_served(w, name))
+        except Mismatch as e:
+            lines.append(f"FAILED {e.measured}")
+            fixes.append(e.fix)
+        except Exception as e:  # vLLM refused or crashed: the next method still runs
+            print(f"\n--- vllm_block_drafters {name} ---\n{traceback.format_exc()}", file=w.log, flush=True)
+            lines.append(f"FAILED {name}: {type(e).__name__}: {_first_line(e)}{last_error(e)}")
+            fixes.append(f"{name}: see the vLLM server log named in gpu_check.log (DSpark: vLLM's V2 model runner, "
+                         "eagle3nb/serve/vllm.py MODE_ENV; training: eagle3nb/drafts/dflash/objective.py)")
+    return expect(not fixes, "\n".join(lines), "; ".join(fixes))
+
+
 @dataclass(frozen=True)
 class CudaPath:
     """One CUDA path: its check, the package files whose device handling it covers, and the default fix."""
@@ -760,6 +871,10 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/serve/vllm.py vllm_args", needs="vllm_install"),
     CudaPath("vllm_recipes", check_vllm_recipes, ("eagle3nb/serve/vllm.py", "eagle3nb/drafts/eagle3/layouts.py"),
              "see eagle3nb/drafts/eagle3/layouts.py save_draft (the layers and fc_norm names)", needs="vllm_install"),
+    CudaPath("vllm_block_drafters", check_vllm_block_drafters,
+             ("eagle3nb/serve/vllm.py", "eagle3nb/drafts/dflash/layouts.py", "eagle3nb/drafts/dflash/drafting.py"),
+             "see eagle3nb/drafts/dflash/layouts.py draft_config_json and eagle3nb/serve/vllm.py MODE_ENV",
+             needs="vllm_install"),
 ]
 
 
@@ -787,6 +902,8 @@ def cuda_state() -> tuple[bool, str, str]:
 
 
 def line(out: TextIO, status: str, name: str, measured: str, fix: str = "") -> None:
+    """``status  name  measured  -> fix``; a path measuring several things (one per line) continues aligned."""
+    measured = measured.replace("\n", "\n" + " " * 28)
     print(f"{status:4}  {name:20}  {measured}" + (f"  -> {fix}" if fix else ""), file=out, flush=True)
 
 

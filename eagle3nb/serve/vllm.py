@@ -34,6 +34,11 @@ MODES = ("plain", "no_parser", "extract", "eagle3", "dflash", "dspark")
 # ``strict``, whitespace unbounded), with xgrammar named (the option is refused for ``auto``) and no free whitespace.
 TOOL_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
 TOOL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+# What a mode needs in vLLM's environment. vLLM 0.32 drafts DSpark in its V2 model runner only (V1 refuses "Model
+# Runner V1 does not support: dspark speculative decoding", config/vllm.py). V2 is already its default on a GPU with
+# Triton; pinned so an inherited VLLM_USE_V2_MODEL_RUNNER=0 cannot pick V1, and so the CPU build (no Triton) refuses
+# with the cause: "Model Runner V2 requires Triton". DFlash stays on vLLM's default (the CPU build serves it on V1).
+MODE_ENV: dict[str, dict[str, str]] = {"dspark": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
 
 
 def vllm_python() -> Path:
@@ -62,12 +67,13 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
     ``eagle3`` (the target serving the draft in ``draft_dir``), ``dflash`` (the target serving the DFlash block
     drafter in ``draft_dir``: ``num_speculative_tokens`` its block size - 1, docs/block-drafters.md), ``dspark``
-    (the same for a DSpark drafter, k = its block size; vLLM 0.32 serves it on GPUs only). ``family``:
-    the target's (auto: detected from ``model_dir``); ``cpu_flags``: the CPU's flags the dtype rule reads (None:
-    this machine's); ``tools``: also parse tool calls with the family's tool-call parser (conversations with
-    tools, 01's ``multi_turn``) and constrain forced ones to the tools' schemas (:data:`TOOL_STRUCTURED_OUTPUTS`;
-    :func:`start_vllm` adds :data:`TOOL_ENV`); ``speculative``: more keys of the ``--speculative-config`` (vLLM's
-    own names, e.g. ``{"draft_sample_method": "probabilistic"}`` for sampled drafting)."""
+    (the same for a DSpark drafter, k = its block size; vLLM 0.32 serves it on GPUs only, in its V2 model runner:
+    :data:`MODE_ENV`). ``family``: the target's (auto: detected from ``model_dir``); ``cpu_flags``: the CPU's flags
+    the dtype rule reads (None: this machine's); ``tools``: also parse tool calls with the family's tool-call
+    parser (conversations with tools, 01's ``multi_turn``) and constrain forced ones to the tools' schemas
+    (:data:`TOOL_STRUCTURED_OUTPUTS`; :func:`start_vllm` adds :data:`TOOL_ENV`); ``speculative``: more keys of the
+    ``--speculative-config`` (vLLM's own names, e.g. ``{"draft_sample_method": "probabilistic"}`` for sampled
+    drafting)."""
     if mode not in MODES:
         raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
     fam = detect(model_dir, family)
@@ -119,7 +125,8 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     command line. ``fixes=False`` starts it without ``tools/vllm/eagle3nb_vllm_fixes`` (the plugin with our fixes
     for the CPU build's defects: docs/vllm.md), through vLLM's own plugin allowlist, to show what they fix.
     ``log_requests``: vLLM's request log (``--enable-log-requests`` at log level DEBUG: each chat request's body as
-    one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). Raises RuntimeError naming the fix when
+    one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). The mode's own environment
+    (:data:`MODE_ENV`: DSpark's V2 model runner) overrides the caller's. Raises RuntimeError naming the fix when
     vLLM's environment is missing."""
     reason = unavailable_reason()
     if reason:
@@ -133,6 +140,7 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"),
            "VLLM_LOGGING_LEVEL": "DEBUG" if log_requests else "INFO"}
+    env.update(MODE_ENV.get(mode, {}))
     if kw.get("tools"):
         env.update(TOOL_ENV)
     if not fixes:
