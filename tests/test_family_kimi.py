@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_vllm import family_servers, held_out, local_acceptance, synth_params
 
+from engines import Servers
 from worlds import SEED, build_trained_run, requires_vllm
 
 SERVED_TOKENS = 64
@@ -376,3 +377,36 @@ def test_kimi_vllm_eagle3(kimi_vllm, kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
     assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.10 * local["acceptance_length"], \
         (row["acceptance_length"], local["acceptance_length"])
+
+
+@requires_vllm()
+def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
+    """vLLM serves a DFlash block drafter (Qwen3 attention) beside Kimi's MLA target: stock vLLM's CPU build cannot
+    start it ("No common block size for 16": its MLA kernel takes KV blocks of 16, its other attention declared
+    multiples of 32), the plugin's block-size fix says in the log that it declared 16; greedy chat replies are
+    transformers' greedy tokens and vLLM's spec-decode counters count the drafts (k per draft). Random weights: the
+    target's verification makes any draft lossless. ~35 s (its own server; the slow tier)."""
+    from eagle3nb.accept.online import metrics_url, scrape
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+    from eagle3nb.formulas import spec_counters, spec_delta
+
+    torch.manual_seed(SEED)
+    draft = DFlashDraft(from_target(json.loads((kimi / "config.json").read_text()), num_layers=2, block_size=4))
+    k = draft.config.drafts_per_block
+    servers = Servers(engines, kimi)
+    try:
+        servers.start(dflash={"mode": "dflash", "draft_dir": save_draft(draft, tmp_path / "draft"),
+                              "num_speculative_tokens": k})
+        handle = servers["dflash"]
+        murl = metrics_url(handle.base_url)
+        before = spec_counters(scrape(murl))
+        answers = greedy_replies_are_transformers(kimi, handle.base_url, 2, 32)
+        acc = spec_delta(before, spec_counters(scrape(murl)))
+        log = handle.log()
+    finally:
+        servers.stop()
+    print(f"vLLM dflash beside toy:kimi: {acc['drafts']:.0f} drafts, acceptance length {acc['acceptance_length']:.3f}")
+    assert min(map(len, answers)) > 4, list(map(len, answers))
+    assert acc["engine"] == "vllm" and acc["drafts"] > 0 and acc["draft_tokens"] == k * acc["drafts"], acc
+    assert "eagle3nb_vllm_fixes.blocksize: vLLM's CPU attention declared KV blocks of 32 only" in log, log[-2000:]
