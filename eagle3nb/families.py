@@ -22,7 +22,7 @@ AUTO = "auto"
 VLLM_EAGLE3_RELEASE = "0.32"  # the vLLM release the entries' vllm_eagle3 and dtype facts were read from
 REASONING_FORMATS = ("think_tags", "harmony", "none")
 # config.json architectures of an MLA EAGLE-3 draft (vLLM's model_executor/models/deepseek_eagle3.py registers
-# both; the first is what eagle3nb writes): the draft vLLM's CPU build serves beside an MLA target.
+# both; the first is what eagle3nb writes): the draft stock vLLM's CPU build serves beside an MLA target.
 MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 # gpt-oss's Harmony format (docs/harmony.md): a message is <|start|>{role}<|channel|>{channel}<|message|>{text}<|end|>
 # (<|return|> ends the last answer)

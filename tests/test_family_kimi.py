@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_vllm import family_servers, held_out, local_acceptance, synth_params
 
+from engines import Servers
 from worlds import SEED, build_trained_run, requires_vllm
 
 SERVED_TOKENS = 64
@@ -77,20 +78,31 @@ def test_kimi_toy_is_kimis_architecture(kimi):
     assert args[args.index("--reasoning-parser") + 1] == "kimi_k2"
 
 
-def test_kimi_llama_draft_beside_mla_target_is_refused_before_vllm_starts(kimi, tmp_path):
-    """vLLM's CPU build cannot serve a Llama-attention draft beside an MLA target (no common KV block size):
-    the launcher says so in one line, naming the parameter, instead of a worker traceback a minute later."""
+def test_kimi_draft_without_mla_is_refused_by_stock_vllm_only(kimi, tmp_path):
+    """Stock vLLM's CPU build (``fixes=False``) cannot serve a draft with ordinary attention (a Llama EAGLE-3, a
+    DFlash block drafter) beside an MLA target, no common KV block size: the launcher says so in one line, naming
+    the plugin and the parameter, instead of a worker traceback a minute later. With the plugin (the default,
+    tools/vllm/eagle3nb_vllm_fixes/blocksize.py) and on a GPU it passes each on, and an MLA draft always."""
+    from eagle3nb.drafts.dflash.layouts import save_draft as save_block_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
     from eagle3nb.drafts.eagle3.layouts import save_draft
     from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
     from eagle3nb.errors import InputError
+    from eagle3nb.families import MLA_ARCHS
     from eagle3nb.serve.vllm import vllm_args
 
     llama = Eagle3Draft(Eagle3Config(hidden_size=128, intermediate_size=64, num_attention_heads=2,
                                      num_key_value_heads=2, head_dim=64, vocab_size=8, draft_vocab_size=8))
-    save_draft(llama, tmp_path / "draft")
-    with pytest.raises(InputError, match="only beside an MLA draft.*draft_attention: mla"):
-        vllm_args(kimi, "eagle3", draft_dir=tmp_path / "draft")
-    assert "--speculative-config" in vllm_args(kimi, "eagle3", draft_dir=tmp_path / "draft", cpu=False)
+    block = DFlashDraft(from_target(json.loads((kimi / "config.json").read_text()), block_size=4))
+    drafts = {"eagle3": save_draft(llama, tmp_path / "llama"), "dflash": save_block_draft(block, tmp_path / "dflash")}
+    for mode, draft in drafts.items():
+        with pytest.raises(InputError, match="fixes=False.*only beside an MLA draft.*plugin.*draft_attention: mla"):
+            vllm_args(kimi, mode, draft_dir=draft, fixes=False)
+        assert "--speculative-config" in vllm_args(kimi, mode, draft_dir=draft)
+        assert "--speculative-config" in vllm_args(kimi, mode, draft_dir=draft, cpu=False, fixes=False)
+    (tmp_path / "mla").mkdir()
+    (tmp_path / "mla" / "config.json").write_text(json.dumps({"architectures": [MLA_ARCHS[0]]}))
+    assert "--speculative-config" in vllm_args(kimi, "eagle3", draft_dir=tmp_path / "mla", fixes=False)
 
 
 # Run in vLLM's own Python: the rotary kernel on toy:kimi's MLA layouts (q's rope part of [T, H, 64 + 64], k_pe
@@ -141,6 +153,66 @@ def test_kimi_rotary_fix_in_vllms_process():
     print(f"vLLM CPU rotary, max abs error: {got}")
     assert got["stock"]["mla"] > 0.1 and got["stock"]["llama"] < 1e-5, got  # the defect, where it is
     assert got["wrapped"] and got["fixed"]["mla"] < 1e-5 and got["fixed"]["llama"] < 1e-5, got
+
+
+# Run in vLLM's own Python: the block-size fix's probe and vLLM's own choice of a kernel block size for an MLA layer
+# (CPU_MLA) beside an ordinary one (CPU_ATTN), the function that refuses "No common block size" in a worker; stock
+# first, then with the kernel made to read the wrong blocks at 16 only (the probe must catch it and leave vLLM's
+# declaration alone), then after vLLM loads its general plugins (the project's, through PYTHONPATH).
+BLOCKSIZE_CHECK = """
+import json
+from vllm import _custom_ops as ops
+from vllm.plugins import load_general_plugins
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+from vllm.v1.worker.utils import select_common_block_size
+from eagle3nb_vllm_fixes import blocksize
+def state():
+    try:
+        common = select_common_block_size(16, [CPUMLABackend, CPUAttentionBackend])
+    except ValueError as e:
+        common = str(e)
+    return {"declared": str(CPUAttentionBackend.get_supported_kernel_block_sizes()), "common": common}
+stock = {**state(), "probe": blocksize.probe()}
+kernel = ops.cpu_attention_with_kv_cache
+def misreads_16(**kw):
+    at_16 = kw["key_cache"].shape[2] == 16
+    return kernel(**{**kw, "block_table": kw["block_table"].roll(1, 1) if at_16 else kw["block_table"]})
+ops.cpu_attention_with_kv_cache = misreads_16
+broken = {"error": blocksize.kernel_error(16), "at_32": blocksize.kernel_error(32), "line": blocksize.check_and_fix(),
+          **state()}
+ops.cpu_attention_with_kv_cache = kernel
+load_general_plugins()
+print(json.dumps({"stock": stock, "broken": broken, "fixed": state()}))
+"""
+
+
+@requires_vllm()
+def test_kimi_blocksize_fix_in_vllms_process():
+    """vLLM 0.32's CPU attention declares KV blocks of 32 only, so its own block-size choice finds none for an MLA
+    layer (16 only) beside an ordinary one, while its kernel computes blocks of 16 as exactly as 32 in every dtype,
+    causal or not. The probe is not vacuous: a kernel reading the wrong blocks at 16 shows a large error there and
+    the declaration stays; the plugin, loaded the way vLLM loads it, declares 16 and vLLM chooses it. (~10 s: one
+    vLLM import.)"""
+    import os
+    import subprocess
+
+    from eagle3nb import paths
+    from eagle3nb.serve.vllm import vllm_python
+
+    env = {**os.environ, "PYTHONPATH": str(paths.project_root() / "tools" / "vllm")}
+    out = subprocess.run([str(vllm_python()), "-c", BLOCKSIZE_CHECK], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    print(f"vLLM CPU attention, max abs error by case at blocks of 16 / 32: {got['stock']['probe']}")
+    stock, broken = got["stock"], got["broken"]
+    assert stock["declared"] == "[MultipleOf(32)]" and "No common block size for 16" in stock["common"], stock
+    assert stock["probe"]["float32"][0] < 1e-5 and stock["probe"]["float32 non-causal"][0] < 1e-5, stock
+    assert all(e16 <= 2 * e32 + 1e-6 for e16, e32 in stock["probe"].values()), stock  # half dtypes round alike
+    assert broken["error"] > 0.5 and broken["at_32"] < 1e-5, broken  # the probe can fail, at 16 only
+    assert "wrong at KV blocks of 16" in broken["line"] and broken["declared"] == stock["declared"], broken
+    assert "No common block size" in broken["common"], broken
+    assert got["fixed"] == {"declared": "[16, MultipleOf(32)]", "common": 16}, got["fixed"]
 
 
 @requires_vllm()
@@ -305,3 +377,36 @@ def test_kimi_vllm_eagle3(kimi_vllm, kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
     assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.10 * local["acceptance_length"], \
         (row["acceptance_length"], local["acceptance_length"])
+
+
+@requires_vllm()
+def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
+    """vLLM serves a DFlash block drafter (Qwen3 attention) beside Kimi's MLA target: stock vLLM's CPU build cannot
+    start it ("No common block size for 16": its MLA kernel takes KV blocks of 16, its other attention declared
+    multiples of 32), the plugin's block-size fix says in the log that it declared 16; greedy chat replies are
+    transformers' greedy tokens and vLLM's spec-decode counters count the drafts (k per draft). Random weights: the
+    target's verification makes any draft lossless. ~35 s (its own server; the slow tier)."""
+    from eagle3nb.accept.online import metrics_url, scrape
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+    from eagle3nb.formulas import spec_counters, spec_delta
+
+    torch.manual_seed(SEED)
+    draft = DFlashDraft(from_target(json.loads((kimi / "config.json").read_text()), num_layers=2, block_size=4))
+    k = draft.config.drafts_per_block
+    servers = Servers(engines, kimi)
+    try:
+        servers.start(dflash={"mode": "dflash", "draft_dir": save_draft(draft, tmp_path / "draft"),
+                              "num_speculative_tokens": k})
+        handle = servers["dflash"]
+        murl = metrics_url(handle.base_url)
+        before = spec_counters(scrape(murl))
+        answers = greedy_replies_are_transformers(kimi, handle.base_url, 2, 32)
+        acc = spec_delta(before, spec_counters(scrape(murl)))
+        log = handle.log()
+    finally:
+        servers.stop()
+    print(f"vLLM dflash beside toy:kimi: {acc['drafts']:.0f} drafts, acceptance length {acc['acceptance_length']:.3f}")
+    assert min(map(len, answers)) > 4, list(map(len, answers))
+    assert acc["engine"] == "vllm" and acc["drafts"] > 0 and acc["draft_tokens"] == k * acc["drafts"], acc
+    assert "eagle3nb_vllm_fixes.blocksize: vLLM's CPU attention declared KV blocks of 32 only" in log, log[-2000:]

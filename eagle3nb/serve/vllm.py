@@ -61,7 +61,7 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
               draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
               max_model_len: int = 1024, cpu: bool = True, family: str = AUTO,
               cpu_flags: set[str] | None = None, tools: bool = False,
-              speculative: dict | None = None) -> list[str]:
+              speculative: dict | None = None, fixes: bool = True) -> list[str]:
     """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with its family's
     reasoning parser, e.g. ``kimi_k2``), ``no_parser`` (the story's mistake), ``extract`` (02's
     ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
@@ -73,7 +73,8 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     parser (conversations with tools, 01's ``multi_turn``) and constrain forced ones to the tools' schemas
     (:data:`TOOL_STRUCTURED_OUTPUTS`; :func:`start_vllm` adds :data:`TOOL_ENV`); ``speculative``: more keys of the
     ``--speculative-config`` (vLLM's own names, e.g. ``{"draft_sample_method": "probabilistic"}`` for sampled
-    drafting)."""
+    drafting); ``fixes``: whether vLLM loads the project's plugin (:func:`start_vllm`): without it, on a CPU, an
+    MLA target serves an MLA draft only."""
     if mode not in MODES:
         raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
     fam = detect(model_dir, family)
@@ -96,14 +97,17 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
             raise ValueError("extract mode needs layer_ids (aux ids + the last layer) and storage_dir")
         args += ["--no-enable-chunked-prefill", "--speculative-config", json.dumps(extract_spec(layer_ids)),
                  "--kv-transfer-config", json.dumps(connector_config(storage_dir, cpu))]
+    if mode in ("eagle3", "dflash", "dspark") and draft_dir is not None and cpu and not fixes \
+            and is_mla(read_config(model_dir)):
+        draft_archs = read_config(draft_dir).get("architectures") or []
+        if not any(a in MLA_ARCHS for a in draft_archs):
+            raise InputError(f"stock vLLM's CPU build (fixes=False) serves an MLA target ({model_dir}) only beside an "
+                             f"MLA draft (its MLA kernel takes KV blocks of 16, its other attention declares multiples "
+                             f"of 32), but {draft_dir} is {'/'.join(draft_archs) or 'not an MLA draft'}: start it "
+                             "with the project's vLLM plugin (docs/vllm.md) or train it with draft_attention: mla")
     if mode == "eagle3":
         if draft_dir is None:
             raise ValueError("eagle3 mode needs draft_dir (03_train's draft/ folder)")
-        draft_archs = read_config(draft_dir).get("architectures") or []
-        if cpu and is_mla(read_config(model_dir)) and not any(a in MLA_ARCHS for a in draft_archs):
-            raise InputError(f"vLLM's CPU build serves an MLA target ({model_dir}) only beside an MLA draft (its MLA "
-                             f"kernel takes KV blocks of 16, its Llama attention multiples of 32), but {draft_dir} "
-                             f"is {'/'.join(draft_archs) or 'not an MLA draft'}: train it with draft_attention: mla")
         args += ["--speculative-config",
                  json.dumps({**draft_spec(draft_dir, num_speculative_tokens), **(speculative or {})})]
     if mode in ("dflash", "dspark"):
@@ -136,7 +140,7 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
         kw.setdefault("served_model_name", model)
         model = str(resolve_model_path(model))
     port = port or free_port(host)
-    args = vllm_args(model, mode, **kw) + (["--enable-log-requests"] if log_requests else [])
+    args = vllm_args(model, mode, fixes=fixes, **kw) + (["--enable-log-requests"] if log_requests else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"),
            "VLLM_LOGGING_LEVEL": "DEBUG" if log_requests else "INFO"}

@@ -85,7 +85,8 @@ class TrainParams(StageParams):
     draft_attention: Literal["llama", "mla"] = Field(
         "llama", description="from scratch: the midlayer's attention: llama (the published drafters' layer, served "
                              "by vLLM and SGLang on GPUs) or mla (an MLA target's own latent attention and widths: "
-                             "vLLM's deepseek_eagle3 draft, the one its CPU build serves beside an MLA target)")
+                             "vLLM's deepseek_eagle3 draft, the one stock vLLM's CPU build serves beside an MLA "
+                             "target)")
     fc_norm: bool | None = Field(None, description="EAGLE-3.1's RMSNorm on each of the three aux states before fc, "
                                                     "so no layer's scale dominates the fused feature (vLLM reads "
                                                     "fc_norm from the draft's config.json); null = true for a fresh "

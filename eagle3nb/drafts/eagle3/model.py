@@ -6,10 +6,11 @@ Read top to bottom like the paper:
 2. One decoder layer (``midlayer``) takes ``cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))``, so its
    attention projections take 2H inputs; the residual stream is the hidden path (g_t), not the embedding. Its
    attention is Llama's (``Attention``), or DeepSeek's multi-head latent attention (``MLAAttention``, when the
-   config has ``mla`` widths: the draft vLLM serves beside an MLA target, whose CPU kernels share one KV block
-   size only with another MLA layer). ``num_layers`` > 1 stacks plain decoder layers (``deeper``) on it, as
-   vLLM's llama_eagle3 / deepseek_eagle3 build ``num_hidden_layers``: layer 0 reads the 2H concatenation, every
-   later one only the H-wide residual stream (its attention input H, no embedding, no ``hidden_norm``).
+   config has ``mla`` widths: the draft stock vLLM's CPU build serves beside an MLA target, whose CPU kernels
+   declare one KV block size in common only with another MLA layer; docs/vllm.md's plugin fixes that).
+   ``num_layers`` > 1 stacks plain decoder layers (``deeper``) on it, as vLLM's llama_eagle3 / deepseek_eagle3
+   build ``num_hidden_layers``: layer 0 reads the 2H concatenation, every later one only the H-wide residual
+   stream (its attention input H, no embedding, no ``hidden_norm``).
 3. The pre-norm output of that layer is the draft's own "feature"; it is fed back as g at the next draft step
    (training-time test and decoding alike). ``norm`` + ``lm_head`` turn it into logits over the draft vocabulary.
    EAGLE-3.1 (vLLM's ``fc_norm`` / ``norm_output`` config keys, both off by default): ``fc_norm`` puts one RMSNorm
