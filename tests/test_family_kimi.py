@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import family_servers, held_out, local_acceptance, synth_params
+from test_vllm import K, family_servers, held_out, local_acceptance, synth_params
 
 from worlds import SEED, build_trained_run, requires_vllm
 
@@ -50,6 +50,15 @@ def kimi_trained(kimi, kimi_embedded, tmp_path_factory) -> dict:
 def kimi_vllm(kimi, request, engines):
     """The real vLLM on toy:kimi (kimi_k2 parser): plain, extracting hidden states, serving the MLA draft."""
     yield from family_servers(engines, kimi, lambda: request.getfixturevalue("kimi_trained"))
+
+
+@pytest.fixture(scope="module")
+def kimi_spread(kimi):
+    """The distribution test's prompt on toy:kimi (tests/sampling.py): a near-certain token, then a spread one (the
+    target's top second token p 0.42). 13 s."""
+    from sampling import spread_prompt
+
+    return spread_prompt(kimi)
 
 
 def test_kimi_toy_is_kimis_architecture(kimi):
@@ -244,6 +253,17 @@ def test_kimi_local_lossless(kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
 
 
+def test_kimi_local_samples_the_targets_distribution(kimi, kimi_trained, kimi_spread, one_thread):
+    """Our decoder at T=1 with the MLA draft (K drafts a round, as vLLM serves it) on the MLA + MoE target: the
+    second token's frequencies over N seeds fit transformers' probabilities (tests/sampling.py's G-test; the smoke
+    toy's twin is in tests/test_vllm_sampling.py). 20 s."""
+    from sampling import ALPHA, N, decoded_second_tokens, fits_target
+
+    draft = kimi_trained["out"] / "03_train" / "draft"
+    tokens = decoded_second_tokens(kimi, draft, kimi_spread.ids, K, range(N))
+    assert fits_target(tokens, kimi_spread) > ALPHA, torch.bincount(torch.tensor(tokens)).nonzero().flatten()
+
+
 def greedy_replies_are_transformers(kimi: Path, base_url: str, n: int, max_tokens: int) -> list[list[int]]:
     """Chat requests at temperature 0 to ``base_url`` for ``n`` held-out prompts: each prompt is the template's,
     each answer transformers' greedy tokens from it (a prefix of them where the server stops on its own) with the
@@ -305,3 +325,15 @@ def test_kimi_vllm_eagle3(kimi_vllm, kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
     assert abs(row["acceptance_length"] - local["acceptance_length"]) <= 0.10 * local["acceptance_length"], \
         (row["acceptance_length"], local["acceptance_length"])
+
+
+
+@requires_vllm()
+def test_kimi_vllm_samples_the_targets_distribution(kimi_vllm, kimi_spread, one_thread):
+    """vLLM at T=1 on the MLA + MoE target, plainly and verifying the MLA draft's tokens by rejection sampling (the
+    fixes plugin's dtype-preserving ``_expand`` carrying the temperature): the second generated token of N seeded
+    requests to each fits transformers' probabilities, and the two agree (tests/sampling.py's G-tests)."""
+    from sampling import check_served_distribution
+
+    check_served_distribution(kimi_vllm["plain"].base_url, kimi_vllm["eagle3"].base_url, kimi_spread)
+

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sampling import ALPHA, N, fits_target, spread_prompt
+from sampling import ALPHA, N, decoded_second_tokens, fits_target, spread_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # 300 small decodes: one thread is ~10x faster on shared cores
 
@@ -59,23 +59,9 @@ def test_the_plugins_expand_keeps_each_requests_value_in_its_dtype():
 
 # -- our decoder ------------------------------------------------------------------------------------------------------
 
-@torch.inference_mode()
 def test_our_decoder_samples_the_targets_distribution(trained, toy_smoke):
     """Our decoder at T=1 (k=3): the second token's frequencies over N seeds fit the target's probabilities. ~35 s
     (the spread prompt's search, 15 s, included)."""
-    from eagle3nb.drafts import load_draft
-    from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.spec.batch import SpecDecoder
-
     spread = spread_prompt(toy_smoke)
-    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
-    draft = load_draft(trained["out"] / "03_train" / "draft",
-                       embed_tokens=target.get_input_embeddings().weight.detach())
-    dec = SpecDecoder(target, draft, K)
-    tokens, drafted = [], 0
-    for seed in range(N):
-        res = dec.generate(spread.ids, 2, 1.0, (), torch.Generator().manual_seed(seed))
-        tokens.append(res.tokens[1])
-        drafted += res.counters.drafts
-    assert drafted >= N, "every request must verify drafts for its second token"
+    tokens = decoded_second_tokens(toy_smoke, trained["out"] / "03_train" / "draft", spread.ids, K, range(N))
     assert fits_target(tokens, spread) > ALPHA, torch.bincount(torch.tensor(tokens)).nonzero().flatten()
