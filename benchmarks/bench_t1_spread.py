@@ -29,7 +29,7 @@ from eagle3nb.accept.online import bench_endpoint  # noqa: E402
 from eagle3nb.data.prompts import load_prompts  # noqa: E402
 from eagle3nb.drafts import load_draft  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
-from eagle3nb.serve.vllm import start_vllm  # noqa: E402
+from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
 from eagle3nb.spec.batch import SpecDecoder  # noqa: E402
 from eagle3nb.spec.verify import SpecCounters  # noqa: E402
 from eagle3nb.toy import shipped  # noqa: E402
@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--vllm-passes", type=int, default=2, help="vLLM passes per prompt count (concurrency 4)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
     args = ap.parse_args()
+    if args.vllm and unavailable_reason():
+        sys.exit(f"the real vLLM cannot run here ({unavailable_reason()}); pass --no-vllm to skip it")
     torch.set_num_threads(1)
     counts = sorted(int(n) for n in args.prompts.split(","))
     model_dir, name, k = shipped(args.toy), args.recipe, k_of(args.recipe)
