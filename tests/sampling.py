@@ -127,6 +127,27 @@ def same_distribution(a: list[int], b_tokens: list[int], sp: SpreadPrompt) -> fl
     return g_test(table, expected, table.shape[1] - 1)
 
 
+@torch.inference_mode()
+def decoded_second_tokens(model_dir: Path, draft_dir: Path, ids: list[int], k: int, seeds: range) -> list[int]:
+    """Our decoder's (``eagle3nb.spec``) second generated token of one seeded T=1 decode of ``ids`` per seed,
+    ``k`` drafts a round; asserts every decode verified drafts for it (a round, not the prefill, decided it)."""
+    from eagle3nb.drafts import load_draft
+    from eagle3nb.hf import DECODER, load_target
+    from eagle3nb.spec.batch import SpecDecoder
+
+    target = load_target(model_dir, trust_remote_code=False, use=DECODER)
+    draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach(),
+                       lm_head=target.get_output_embeddings().weight.detach())
+    dec = SpecDecoder(target, draft, k)
+    tokens, drafted = [], 0
+    for seed in seeds:
+        res = dec.generate(ids, 2, 1.0, (), torch.Generator().manual_seed(seed))
+        tokens.append(res.tokens[1])
+        drafted += res.counters.drafts
+    assert drafted >= len(seeds), "every request must verify drafts for its second token"
+    return tokens
+
+
 def second_tokens(base_url: str, ids: list[int], seeds: range) -> list[int]:
     """The second generated token of one seeded T=1 request per seed, through ``/v1/completions``."""
     import httpx
@@ -146,3 +167,13 @@ def second_tokens(base_url: str, ids: list[int], seeds: range) -> list[int]:
 
     with ThreadPoolExecutor(16) as pool:  # the engines batch concurrent requests
         return list(pool.map(one, seeds))
+
+
+def check_served_distribution(plain_url: str, spec_url: str, sp: SpreadPrompt) -> None:
+    """The second generated token of N seeded T=1 requests to a plain server and of N (other seeds) to one with a
+    draft: each fits the target's probabilities and the two agree (G-tests at ALPHA each)."""
+    plain = second_tokens(plain_url, sp.ids, range(N))
+    spec = second_tokens(spec_url, sp.ids, range(N, 2 * N))
+    assert fits_target(plain, sp) > ALPHA, torch.bincount(torch.tensor(plain)).nonzero().flatten()
+    assert fits_target(spec, sp) > ALPHA, torch.bincount(torch.tensor(spec)).nonzero().flatten()
+    assert same_distribution(plain, spec, sp) > ALPHA

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import family_servers, held_out, local_acceptance, synth_params
+from test_vllm import K, family_servers, held_out, local_acceptance, synth_params
 
 from engines import Servers
 from worlds import SEED, build_trained_run, requires_vllm
@@ -51,6 +51,15 @@ def kimi_trained(kimi, kimi_embedded, tmp_path_factory) -> dict:
 def kimi_vllm(kimi, request, engines):
     """The real vLLM on toy:kimi (kimi_k2 parser): plain, extracting hidden states, serving the MLA draft."""
     yield from family_servers(engines, kimi, lambda: request.getfixturevalue("kimi_trained"))
+
+
+@pytest.fixture(scope="module")
+def kimi_spread(kimi):
+    """The distribution test's prompt on toy:kimi (tests/sampling.py): a near-certain token, then a spread one (the
+    target's top second token p 0.42). 2-18 s by load."""
+    from sampling import spread_prompt
+
+    return spread_prompt(kimi)
 
 
 def test_kimi_toy_is_kimis_architecture(kimi):
@@ -316,6 +325,17 @@ def test_kimi_local_lossless(kimi, kimi_trained):
     assert local["acceptance_length"] > 1.5, local
 
 
+def test_kimi_local_samples_the_targets_distribution(kimi, kimi_trained, kimi_spread, one_thread):
+    """Our decoder at T=1 with the MLA draft (K drafts a round, as vLLM serves it) on the MLA + MoE target: the
+    second token's frequencies over N seeds fit transformers' probabilities (tests/sampling.py's G-test; the smoke
+    toy's twin is in tests/test_vllm_sampling.py). 12 s (29 s under load)."""
+    from sampling import ALPHA, N, decoded_second_tokens, fits_target
+
+    draft = kimi_trained["out"] / "03_train" / "draft"
+    tokens = decoded_second_tokens(kimi, draft, kimi_spread.ids, K, range(N))
+    assert fits_target(tokens, kimi_spread) > ALPHA, torch.bincount(torch.tensor(tokens)).nonzero().flatten()
+
+
 def greedy_replies_are_transformers(kimi: Path, base_url: str, n: int, max_tokens: int) -> list[list[int]]:
     """Chat requests at temperature 0 to ``base_url`` for ``n`` held-out prompts: each prompt is the template's,
     each answer transformers' greedy tokens from it (a prefix of them where the server stops on its own) with the
@@ -410,3 +430,15 @@ def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
     assert min(map(len, answers)) > 4, list(map(len, answers))
     assert acc["engine"] == "vllm" and acc["drafts"] > 0 and acc["draft_tokens"] == k * acc["drafts"], acc
     assert "eagle3nb_vllm_fixes.blocksize: vLLM's CPU attention declared KV blocks of 32 only" in log, log[-2000:]
+
+
+@requires_vllm()
+def test_kimi_vllm_samples_the_targets_distribution(kimi_vllm, kimi_spread, one_thread):
+    """vLLM at T=1 on the MLA + MoE target, plainly and verifying the MLA draft's greedy proposals by rejection
+    sampling (the fixes plugin's dtype-preserving ``_expand`` carrying the temperature): the second generated token
+    of N seeded requests to each fits transformers' probabilities, and the two agree (tests/sampling.py's G-tests;
+    with sampled drafting, ``draft_sample_method: probabilistic``, measured p 0.25 and 0.86 once). 23 s."""
+    from sampling import check_served_distribution
+
+    check_served_distribution(kimi_vllm["plain"].base_url, kimi_vllm["eagle3"].base_url, kimi_spread)
+

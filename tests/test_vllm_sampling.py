@@ -1,6 +1,7 @@
 """Lossless sampling, held on every engine that verifies drafts by rejection sampling: here our decoder
 (``eagle3nb.spec``) and the fix for the real vLLM's CPU build; the embedded speculative server in
-tests/test_bench_server.py and the real vLLM in tests/test_vllm.py (beside the servers they already run).
+tests/test_bench_server.py, the real vLLM in tests/test_vllm.py, and both engines on the MLA + MoE target in
+tests/test_family_kimi.py (beside the servers they already run).
 
 The distribution test (helpers in tests/sampling.py): a prompt whose next token is near-certain and the one after
 it spread out (the first ``toy:heldout`` position where the target gives its greedy token p > 0.99 and the next
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sampling import ALPHA, N, fits_target, spread_prompt
+from sampling import ALPHA, N, decoded_second_tokens, fits_target, spread_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # 300 small decodes: one thread is ~10x faster on shared cores
 
@@ -59,23 +60,9 @@ def test_the_plugins_expand_keeps_each_requests_value_in_its_dtype():
 
 # -- our decoder ------------------------------------------------------------------------------------------------------
 
-@torch.inference_mode()
 def test_our_decoder_samples_the_targets_distribution(trained, toy_smoke):
     """Our decoder at T=1 (k=3): the second token's frequencies over N seeds fit the target's probabilities. ~35 s
     (the spread prompt's search, 15 s, included)."""
-    from eagle3nb.drafts import load_draft
-    from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.spec.batch import SpecDecoder
-
     spread = spread_prompt(toy_smoke)
-    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
-    draft = load_draft(trained["out"] / "03_train" / "draft",
-                       embed_tokens=target.get_input_embeddings().weight.detach())
-    dec = SpecDecoder(target, draft, K)
-    tokens, drafted = [], 0
-    for seed in range(N):
-        res = dec.generate(spread.ids, 2, 1.0, (), torch.Generator().manual_seed(seed))
-        tokens.append(res.tokens[1])
-        drafted += res.counters.drafts
-    assert drafted >= N, "every request must verify drafts for its second token"
+    tokens = decoded_second_tokens(toy_smoke, trained["out"] / "03_train" / "draft", spread.ids, K, range(N))
     assert fits_target(tokens, spread) > ALPHA, torch.bincount(torch.tensor(tokens)).nonzero().flatten()

@@ -1,0 +1,111 @@
+"""Is a T=1 gap between our decoder and vLLM noise? One recipe's seed-0 draft, trained as bench_recipes.py trains
+it, decoded by our decoder at T=1 over many sets of per-prompt seeds (``bench_recipes.Local`` uses one: prompt i
+seeded i), and served by the real vLLM (sampled drafting) a few times on the same prompts.
+
+A T=1 acceptance length over a few prompts is one draw from a wide distribution: which tokens get sampled steers
+the whole continuation. On ``toy:kimi`` (measured, docs/recipes.md) our decoder's EAGLE-3.1 draft spread 2.27-2.82
+over 20 seed sets on the benchmark's 8 prompts x 64 tokens (sd 0.15) and the benchmark's own set was the lowest;
+on 48 prompts 2.59-2.90 (sd 0.07), where vLLM measured 2.66, 2.80 and 2.75.
+
+    python benchmarks/bench_t1_spread.py                                      # toy:kimi, eagle3.1 (~8 min)
+    python benchmarks/bench_t1_spread.py --recipe dflash/4-2layers --no-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_recipes import RECIPES, TOYS, TRAIN, Local, full_vocab, k_of  # noqa: E402
+
+from eagle3nb.accept.online import bench_endpoint  # noqa: E402
+from eagle3nb.data.prompts import load_prompts  # noqa: E402
+from eagle3nb.drafts import load_draft  # noqa: E402
+from eagle3nb.params import from_dict  # noqa: E402
+from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
+from eagle3nb.spec.batch import SpecDecoder  # noqa: E402
+from eagle3nb.spec.verify import SpecCounters  # noqa: E402
+from eagle3nb.toy import shipped  # noqa: E402
+from eagle3nb.train.stage import run  # noqa: E402
+from testkit.heldout import greedy_hidden_states  # noqa: E402
+
+SEED_STRIDE = 1000  # seed set s seeds prompt i with i + SEED_STRIDE * s (set 0 is the benchmark's)
+
+
+@torch.inference_mode()
+def local_spread(local: Local, draft_dir: Path, k: int, sets: int, counts: list[int]) -> dict[int, list[float]]:
+    """Our decoder's T=1 acceptance length on the first n prompts, for each n in ``counts``, per seed set."""
+    draft = load_draft(draft_dir, embed_tokens=local.target.get_input_embeddings().weight.detach(),
+                       lm_head=local.target.get_output_embeddings().weight.detach())
+    dec = SpecDecoder(local.target, draft, k)
+    out: dict[int, list[float]] = {n: [] for n in counts}
+    for s in range(sets):
+        counters = {n: SpecCounters(k) for n in counts}
+        for i, p in enumerate(local.prompts):
+            res = dec.generate(p, local.max_tokens, 1.0, local.eos, torch.Generator().manual_seed(i + SEED_STRIDE * s))
+            for n in counts:
+                if i < n:
+                    counters[n].merge(res.counters)
+        for n in counts:
+            out[n].append(counters[n].summary()["acceptance_length"])
+        print(f"seed set {s}: " + ", ".join(f"{n} prompts {out[n][-1]:.3f}" for n in counts), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--toy", default="kimi", choices=list(TOYS))
+    ap.add_argument("--recipe", default="eagle3.1", choices=list(RECIPES))
+    ap.add_argument("--steps", type=int, default=60, help="03's steps (bench_recipes.py's default)")
+    ap.add_argument("--samples", type=int, default=48, help="toy:train prompts answered (bench_recipes.py's default)")
+    ap.add_argument("--prompts", default="8,48", help="comma-separated toy:heldout prompt counts to judge on")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--seed-sets", type=int, default=20, help="sets of per-prompt seeds for our decoder")
+    ap.add_argument("--vllm-passes", type=int, default=2, help="vLLM passes per prompt count (concurrency 4)")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false")
+    args = ap.parse_args()
+    if args.vllm and unavailable_reason():
+        sys.exit(f"the real vLLM cannot run here ({unavailable_reason()}); pass --no-vllm to skip it")
+    torch.set_num_threads(1)
+    counts = sorted(int(n) for n in args.prompts.split(","))
+    model_dir, name, k = shipped(args.toy), args.recipe, k_of(args.recipe)
+    with tempfile.TemporaryDirectory() as tmp:
+        # 1. The recipe's seed-0 draft, on the data and settings bench_recipes.py gives it.
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        data = greedy_hidden_states(model_dir, "toy:train", args.samples, 96, Path(tmp) / "data",
+                                    draft_vocab_size=vocab if full_vocab(name) else 128)
+        out = Path(tmp) / "run"
+        run(from_dict("03_train", {**TRAIN, **({} if full_vocab(name) else TOYS[args.toy]), **RECIPES[name],
+                                   "data_dir": str(data), "output_dir": str(out), "seed": 0,
+                                   "max_steps": args.steps}))
+        # 2. Our decoder over the seed sets.
+        local = Local(model_dir, counts[-1], args.max_tokens)
+        spread = local_spread(local, out / "draft", k, args.seed_sets, counts)
+        # 3. vLLM on the same prompts, sampled drafting as in the benchmark.
+        served: dict[int, list[float]] = {n: [] for n in counts}
+        if args.vllm:
+            with start_vllm(f"toy:{args.toy}", RECIPES[name].get("method", "eagle3"), draft_dir=out / "draft",
+                            num_speculative_tokens=k, speculative={"draft_sample_method": "probabilistic"}) as server:
+                rows = load_prompts("toy:heldout", counts[-1])  # the prompts Local decodes, as chat messages
+                for n in counts:
+                    served[n] = [bench_endpoint(name, server.base_url, rows[:n], [4], args.max_tokens, 1.0,
+                                                warmup=0, k=k)[0]["acceptance_length"]
+                                 for _ in range(args.vllm_passes)]
+    print(f"\n{args.toy} {name} seed 0, T=1, k={k}, {args.max_tokens} tokens a prompt")
+    for n in counts:
+        xs = spread[n]
+        mean, sd = statistics.mean(xs), statistics.stdev(xs)
+        vllm = ", ".join(f"{v:.3f} ({(v - mean) / sd:+.1f} sd)" for v in served[n]) or "not run"
+        print(f"{n} prompts: our decoder over {len(xs)} seed sets mean {mean:.3f} sd {sd:.3f} "
+              f"(min {min(xs):.3f}, max {max(xs):.3f}; the benchmark's set {xs[0]:.3f}); vLLM {vllm}")
+
+
+if __name__ == "__main__":
+    main()
