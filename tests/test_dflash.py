@@ -383,8 +383,11 @@ def test_training_lifts_offline_acceptance_and_decoding_stays_lossless(trained, 
 @requires_vllm()
 def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, tmp_path):
     """vLLM 0.32's CPU build serves the trained DFlash export (``method: dflash``, block - 1 speculative tokens):
-    its greedy completions are the target's own, and its spec-decode counters give the acceptance length local
-    block decoding measures on the same prompts, within 10%, greedy and at T=1. At T=1 both draft the same way:
+    its greedy completions are the target's own; greedy, its spec-decode counters count exactly the drafts and
+    accepted tokens of local block decoding on the same prompts (the grouped-norm fix of the plugin in place:
+    stock vLLM's CPU build normalises every layer's context keys with layer 0's ``k_norm``, so a 2-layer draft
+    proposed other blocks, 143 drafts / 98 accepted against our 141 / 100), and at T=1 the same acceptance length
+    within 10%. At T=1 both draft the same way:
     vLLM with ``draft_sample_method: probabilistic`` samples each of the block's slots from its own softmax at the
     request's temperature in one pass (``_sample_from_logits``, the temperature repeated per slot) and verifies by
     rejection sampling against those probabilities, as our ``BlockDrafting`` does (vLLM's default, ``greedy``,
@@ -432,8 +435,9 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     assert served == [plain_generate(target, p, NEW_TOKENS) for p in prompts]
     assert [d.tokens for d in local] == served
     assert acc["engine"] == "vllm" and acc["drafts"] > 0, acc
-    assert abs(acc["acceptance_length"] - local_tau) <= 0.1 * local_tau, (acc["acceptance_length"], local_tau)
+    assert (acc["drafts"], acc["accepted"]) == (len(local_accepted), sum(local_accepted)), (acc, local_tau)
     assert "eagle3nb_vllm_fixes.sampling: vLLM's CPU _expand lost float values" in log, log[-2000:]
+    assert "eagle3nb_vllm_fixes.grouped_norm: vLLM's CPU rms_norm applied the first weight row" in log, log[-2000:]
     assert row_t1["errors"] == 0 and local_t1["acceptance_length"] > 1.3, (row_t1, local_t1)
     # Both sample (different random streams) from the same draft and target: the same expected acceptance.
     assert abs(row_t1["acceptance_length"] - local_t1["acceptance_length"]) <= 0.1 * local_t1["acceptance_length"], \

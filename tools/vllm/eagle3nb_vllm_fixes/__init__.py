@@ -13,8 +13,9 @@ from __future__ import annotations
 
 def register() -> None:
     """vLLM's entry point: install each fix (called once per process, in the API server, engine core and workers)."""
-    from eagle3nb_vllm_fixes import blocksize, rotary, sampling
+    from eagle3nb_vllm_fixes import blocksize, grouped_norm, rotary, sampling
 
     sampling.install()
     rotary.install()
     blocksize.install()
+    grouped_norm.install()
