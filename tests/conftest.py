@@ -38,6 +38,7 @@ SLOW_TESTS = {"test_toy.py::test_a_fresh_rebuild_is_as_good_as_the_shipped_toy",
               "test_train.py::test_two_gloo_processes_equal_one_process_with_the_same_global_batch",
               "test_train.py::test_resume_after_kill9_follows_the_uninterrupted_curve",
               "test_run.py::test_kill_9_then_resume_status_and_refusal",
+              "test_run.py::test_detach_survives_its_terminal_and_refuses_a_second_run",
               "test_family_kimi.py::test_kimi_vllm_serves_a_dflash_block_drafter"}
 
 
