@@ -144,13 +144,18 @@ class Local:
         self.eos, self.max_tokens = [tpl.end_id], max_tokens
         self.plain = [plain_generate(self.target, p, max_tokens, eos_token_ids=self.eos) for p in self.prompts]
 
+    def decoder(self, draft_dir: Path, k: int) -> SpecDecoder:
+        """Our speculative decoder of the draft in ``draft_dir`` (on the target's embedding and head), ``k`` drafts
+        a round."""
+        draft = load_draft(draft_dir, embed_tokens=self.target.get_input_embeddings().weight.detach(),
+                           lm_head=self.target.get_output_embeddings().weight.detach())
+        return SpecDecoder(self.target, draft, k)
+
     @torch.inference_mode()
     def decode(self, draft_dir: Path, k: int) -> tuple[float, float, int]:
         """(acceptance length at T=0, at T=1, prompts whose T=0 output differs from the target's), ``k`` drafts a
         round."""
-        draft = load_draft(draft_dir, embed_tokens=self.target.get_input_embeddings().weight.detach(),
-                           lm_head=self.target.get_output_embeddings().weight.detach())
-        dec = SpecDecoder(self.target, draft, k)
+        dec = self.decoder(draft_dir, k)
         taus, mismatched = [], 0
         for t in TEMPERATURES:
             counters = SpecCounters(k)

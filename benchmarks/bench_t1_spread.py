@@ -27,10 +27,8 @@ from bench_recipes import RECIPES, TOYS, TRAIN, Local, full_vocab, k_of  # noqa:
 
 from eagle3nb.accept.online import bench_endpoint  # noqa: E402
 from eagle3nb.data.prompts import load_prompts  # noqa: E402
-from eagle3nb.drafts import load_draft  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
 from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
-from eagle3nb.spec.batch import SpecDecoder  # noqa: E402
 from eagle3nb.spec.verify import SpecCounters  # noqa: E402
 from eagle3nb.toy import shipped  # noqa: E402
 from eagle3nb.train.stage import run  # noqa: E402
@@ -42,9 +40,7 @@ SEED_STRIDE = 1000  # seed set s seeds prompt i with i + SEED_STRIDE * s (set 0 
 @torch.inference_mode()
 def local_spread(local: Local, draft_dir: Path, k: int, sets: int, counts: list[int]) -> dict[int, list[float]]:
     """Our decoder's T=1 acceptance length on the first n prompts, for each n in ``counts``, per seed set."""
-    draft = load_draft(draft_dir, embed_tokens=local.target.get_input_embeddings().weight.detach(),
-                       lm_head=local.target.get_output_embeddings().weight.detach())
-    dec = SpecDecoder(local.target, draft, k)
+    dec = local.decoder(draft_dir, k)
     out: dict[int, list[float]] = {n: [] for n in counts}
     for s in range(sets):
         counters = {n: SpecCounters(k) for n in counts}
