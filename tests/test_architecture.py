@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
-CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "drafts", "spec",
+CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "decoding", "drafts", "specdec",
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
         "plan", "track")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
@@ -120,6 +120,28 @@ def test_nothing_imports_upward():
             if d != "eagle3nb" and order[layer(d)] > order[layer(m)]:
                 bad.append(f"{m} ({layer(m)}) imports {d} ({layer(d)})")
     assert bad == []
+
+
+def package(name: str) -> str:
+    """The first-level package (or module) of ours a module belongs to: ``eagle3nb.drafts.eagle3.model`` -> drafts."""
+    return name.split(".")[1] if "." in name else name
+
+
+def test_no_package_both_imports_and_is_imported_by_the_drafts():
+    """The decoding core (verification, padding) sits below the draft algorithms and the batched decoder above them:
+    a package the drafts import imports no draft, so a new verification method lands below every draft."""
+    edges = {(package(m), package(d)) for m, deps in graph().items() for d in deps if package(m) != package(d)}
+    below = {d for m, d in edges if m == "drafts"}
+    above = {m for m, d in edges if d == "drafts"}
+    assert sorted(below & above) == []
+    assert "decoding" in below and "specdec" in above
+
+
+def test_no_folder_of_the_package_is_named_like_a_test_folder():
+    """Structure tools skip folders named as test suites are (spec/, specs/, test/, tests/, testing/), and with them
+    every line inside."""
+    testlike = {"spec", "specs", "test", "tests", "testing"}
+    assert sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*") if p.is_dir() and p.name in testlike) == []
 
 
 def stage_imports() -> set[tuple[str, str]]:

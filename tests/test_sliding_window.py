@@ -1,6 +1,6 @@
 """Local speculative decoding of sliding-window targets with attention sinks (issue 22): gpt-oss alternates
 sliding and full layers, and ``PaddedKV``'s holes, left padding and packing make a row's window differ from the
-last columns, so ``eagle3nb.spec`` keeps full cache layers and applies each window over the row's real tokens.
+last columns, so ``eagle3nb.specdec`` keeps full cache layers and applies each window over the row's real tokens.
 
 Greedy speculative decoding must be lossless: every row's tokens equal transformers' own ``generate`` of that
 prompt alone, with rows of different lengths joining and leaving, drafts rejected and accepted, prompts longer
@@ -156,8 +156,8 @@ def _hint(draft, sequences: list[list[int]]):
 def _continuous(target, draft, prompts: list[list[int]], limits: list[int]):
     """Rows join one or two per other round and leave at their own limit: (outputs, batch sizes, ragged rounds,
     counters)."""
-    from eagle3nb.spec.batch import SpecBatch, SpecDecoder
-    from eagle3nb.spec.verify import Sampling
+    from eagle3nb.decoding.verify import Sampling
+    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
 
     batch = SpecBatch(SpecDecoder(target, draft, K))
     outs: dict[int, list[int]] = {}
@@ -207,7 +207,7 @@ def test_greedy_continuous_batching_equals_generate_across_the_window(name, prom
 @torch.inference_mode()
 def test_one_sequence_generate_equals_generate(gpt_oss, prompts):
     """``SpecDecoder.generate`` (compare_with_plain's path, a batch of one) on the longest prompt."""
-    from eagle3nb.spec.batch import SpecDecoder
+    from eagle3nb.specdec.batch import SpecDecoder
 
     ref = _generate(gpt_oss, prompts[-1], 30)
     draft = _hint(_draft(gpt_oss), [prompts[-1] + ref])

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from eagle3nb.spec.verify import SpecCounters, verify_greedy, verify_sampling
+from eagle3nb.decoding.verify import SpecCounters, verify_greedy, verify_sampling
 
 
 def test_greedy_accepts_the_agreeing_prefix_and_returns_the_targets_next_token():

@@ -347,7 +347,7 @@ class World:
         local = self.local_cpu_of(draft_dir or self.draft_dir)["acceptance_length"]
         return expect(tau > 1.0 and abs(tau - local) <= share * local,
                       f"acceptance length {tau:.3f} vs CPU local decoding {local:.3f} (within {share:.0%})",
-                      f"{what} reads the draft differently from eagle3nb.spec on CPU (layer ids, norms, vocab map, "
+                      f"{what} reads the draft differently from eagle3nb.specdec on CPU (layer ids, norms, vocab map, "
                       "dtype); compare the two on one prompt")
 
 
@@ -561,14 +561,14 @@ def check_spec_decoding(w: World) -> str:
     _, ids, eos = w.prompts
     greedy = compare_with_plain(target, draft, ids, K, MAX_TOKENS, 0.0, eos)
     expect(greedy["identical_to_target"], f"greedy speculative output differs from the target's on prompts "
-           f"{greedy['mismatched_prompts']}", "SpecDecoder on CUDA is not lossless: check eagle3nb/spec/batch.py")
-    measured = "greedy lossless, " + w.within_local(greedy["acceptance_length"], 0.05, "eagle3nb.spec on cuda")
+           f"{greedy['mismatched_prompts']}", "SpecDecoder on CUDA is not lossless: check eagle3nb/specdec/batch.py")
+    measured = "greedy lossless, " + w.within_local(greedy["acceptance_length"], 0.05, "eagle3nb.specdec on cuda")
     try:
         sampled = compare_with_plain(target, draft, ids[:4], K, MAX_TOKENS, 0.8, eos)
     except Exception as e:
         print(f"\n--- spec_decoding, temperature 0.8 ---\n{traceback.format_exc()}", file=w.log, flush=True)
         raise Mismatch(f"{measured}; but sampling (temperature 0.8) raised {type(e).__name__}: {_first_line(e)}",
-                       "sampled speculative decoding fails on CUDA: fix eagle3nb/spec/ and "
+                       "sampled speculative decoding fails on CUDA: fix eagle3nb/specdec/ and "
                        "eagle3nb/drafts/eagle3/drafting.py (traceback in gpu_check.log; e.g. a CPU "
                        "torch.Generator drawing from CUDA probabilities)") from e
     costs = measure_costs(target, draft, K)
@@ -611,7 +611,7 @@ def check_embedded_spec_server(w: World) -> str:
     for r, how in ((greedy, "greedy"), (sampled, "temperature 0.8")):
         expect(r["errors"] == 0, f"{r['errors']} of {r['requests']} {how} requests failed: {r.get('first_error')}",
                "the speculative engine fails on GPU: see the server log named in gpu_check.log "
-               "(eagle3nb/serve/spec_engine.py, eagle3nb/spec/)")
+               "(eagle3nb/serve/spec_engine.py, eagle3nb/specdec/)")
     return w.within_local(greedy["acceptance_length"] or 0.0, 0.15, "the embedded speculative server") + \
         f"; sampled acceptance length {fmt(sampled['acceptance_length'])}"
 
@@ -630,7 +630,7 @@ def check_block_drafter(w: World) -> str:
     from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
     from eagle3nb.drafts.dflash.objective import block_loss
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.spec.reference import plain_generate
+    from eagle3nb.specdec.reference import plain_generate
 
     _, ids, eos = w.prompts
     targets = {GPU: load_target(w.toy, trust_remote_code=False, use=DECODER).to(GPU)}
@@ -777,7 +777,7 @@ def block_drafter_served(w: World, name: str) -> str:
     local = w.local_block(draft)
     expect(local["identical_to_target"], f"{name}: our CPU block decoding differs from the target's greedy output "
            f"on prompts {local['mismatched_prompts']}", "our block decoding is not lossless: see "
-           "eagle3nb/drafts/dflash/drafting.py (BlockDrafting) and eagle3nb/spec/batch.py")
+           "eagle3nb/drafts/dflash/drafting.py (BlockDrafting) and eagle3nb/specdec/batch.py")
     served, acc, tps = serve_greedy(w, name, draft, local["k"])
     same = sum(a == b for a, b in zip(served, local["outputs"]))
     tau, ref = acc.get("acceptance_length") or 0.0, local["acceptance_length"]
@@ -850,15 +850,15 @@ PATHS: list[CudaPath] = [
     CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks/draft.py",),
              "see eagle3nb/doctor/checks/draft.py check_draft_sanity"),
     CudaPath("spec_decoding", check_spec_decoding,
-             ("eagle3nb/spec/batch.py", "eagle3nb/spec/padded.py", "eagle3nb/spec/reference.py",
+             ("eagle3nb/specdec/batch.py", "eagle3nb/decoding/padded.py", "eagle3nb/specdec/reference.py",
               "eagle3nb/drafts/eagle3/drafting.py", "eagle3nb/accept/local.py", "eagle3nb/accept/models.py",
               "eagle3nb/hf.py"),
-             "see eagle3nb/spec/batch.py and eagle3nb/drafts/eagle3/drafting.py"),
+             "see eagle3nb/specdec/batch.py and eagle3nb/drafts/eagle3/drafting.py"),
     CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py", "eagle3nb/hf.py"),
              "see eagle3nb/serve/engine.py and eagle3nb/hf.py load_target"),
     CudaPath("embedded_spec_server", check_embedded_spec_server,
-             ("eagle3nb/serve/spec_engine.py", "eagle3nb/spec/batch.py"),
-             "see eagle3nb/serve/spec_engine.py and eagle3nb/spec/batch.py"),
+             ("eagle3nb/serve/spec_engine.py", "eagle3nb/specdec/batch.py"),
+             "see eagle3nb/serve/spec_engine.py and eagle3nb/specdec/batch.py"),
     CudaPath("block_drafter", check_block_drafter,
              ("eagle3nb/drafts/dflash/model.py", "eagle3nb/drafts/dflash/objective.py",
               "eagle3nb/drafts/dflash/layouts.py", "eagle3nb/drafts/dflash/drafting.py",

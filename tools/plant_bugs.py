@@ -59,7 +59,7 @@ PLANTS = [
           "tok[i] = int(torch.multinomial(q.cpu(), 1))",
           ("tests/test_bench_server.py::test_spec_server_samples_with_seeds_reproducibly",),
           "the speculative server samples its drafts without the request's generator"),
-    Plant("spec-sampling-greedy", "eagle3nb/spec/batch.py",
+    Plant("spec-sampling-greedy", "eagle3nb/specdec/batch.py",
           "if s.greedy:\n                n, tok = verify_greedy", "if True:\n                n, tok = verify_greedy",
           ("tests/test_bench_server.py::test_spec_server_samples_with_seeds_reproducibly",),
           "the speculative server verifies greedily whatever the temperature"),

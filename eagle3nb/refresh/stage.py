@@ -169,7 +169,7 @@ class Measure:
         from eagle3nb.data.stream import Template
         from eagle3nb.drafts import load_draft
         from eagle3nb.hf import DECODER, load_target
-        from eagle3nb.spec.batch import SpecDecoder
+        from eagle3nb.specdec.batch import SpecDecoder
 
         P = self.P
         if self._loaded is None:

@@ -1,6 +1,6 @@
 """Generation engine of the embedded server: one background thread batches every running request.
 
-Continuous batching: the running requests share one left-padded KV cache (``eagle3nb.spec.padded.PaddedKV``, shared
+Continuous batching: the running requests share one left-padded KV cache (``eagle3nb.decoding.padded.PaddedKV``, shared
 with the speculative decoder). Between decode steps the engine admits waiting requests (prefilled as their own
 left-padded batch, then merged into the running cache) and drops finished ones, so each request stops
 independently and new ones never wait for a whole batch. Padding never changes a row's result: every forward
@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3nb.decoding.padded import PaddedKV, left_padded
 from eagle3nb.families import Family, of_tokenizer
-from eagle3nb.spec.padded import PaddedKV, left_padded
 
 # ---------------------------------------------------------------------------------------------- metrics
 

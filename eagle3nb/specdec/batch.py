@@ -3,8 +3,8 @@ for one sequence or a continuously batched set of them (``SpecBatch``, what the 
 
 One round: the draft proposes k tokens (its algorithm's ``Drafting`` step); the target scores the last verified
 token plus the k proposals in one forward pass (its KV cache); the longest agreeing prefix is kept plus one token
-from the target (``eagle3nb.spec.verify``). Rejected drafts leave both caches (``eagle3nb.spec.padded``). The same
-decoding for one sequence without any padding: ``eagle3nb.spec.reference``.
+from the target (``eagle3nb.decoding.verify``). Rejected drafts leave both caches (``eagle3nb.decoding.padded``).
+The same decoding for one sequence without any padding: ``eagle3nb.specdec.reference``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3nb import drafts
+from eagle3nb.decoding.padded import PaddedKV, attention_windows, left_padded
+from eagle3nb.decoding.verify import Sampling, SpecCounters, pick, probs_at, verify_greedy, verify_sampling
 from eagle3nb.errors import InputError
 from eagle3nb.layers import default_aux_layer_ids
-from eagle3nb.spec.padded import PaddedKV, attention_windows, left_padded
-from eagle3nb.spec.verify import Sampling, SpecCounters, pick, probs_at, verify_greedy, verify_sampling
 
 
 @dataclass
