@@ -14,7 +14,7 @@ import torch
 from test_vllm import family_servers, held_out, local_acceptance, synth_params
 
 from engines import Servers
-from worlds import SEED, build_trained_run, requires_vllm
+from worlds import SEED, family_world, requires_vllm
 
 SERVED_TOKENS = 64
 # 03's MLA draft: 60 steps, not the healthy run's 200 (a third of the fixture's cost). Measured held-out / local
@@ -23,28 +23,15 @@ SERVED_TOKENS = 64
 TRAIN_STEPS = 60
 
 
-@pytest.fixture(scope="module")
-def kimi(_project_env) -> Path:
+def _kimi() -> Path:
     from eagle3nb.toy import shipped
 
     return shipped("kimi")
 
 
-@pytest.fixture(scope="module")
-def kimi_embedded(kimi):
-    """The embedded server on toy:kimi, shared by 01 and its own test."""
-    from eagle3nb.launch import start_server
-
-    with start_server(kimi) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def kimi_trained(kimi, kimi_embedded, tmp_path_factory) -> dict:
-    """01 from the embedded server on toy:kimi, 02 in-process, 03 an MLA draft (the one vLLM's CPU build serves
-    beside an MLA target)."""
-    return build_trained_run(tmp_path_factory.mktemp("kimi"), kimi, kimi_embedded.url, seed=SEED,
-                             draft_attention="mla", max_steps=TRAIN_STEPS)
+# The shipped toy:kimi; the embedded server on it, shared by 01 and its own test; 01 from that server, 02 in-process,
+# 03 an MLA draft (the one vLLM's CPU build serves beside an MLA target).
+kimi, kimi_embedded, kimi_trained = family_world("kimi", _kimi, draft_attention="mla", max_steps=TRAIN_STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from test_vllm import family_servers, held_out, local_acceptance, synth_params
 
 from conversations import ADD, RESULT, check_tool_turns, tool_conversation
-from worlds import SEED, build_trained_run, requires_vllm
+from worlds import family_world, requires_vllm
 
 # One torch thread for the whole module: on two cores two threads stall each other (measured: local decoding 4x
 # slower), and the fixtures' runs repeat bit for bit.
@@ -30,27 +30,16 @@ N_HIDDEN = 4  # samples 02 extracts in each backend
 TRAIN03 = {"max_steps": 40, "lr": 1e-2}
 
 
-@pytest.fixture(scope="module")
-def qwen3(_project_env) -> Path:
+def _qwen3() -> Path:
     """The toy, built here at first use (about a minute on two cores; cached in .cache/ between runs)."""
     from eagle3nb.toy import resolve_model_path
 
     return resolve_model_path("toy:qwen3")
 
 
-@pytest.fixture(scope="module")
-def qwen3_embedded(qwen3):
-    """The embedded server on toy:qwen3 (Qwen3's markers split the reasoning), shared by 01 and its own test."""
-    from eagle3nb.launch import start_server
-
-    with start_server(qwen3) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def qwen3_trained(qwen3, qwen3_embedded, tmp_path_factory) -> dict:
-    """01 from the embedded server, 02 in-process, 03 a fresh draft (the suite's healthy run, on toy:qwen3)."""
-    return build_trained_run(tmp_path_factory.mktemp("qwen3"), qwen3, qwen3_embedded.url, seed=SEED, **TRAIN03)
+# toy:qwen3; the embedded server on it (Qwen3's markers split the reasoning), shared by 01 and its own test; 01 from
+# that server, 02 in-process, 03 a fresh draft (the suite's healthy run, on toy:qwen3).
+qwen3, qwen3_embedded, qwen3_trained = family_world("qwen3", _qwen3, **TRAIN03)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batching import join_and_leave
 
 K = 3
 WINDOW = 8
@@ -156,30 +157,12 @@ def _hint(draft, sequences: list[list[int]]):
 def _continuous(target, draft, prompts: list[list[int]], limits: list[int]):
     """Rows join one or two per other round and leave at their own limit: (outputs, batch sizes, ragged rounds,
     counters)."""
-    from eagle3nb.decoding.verify import Sampling
     from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
 
     batch = SpecBatch(SpecDecoder(target, draft, K))
-    outs: dict[int, list[int]] = {}
-    active: list[int] = []
-    sizes, ragged = [], 0
-    for r in range(200):
-        if r % 2 == 0 and len(outs) < len(prompts):
-            new = list(range(len(outs), min(len(outs) + 1 + r % 4 // 2, len(prompts))))
-            for i, tok in zip(new, batch.add([prompts[i] for i in new], [Sampling()] * len(new))):
-                outs[i] = [tok]
-            active += new
-        if not active:
-            break
-        got = batch.round()
-        sizes.append(len(got))
-        ragged += len({len(t) for t in got}) > 1
-        for i, toks in zip(active, got):
-            outs[i] = (outs[i] + toks)[: limits[i]]
-        keep = [j for j, i in enumerate(active) if len(outs[i]) < limits[i]]
-        active = [active[j] for j in keep]
-        batch.keep(keep)
-    return [outs[i] for i in range(len(prompts))], sizes, ragged, batch.counters
+    outs, sizes, ragged = join_and_leave(batch, prompts, lambda i, out: out[: limits[i]] if len(out) >= limits[i]
+                                         else None)
+    return outs, sizes, ragged, batch.counters
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "mistral", "llama"])

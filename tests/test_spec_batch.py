@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from batching import join_and_leave
 
 K = 3
 
@@ -36,39 +37,21 @@ def _prompts(toy_smoke, n: int) -> list[list[int]]:
 
 def test_rows_joining_and_leaving_between_rounds_decode_like_the_target_alone(pair, toy_smoke):
     """Greedy rows admitted at different rounds, each stopping at its own EOS or length, equal plain decoding."""
-    from eagle3nb.decoding.verify import Sampling
     from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
     from eagle3nb.specdec.reference import plain_generate
 
     target, draft, eos = pair
     prompts, limits = _prompts(toy_smoke, 6), [60, 9, 60, 17, 60, 33]
     refs = [plain_generate(target, p, m, eos_token_ids=[eos]) for p, m in zip(prompts, limits)]
+
+    def finished(i: int, out: list[int]) -> list[int] | None:
+        if eos not in out and len(out) < limits[i]:
+            return None
+        return (out[: out.index(eos) + 1] if eos in out else out)[: limits[i]]
+
     batch = SpecBatch(SpecDecoder(target, draft, K))
-    outs: dict[int, list[int]] = {}
-    active: list[int] = []
-    sizes, ragged = [], 0
-    for r in range(200):
-        if r % 2 == 0 and len(outs) < len(prompts):  # one or two new rows every other round
-            new = [i for i in range(len(outs), min(len(outs) + 1 + r % 4 // 2, len(prompts)))]
-            for i, tok in zip(new, batch.add([prompts[i] for i in new], [Sampling()] * len(new))):
-                outs[i] = [tok]
-            active += new
-        if not active:
-            break
-        got = batch.round()
-        sizes.append(len(got))
-        ragged += len({len(t) for t in got}) > 1
-        for i, toks in zip(active, got):
-            outs[i] += toks
-        done = {j for j, i in enumerate(active) if eos in outs[i] or len(outs[i]) >= limits[i]}
-        for j in done:
-            i = active[j]
-            outs[i] = outs[i][: outs[i].index(eos) + 1] if eos in outs[i] else outs[i]
-            outs[i] = outs[i][: limits[i]]
-        keep = [j for j in range(len(active)) if j not in done]
-        active = [active[j] for j in keep]
-        batch.keep(keep)
-    assert [outs[i] for i in range(len(prompts))] == refs
+    outs, sizes, ragged = join_and_leave(batch, prompts, finished)
+    assert outs == refs
     assert max(sizes) >= 3 and ragged >= 3, (sizes, ragged)  # real batches, rows accepting different runs
     assert batch.counters.accepted > 0
 

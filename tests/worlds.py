@@ -4,6 +4,7 @@ a draft that has really learned something: the doctor, the speculative servers, 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,28 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0
     finally:
         torch.set_num_threads(threads)
     return {"run": run, "out": out, "stages": stages}
+
+
+def family_world(name: str, target: Callable[[], Path], **train03: object) -> tuple:
+    """A family module's three shared worlds, as module fixtures named ``<name>``, ``<name>_embedded`` and
+    ``<name>_trained``: the family's toy target (``target()``), the embedded server on it (01 and its own test share
+    it), and the suite's trained run on it (01 from that server, 02 in-process, 03 with ``train03``). Assign them to
+    the module's names of the same spelling: ``kimi, kimi_embedded, kimi_trained = family_world("kimi", ...)``."""
+
+    @pytest.fixture(scope="module", name=name)
+    def target_dir(_project_env) -> Path:
+        return target()
+
+    @pytest.fixture(scope="module", name=f"{name}_embedded")
+    def embedded(request):
+        from eagle3nb.launch import start_server
+
+        with start_server(request.getfixturevalue(name)) as server:
+            yield server
+
+    @pytest.fixture(scope="module", name=f"{name}_trained")
+    def trained(request, tmp_path_factory) -> dict:
+        model_dir, server = request.getfixturevalue(name), request.getfixturevalue(f"{name}_embedded")
+        return build_trained_run(tmp_path_factory.mktemp(name), model_dir, server.url, seed=SEED, **train03)
+
+    return target_dir, embedded, trained
