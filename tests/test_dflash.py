@@ -770,3 +770,55 @@ def test_04s_views_draw_a_block_drafters_rounds_as_blocks(staged, stage_data, ta
     misses.write_records(tmp_path / misses.ROUNDS, records)
     static = str(views.excerpts(tmp_path, k, "local"))
     assert "tv-mark-blk_ok" in static and "tv-mark-blk_miss" in static and "block position accepted" in static
+
+
+# ---- DSpark's confidence head: calibrated after training (eagle3nb/drafts/dflash/calibration.py) ------------------
+
+def test_temperature_scaling_recovers_a_known_overconfidence():
+    """Acceptance probabilities sigmoid(z) estimated by sigmoid(c * z): the fitted scale is 1/c (the cross-entropy's
+    minimum, exactly), and the scaled estimate's ECE is nil where the unscaled one's is not; ``calibrate`` folds
+    that scale into the head's weight and bias (what vLLM reads)."""
+    from eagle3nb.drafts.dflash.calibration import calibrate, ece, fit_scale
+
+    z = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 2
+    accept = torch.sigmoid(z)
+    for c in (0.5, 3.0):
+        s = fit_scale(c * z, accept)
+        assert abs(s * c - 1) < 1e-6, (c, s)
+        assert ece(torch.sigmoid(c * z), accept) > 0.03 and ece(torch.sigmoid(s * c * z), accept) < 1e-5
+
+    class Overconfident(torch.nn.Module):  # 03's objective, as calibrate sees it: the draft and its slots' pairs
+        def __init__(self):
+            super().__init__()
+            self.draft = torch.nn.Module()
+            self.draft.confidence_head = torch.nn.Module()
+            self.draft.confidence_head.proj = torch.nn.Linear(3, 1)
+
+        def confidence(self, batch):
+            return 3 * batch["z"], torch.sigmoid(batch["z"])
+
+    obj = Overconfident()
+    weight, bias = obj.draft.confidence_head.proj.weight.clone(), obj.draft.confidence_head.proj.bias.clone()
+    got = calibrate(obj, [{"z": z[:2000]}, {"z": z[2000:]}])
+    assert got["applied"] and got["slots"] == 4000 and abs(got["temperature"] - 3) < 1e-5
+    assert got["ece_after"] < 1e-5 < 0.03 < got["ece_before"]
+    assert sum(b["n"] for b in got["reliability_before"]) == sum(b["n"] for b in got["reliability_after"]) == 4000
+    torch.testing.assert_close(obj.draft.confidence_head.proj.weight, weight / got["temperature"])
+    torch.testing.assert_close(obj.draft.confidence_head.proj.bias, bias / got["temperature"])
+
+
+def test_03_calibrates_dsparks_confidence_head_into_its_export(staged):
+    """03's DSpark run: metrics.json holds the head's ECE before and after its temperature on the held-out slots
+    (after <= before), ``calibration.png`` is drawn, and draft/'s head is the best evaluation's scaled by exactly
+    1/temperature, so vLLM reads the calibrated confidence; DFlash has no head and no calibration."""
+    out, metrics, draft = staged("dspark")
+    cal = metrics["calibration"]
+    assert cal["slots"] > 50 and cal["ece_after"] <= cal["ece_before"]
+    assert sum(b["n"] for b in cal["reliability_before"]) == cal["slots"]
+    assert (out / "calibration.png").stat().st_size > 0
+    best = best_weights(out)
+    scale = 1 / cal["temperature"] if cal["applied"] else 1.0
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(getattr(draft.confidence_head.proj, name),
+                                   best[f"confidence_head.proj.{name}"] * scale)
+    assert "calibration" not in staged("dflash")[1] and not (staged("dflash")[0] / "calibration.png").exists()

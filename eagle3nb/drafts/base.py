@@ -70,6 +70,10 @@ class DraftMethod:
     # what a round's i-th drafted token is called (EAGLE-3's TTT step, a block drafter's block position): the
     # label 03's stats and 04's records and views carry
     unit: str
+    # (03's objective on the best weights, the held-out micro-batches) -> metrics.json's "calibration": a post-hoc
+    # calibration of the draft's own heads after training, folded into the exported weights (DSpark's confidence
+    # head); None: the method has nothing to calibrate
+    calibrate: Callable[..., dict[str, Any]] | None = None
 
 
 def lazy_methods(package: str) -> Callable[[str], Any]:

@@ -241,6 +241,15 @@ class Trainer:
     def evaluate(self, batches: list[list[int]]) -> dict[str, Any]:
         return evaluate(self.objective, self.data, batches, self.P, self.device, self.rank, self.world, self.targets)
 
+    def calibrate(self, batches: list[list[int]]) -> dict[str, Any] | None:
+        """The draft's post-hoc calibration on ``batches`` (its method's ``calibrate``, e.g. DSpark's confidence
+        head, folded into the weights export writes); None for a method with nothing to calibrate."""
+        fit = drafts.of(self.draft).calibrate
+        if fit is None:
+            return None
+        return fit(self.objective, (collate(self.data, mb, self.P.max_length, self.device, self.targets)
+                                    for mb in batches))
+
     def step(self, step: int, epoch: int, global_mbs: list[list[int]], lay: Layout, ckpt_dir: Path
              ) -> tuple[dict[str, Any], float, int]:
         """One optimizer step over this process's share of the global batch: (the TTT summary over every process,

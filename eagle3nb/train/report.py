@@ -1,6 +1,7 @@
 """03's report, from what ``stage.run`` wrote (metrics.jsonl): the loss curve and the held-out simulated
 acceptance length, live (``LivePlot``) or after (``plot_metrics``, ``training.png``), held-out acceptance by draft
-position over training with the best evaluation (``plot_positions``, ``acceptance_by_position.png``), and the
+position over training with the best evaluation (``plot_positions``, ``acceptance_by_position.png``), a confidence
+head's reliability before and after its calibration (``plot_calibration``, ``calibration.png``), and the
 before/after table."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 FIGURE = "training.png"
 DATA_FIGURE = "data_curve.png"
 POSITIONS_FIGURE = "acceptance_by_position.png"
+CALIBRATION_FIGURE = "calibration.png"  # a draft with a confidence head (DSpark): its reliability diagram
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -162,9 +164,36 @@ def plot_data_curve(rows: list[dict[str, Any]] | str | Path, train_samples: int 
     return fig
 
 
+def plot_calibration(calibration: dict[str, Any], fig=None):
+    """The confidence head's reliability diagram on the held-out slots (metrics.json ``calibration``): mean
+    acceptance probability against mean confidence per bin, before and after the temperature, the diagonal
+    being a calibrated head; each point's size is its bin's share of the slots."""
+    if fig is None:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(5, 4.5))
+    fig.clear()
+    ax = fig.subplots()
+    ax.plot([0, 1], [0, 1], color="gray", ls=":", lw=0.8, label="calibrated")
+    n = max(1, calibration["slots"])
+    for when, color in (("before", "C3"), ("after", "C0")):
+        pts = calibration[f"reliability_{when}"]
+        ax.plot([p["confidence"] for p in pts], [p["acceptance"] for p in pts], "-", color=color, lw=1,
+                label=f"{when} (ECE {calibration[f'ece_{when}']:.3f})")
+        ax.scatter([p["confidence"] for p in pts], [p["acceptance"] for p in pts], color=color,
+                   s=[10 + 200 * p["n"] / n for p in pts])
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (the head's estimate)", ylabel="acceptance probability",
+           title=f"Confidence head, {calibration['slots']} held-out slots: temperature "
+                 f"{calibration['temperature']:.2f}{'' if calibration['applied'] else ' (not applied)'}")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
 def save_figures(stage_dir: str | Path) -> list[Path]:
-    """Write ``training.png`` (``plot_metrics``), ``data_curve.png`` (``plot_data_curve``) and
-    ``acceptance_by_position.png`` (``plot_positions``) into the stage folder; ``run`` calls it at the end, so a
+    """Write ``training.png`` (``plot_metrics``), ``data_curve.png`` (``plot_data_curve``),
+    ``acceptance_by_position.png`` (``plot_positions``) and, for a calibrated head, ``calibration.png``
+    (``plot_calibration``) into the stage folder; ``run`` calls it at the end, so a
     headless run has them. Drawn on bare Figures: nothing is shown and pyplot's state is untouched."""
     from matplotlib.figure import Figure
 
@@ -176,7 +205,12 @@ def save_figures(stage_dir: str | Path) -> list[Path]:
     plot_data_curve(stage_dir, train_samples(stage_dir), Figure(figsize=(6.5, 4))).savefig(curve, dpi=120)
     positions = stage_dir / POSITIONS_FIGURE
     plot_positions(stage_dir, best_step(stage_dir), Figure(figsize=(6.5, 4))).savefig(positions, dpi=120)
-    return [path, curve, positions]
+    out = [path, curve, positions]
+    metrics = stage_dir / "metrics.json"
+    if metrics.exists() and (calibration := json.loads(metrics.read_text()).get("calibration")):
+        out.append(stage_dir / CALIBRATION_FIGURE)
+        plot_calibration(calibration, Figure(figsize=(5, 4.5))).savefig(out[-1], dpi=120)
+    return out
 
 
 def train_samples(stage_dir: str | Path) -> int | None:

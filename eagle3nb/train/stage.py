@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3nb import drafts
 from eagle3nb.layers import to_sglang
 from eagle3nb.progress import one_writer, write_json_atomic
 from eagle3nb.train.build import build_draft, with_recipe_defaults
@@ -118,7 +119,8 @@ def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> d
     if rank != 0:
         return {}
 
-    # 6. The export vLLM and SGLang load, metrics.json and the figures.
+    # 6. The best weights, calibrated where the method has a head to calibrate; the export vLLM and SGLang load,
+    # metrics.json and the figures.
     curve.close()
     result = {"steps": lay.total, "processes": world, "global_micro_batches": lay.per_step,
               "train_samples": len(lay.train_idx), "heldout_samples": len(lay.held_idx),
@@ -129,6 +131,11 @@ def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> d
         # checkpoints/
         draft.load_state_dict({**tr.best.state, "embed_tokens.weight": draft.embed_tokens.weight})
         result["best"] = {**tr.best.summary(), "last_step": lay.total}
+    if (calibration := tr.calibrate(lay.held_batches)) is not None:  # e.g. DSpark's confidence head
+        result["calibration"] = calibration
+        print(f"[03_train] {drafts.of(draft).title}'s confidence head on {calibration['slots']} held-out slots: ECE "
+              f"{calibration['ece_before']:.4f} -> {calibration['ece_after']:.4f} (temperature "
+              f"{calibration['temperature']:.3f}{'' if calibration['applied'] else ', not applied'})", flush=True)
     result.update(export(draft, P, verifier=data.meta.get("model_path")))
     write_json_atomic(P.stage_dir / "metrics.json", result)
     save_figures(P.stage_dir)

@@ -2,20 +2,20 @@
 ``__init__``, because their modules load torch."""
 
 from eagle3nb.drafts.base import DraftMethod
-from eagle3nb.drafts.dflash import drafting, layouts, model, objective, offline
+from eagle3nb.drafts.dflash import calibration, drafting, layouts, model, objective, offline
 
 
-def _method(name: str, title: str, markov_rank_of) -> DraftMethod:
+def _method(name: str, title: str, markov_rank_of, calibrate=None) -> DraftMethod:
     return DraftMethod(
         name=name, title=title, claims=layouts.claimer(name), load=layouts.load_draft, save=layouts.save_draft,
         config_json=layouts.draft_config_json, objective=objective.BlockObjective.from_params,
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
                                                    markov_rank=markov_rank_of(P)),
-        unit=objective.BlockObjective.unit)
+        unit=objective.BlockObjective.unit, calibrate=calibrate)
 
 
 METHODS = {
     "dflash": _method("dflash", "DFlash", lambda P: 0),
-    "dspark": _method("dspark", "DSpark", lambda P: P.markov_rank),
+    "dspark": _method("dspark", "DSpark", lambda P: P.markov_rank, calibration.calibrate),  # its confidence head
 }

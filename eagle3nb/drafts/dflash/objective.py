@@ -85,7 +85,8 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
     padding), target_probs [B, T, V] and target_argmax [B, T] (position t: the target's distribution over, and
     pick for, token t+1). Returns ``loss`` (scalar, with grad) and, detached, per slot [S]: ``loss_sum`` (the
     unweighted per-slot loss summed), ``correct`` / ``counted`` (greedy top-1 against the target's argmax) and,
-    for DSpark, ``confidence_loss``."""
+    for DSpark, ``confidence_loss`` and ``confidence`` (the head's logit and the acceptance probability it
+    estimates, on every scored slot)."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r}: use one of {LOSSES}")
     cfg, dev = model.config, aux.device
@@ -126,6 +127,7 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
         out["confidence_loss"] = (bce * decay).sum() / counted
         total = total + confidence_weight * out["confidence_loss"]
         out["confidence_loss"] = out["confidence_loss"].detach()
+        out["confidence"] = (conf[mask].detach(), accept[mask])  # shape: [M] each, the scored slots
     hit = (logits.argmax(-1) == top) & mask
     out.update(loss=total, loss_sum=(per_slot * mask).sum((0, 1)).detach(), correct=hit.sum((0, 1)).detach(),
                counted=mask.sum((0, 1)).detach())
@@ -164,3 +166,10 @@ class BlockObjective(nn.Module):
         first = 0 if self.draft.config.sample_from_anchor else 1  # DFlash's anchor slot drafts nothing
         stats = torch.stack([out["loss_sum"], out["counted"], out["correct"], out["counted"]])[:, first:]
         return out["loss"], stats.double()  # shape: [], [4, drafts_per_block]
+
+    @torch.no_grad()
+    def confidence(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark: the confidence head's logits [M] on the batch's scored slots (evaluation's fixed anchors) and
+        the acceptance probabilities [M] they estimate (``calibration``)."""
+        return block_loss(self.draft, batch["aux"], batch["input_ids"], batch["loss_mask"], batch["target_probs"],
+                          batch["target_argmax"], generator=torch.Generator().manual_seed(0), **self.kw)["confidence"]
