@@ -1,30 +1,26 @@
-"""Typed, validated stage parameters.
+"""Typed, validated stage parameters: the schema base every stage's ``params.py`` builds on, and the stage registry.
 
 Each stage defines a ``StageParams`` subclass (in its own module) and registers it under its notebook
 name with ``@register("01_synth")``. A notebook's parameters cell holds plain literals; papermill injects
-values from ``params/<run>/<NN_name>.yaml``; the next cell calls ``validate("01_synth", globals())``,
-which turns every problem (unknown key, wrong type, missing path) into one error naming the key, the
-file and the fix, before any work starts.
+values from ``params/<run>/<NN_name>.yaml`` (read and layered by ``eagle3nb.params_yaml``); the next cell calls
+``validate("01_synth", globals())`` (``eagle3nb.params_notebook``), whose ``from_dict`` turns every problem (unknown
+key, wrong type, missing path) into one error naming the key, the file and the fix, before any work starts.
 """
 
 from __future__ import annotations
 
 import difflib
-import html
 import importlib
-import json
 import os
 import re
-import types
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from eagle3nb.errors import UserError, has_credential, install_notebook_handler
+from eagle3nb.errors import UserError, has_credential
 from eagle3nb.families import AUTO, FAMILIES, Family, detect
-from eagle3nb.paths import outputs_root, project_root, resolve
+from eagle3nb.paths import outputs_root, resolve
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.track import NONE, missing
 
@@ -40,9 +36,6 @@ STAGE_MODULES = {  # every stage, in pipeline order
     "05_refresh": "eagle3nb.refresh",
 }
 _REGISTRY: dict[str, type["StageParams"]] = {}
-
-# Names present in a notebook's globals that are never parameters.
-_NOT_PARAMS = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
 class ParamsError(UserError, ValueError):
@@ -179,7 +172,7 @@ def schema_for(stage: str) -> type[StageParams]:
     return _REGISTRY[stage]
 
 
-COMMON = "_common"  # bookkeeping key: {"file": common.yaml's path, "keys": [keys taken from it]} (run_params)
+COMMON = "_common"  # bookkeeping key: {"file": common.yaml's path, "keys": [keys taken from it]} (params_yaml)
 
 
 def _source(values: dict[str, Any], stage: str) -> str:
@@ -239,200 +232,3 @@ def from_dict(stage: str, values: dict[str, Any], source: str | None = None, che
     if check_paths:
         params.check_paths()
     return params
-
-
-class ChangedTable:
-    """The parameters of a run that differ from the schema's defaults, as a short table (HTML in a notebook, text
-    elsewhere): what a colleague reading the report needs, not the long repr of every value."""
-
-    def __init__(self, params: "StageParams"):
-        cls = type(params)
-        self.stage = cls.stage
-        self.source = params.params_file
-        self.total = len(cls.model_fields) - 1  # params_file is bookkeeping, not a setting
-        self.rows: list[tuple[str, str, str, str]] = []
-        for name, field in cls.model_fields.items():
-            if name == "params_file":
-                continue
-            value, default = getattr(params, name), params.default_of(name)
-            if _plain(value) != _plain(default):
-                self.rows.append((name, repr(_plain(value)), repr(_plain(default)), field.description or ""))
-
-    def caption(self) -> str:
-        src = f" (from {self.source})" if self.source else ""
-        if not self.rows:
-            return f"{self.stage}: every parameter at its default{src}"
-        return f"{self.stage}: {len(self.rows)} of {self.total} parameters differ from the defaults{src}"
-
-    def _repr_html_(self) -> str:
-        cells = "".join(f"<tr><td><code>{html.escape(n)}</code></td><td><code>{html.escape(v)}</code></td>"
-                        f"<td><code>{html.escape(d)}</code></td><td style='text-align:left'>{html.escape(h)}</td></tr>"
-                        for n, v, d, h in self.rows)
-        head = "<tr><th>parameter</th><th>value</th><th>default</th><th style='text-align:left'>what</th></tr>"
-        return (f"<table class='changed-params'><caption style='text-align:left'>{html.escape(self.caption())}"
-                f"</caption>{head if self.rows else ''}{cells}</table>")
-
-    def __repr__(self) -> str:
-        width = max((len(n) for n, *_ in self.rows), default=0)
-        return "\n".join([self.caption()] + [f"  {n:<{width}}  {v}  (default {d})" for n, v, d, _ in self.rows])
-
-
-def _plain(value: Any) -> Any:
-    """A value as plain data (nested schema models as dicts), so values compare and print as the YAML wrote them."""
-    if isinstance(value, BaseModel):
-        return value.model_dump()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def changed_table(params: "StageParams") -> ChangedTable:
-    """What a notebook's validate cell shows: the parameters that differ from the schema's defaults."""
-    return ChangedTable(params)
-
-
-def from_notebook(stage: str, namespace: dict[str, Any]) -> dict[str, Any]:
-    """The parameter values in a notebook namespace: every public plain value (not modules/functions)."""
-    out = {}
-    for k, v in namespace.items():
-        if k.startswith("_") or k in _NOT_PARAMS:
-            continue
-        if isinstance(v, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)):
-            continue
-        if callable(v):
-            continue
-        out[k] = v
-    return out
-
-
-def validate(stage: str, namespace: dict[str, Any]) -> StageParams:
-    """Validate the parameters a notebook holds (its ``globals()``), as the notebook's first step; from here on
-    a user error in the notebook's cells shows as its one line (``eagle3nb.errors``)."""
-    install_notebook_handler()
-    return from_dict(stage, from_notebook(stage, namespace))
-
-
-NOTEBOOKS = {"01_synth": "notebooks/01_synth.ipynb", "02_hidden_states": "notebooks/02_hidden_states.ipynb",
-             "03_train": "notebooks/03_train.ipynb", "04_acceptance": "notebooks/04_acceptance.ipynb",
-             "05_refresh": "notebooks/05_refresh.ipynb"}
-
-
-def _literal(value: Any) -> str:
-    """A default as the Python literal a notebook cell holds (strings in double quotes, as papermill writes)."""
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_literal(v) for v in value) + "]"
-    if isinstance(value, BaseModel):
-        return _literal(value.model_dump())
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
-    return repr(value)
-
-
-def parameters_cell(stage: str) -> str:
-    """The notebook's ``parameters`` cell, generated from the schema (``make params-cells``): one
-    ``name = default  # description`` line per field, so the schema is the one home of defaults and help and
-    a notebook opened in JupyterLab and run as it is runs the demo."""
-    cls = schema_for(stage)
-    return "\n".join(f"{name} = {_literal(f.default)}  # {_cell_help(f.description or '')}".rstrip()
-                     for name, f in cls.model_fields.items())
-
-
-_NO_EQUALS = {">=": " ≥ ", "<=": " ≤ ", "==": " equals ", "=": ": "}
-
-
-def _cell_help(text: str) -> str:
-    """A description as a cell comment papermill can read: its parser skips a line with a second ``=`` (and then
-    warns "Passed unknown parameter" for every value run with it), so the comment says the same without one."""
-    return re.sub(r"\s*(>=|<=|==|=)\s*", lambda m: _NO_EQUALS[m.group(1)], text)
-
-
-def write_parameters_cells(root: Path | None = None) -> list[Path]:
-    """Rewrite every notebook's ``parameters`` cell from its schema; returns the notebooks that changed."""
-    changed = []
-    for stage, rel in NOTEBOOKS.items():
-        path = (root or project_root()) / rel
-        nb = json.loads(path.read_text())
-        cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
-        source = parameters_cell(stage).splitlines(keepends=True)
-        if cell["source"] != source:
-            cell["source"] = source
-            path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-            changed.append(path)
-    return changed
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last, silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice ({lines}): keep one",
-                                                        key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_yaml(path: Path) -> dict[str, Any]:
-    """Read one parameter file; malformed YAML or a key given twice is an error naming the file and the line."""
-    try:
-        text = path.read_text(encoding="utf-8") if path.exists() else None
-        data = yaml.load(text, Loader=_UniqueKeyLoader) if text is not None else None
-    except UnicodeDecodeError:
-        raise ParamsError(f"{path}: not UTF-8 text; a parameter file is YAML text") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ParamsError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ParamsError(f"{path}: expected a mapping of parameter: value, got {type(data).__name__}")
-    return data
-
-
-def run_params(run_dir: Path, stage: str) -> dict[str, Any]:
-    """A stage's raw values for a run folder: ``common.yaml`` (keys the stage knows) layered under
-    ``<stage>.yaml``. ``run_name`` defaults to the folder name and ``params_file`` to the stage file."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ParamsError(f"{run_dir}: no such parameter folder; create it or pass params/<run>/")
-    cls = schema_for(stage)
-    common = load_yaml(run_dir / "common.yaml")
-    values = {k: v for k, v in common.items() if k in cls.model_fields}
-    stage_file = run_dir / f"{stage}.yaml"
-    own = load_yaml(stage_file)
-    values.update(own)
-    values.setdefault("run_name", run_dir.name)
-    values.setdefault("params_file", str(stage_file))
-    from_common = sorted(k for k in values if k in common and k not in own)
-    if from_common:
-        values[COMMON] = {"file": str(run_dir / "common.yaml"), "keys": from_common}
-    return values
-
-
-def injectable(values: dict[str, Any]) -> dict[str, Any]:
-    """A stage's values as papermill injects them into its notebook (without run_params' bookkeeping)."""
-    return {k: v for k, v in values.items() if k != COMMON}
-
-
-def stage_values(stage: str, source: Path, overrides: list[str]) -> dict:
-    """The stage's raw values from a run folder (``common.yaml`` under the stage file) or one YAML file,
-    with ``KEY=VALUE`` overrides (values parsed as YAML)."""
-    if not source.exists():
-        raise ParamsError(f"{source} does not exist; pass params/<run>/ or params/<run>/{stage}.yaml")
-    if source.is_dir():
-        values = run_params(source, stage)
-    else:
-        values = {"run_name": source.parent.name, **load_yaml(source), "params_file": str(source)}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ParamsError(f"--set {item!r}: use KEY=VALUE")
-        values[key] = yaml.safe_load(value)
-    return values

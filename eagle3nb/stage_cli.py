@@ -13,7 +13,8 @@ import importlib
 from pathlib import Path
 
 from eagle3nb.errors import guarded
-from eagle3nb.params import STAGE_MODULES, from_dict, stage_values
+from eagle3nb.params import STAGE_MODULES, from_dict
+from eagle3nb.params_yaml import stage_values
 
 
 def main(stage: str, argv: list[str] | None = None) -> int:

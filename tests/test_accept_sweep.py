@@ -12,7 +12,8 @@ LEVELS = [1, 2]
 
 
 def sweep_params(trained: dict, tmp, **values):
-    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
 
     from worlds import write_run
 

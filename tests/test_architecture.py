@@ -17,7 +17,7 @@ PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
 CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "decoding", "drafts", "specdec",
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
-        "plan", "track")
+        "plan", "track", "params_yaml", "params_notebook")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 # 05 refresh has a stage's roles (params, run(P), report) but runs 01-04's stages on its own data: it sits on top of
 # them, as the runner does.

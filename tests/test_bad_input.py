@@ -511,7 +511,8 @@ def test_a_failed_check_up_stops_with_the_first_fix_on_its_first_line(toy_smoke,
     from eagle3nb.errors import user_message
     from eagle3nb.families import detect
     from eagle3nb.launch import start_server
-    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
 
     with start_server(toy_smoke, reasoning_parser=False) as bare:
         folder = run_dir(tmp_path, **{"01": {"model_path": toy_smoke, "vllm_url": bare.url,

@@ -236,7 +236,7 @@ def lab(stage_copy, tmp_path_factory):
     parameterized for the run copy as papermill injects it; yields ``(url of the notebook, stage_dir)``."""
     import papermill
 
-    from eagle3nb.params import injectable, run_params
+    from eagle3nb.params_yaml import injectable, run_params
 
     params, stage_dir = stage_copy("lab")
     home = tmp_path_factory.mktemp("lab")

@@ -68,7 +68,8 @@ def test_healthy_run_passes_every_check(healthy):
 
 
 def test_notebook_cell_runs_its_stage_checks(healthy):
-    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
 
     P = from_dict("03_train", run_params(healthy["run"], "03_train"))
     report = check_stage("03_train", P)
@@ -83,7 +84,8 @@ def test_server_without_reasoning_parser_fails(toy_smoke, tmp_path):
     from eagle3nb.errors import user_message
     from eagle3nb.families import detect
     from eagle3nb.launch import start_server
-    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
 
     with start_server(toy_smoke, reasoning_parser=False) as bare:
         run = write_run(tmp_path / "run", {"01_synth": {"model_path": toy_smoke, "vllm_url": bare.url,

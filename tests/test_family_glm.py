@@ -107,7 +107,7 @@ def target_dir(toy_smoke, tmp_path_factory) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Glm4MoeConfig, Glm4MoeForCausalLM
 
     from eagle3nb.data.stream import Template
-    from eagle3nb.toy.build import heldout_loss
+    from eagle3nb.toy.train import heldout_loss
 
     out = tmp_path_factory.mktemp("glm45")
     tok = AutoTokenizer.from_pretrained(toy_smoke)

@@ -12,7 +12,8 @@ from eagle3nb.accept.local import run_local
 from eagle3nb.accept.models import load_models
 from eagle3nb.accept.offline import run_offline
 from eagle3nb.accept.stage import context_check
-from eagle3nb.params import from_dict, run_params
+from eagle3nb.params import from_dict
+from eagle3nb.params_yaml import run_params
 from eagle3nb.train.report import DATA_FIGURE, data_curve, read_metrics
 
 

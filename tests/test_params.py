@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3nb.params import (
-    NOTEBOOKS,
-    STAGES,
-    ParamsError,
-    from_dict,
-    load_yaml,
-    parameters_cell,
-    run_params,
-    schema_for,
-)
+from eagle3nb.params import STAGES, ParamsError, from_dict, schema_for
+from eagle3nb.params_notebook import NOTEBOOKS, parameters_cell
+from eagle3nb.params_yaml import load_yaml, run_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +63,8 @@ def test_03s_num_layers_null_is_the_methods_own_depth_resolved_once_without_torc
     code = """if True:
         import json, sys
         from eagle3nb.drafts import METHODS, fresh_num_layers
-        from eagle3nb.params import changed_table, from_dict
+        from eagle3nb.params import from_dict
+        from eagle3nb.params_notebook import changed_table
         block = {"dflash": {"block_size": 4, "num_speculative_tokens": 3},
                  "dspark": {"block_size": 4, "num_speculative_tokens": 4}}
         out = {}

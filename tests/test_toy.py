@@ -17,6 +17,7 @@ from eagle3nb.tokens import IM_END, SPECIAL_TOKENS, THINK_END, THINK_START
 from eagle3nb.toy import dialogues, resolve_model_path, resolve_prompts, write_prompts
 
 toy_build = importlib.import_module("eagle3nb.toy.build")
+toy_train = importlib.import_module("eagle3nb.toy.train")
 shipped_mod = importlib.import_module("eagle3nb.toy.shipped")
 
 REPLY = re.compile(r"<think>(.*)</think>(.*)<\|im_end\|>", re.S)
@@ -146,7 +147,7 @@ def token_accuracy(model, tok) -> float:
 
     hit = n = 0
     with torch.no_grad():
-        for x, y in toy_build.batches(tok, random.Random(5), 4, 16, "heldout"):
+        for x, y in toy_train.batches(tok, random.Random(5), 4, 16, "heldout"):
             mask = y != -100
             hit += int((model(input_ids=x).logits.argmax(-1)[mask] == y[mask]).sum())
             n += int(mask.sum())
@@ -262,7 +263,7 @@ def test_a_fresh_rebuild_is_as_good_as_the_shipped_toy(tmp_path, toy_smoke, tok,
 
 def test_same_seed_same_weights(tmp_path, monkeypatch):
     monkeypatch.setitem(toy_build.SIZES, "tiny", {**toy_build.SIZES["smoke"], "steps": 3, "batch": 4})
-    monkeypatch.setattr(toy_build, "SAMPLE_TOKENS", 8)
+    monkeypatch.setattr(toy_train, "SAMPLE_TOKENS", 8)
 
     def weights(out: Path) -> str:
         weights = toy_build.build(out, size="tiny", seed=seed) / "model.safetensors"

@@ -33,7 +33,8 @@ def leaves(value, prefix: str) -> dict[str, float]:
 def run_stage(run: Path, stage: str) -> None:
     import importlib
 
-    from eagle3nb.params import STAGE_MODULES, from_dict, run_params
+    from eagle3nb.params import STAGE_MODULES, from_dict
+    from eagle3nb.params_yaml import run_params
 
     importlib.import_module(f"{STAGE_MODULES[stage]}.stage").run(from_dict(stage, run_params(run, stage)))
 

@@ -15,7 +15,8 @@ from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.samples import load_samples
 from eagle3nb.hidden import report as hidden_report
 from eagle3nb.hidden.stage import run as extract
-from eagle3nb.params import ParamsError, changed_table, from_dict
+from eagle3nb.params import ParamsError, from_dict
+from eagle3nb.params_notebook import changed_table
 from eagle3nb.run.plan import plan
 from eagle3nb.synth import report as synth_report
 from eagle3nb.synth.stage import run as synth

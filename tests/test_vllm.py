@@ -273,7 +273,8 @@ def test_vllm_serves_our_exports_with_the_acceptance_measured_locally(spec_serve
 
 def test_04_online_rows_read_the_real_metrics(spec_servers, drafts, toy_smoke, trained, tmp_path):
     from eagle3nb.accept.online import run_online
-    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
 
     from worlds import write_run
 
@@ -302,7 +303,8 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
     acceptance bounded by it and tied to the rate by vLLM's definitions, the speedup over the baseline's row."""
     from eagle3nb.accept.online import bench_endpoint, run_online
     from eagle3nb.errors import InputError
-    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
 
     from worlds import write_run
 

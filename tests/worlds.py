@@ -54,7 +54,8 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0
     import torch
 
     from eagle3nb.hidden.stage import run as extract
-    from eagle3nb.params import from_dict, run_params
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
     from eagle3nb.synth.stage import run as synth
     from eagle3nb.train.stage import run as train
 

@@ -42,7 +42,7 @@ PLANTS = [
     Plant("worst-sample-ignores-flags", "eagle3nb/synth/report.py", "        if hit:\n", "        if hit and False:\n",
           ("tests/test_views.py::test_synth_sample_browser_and_static_samples",),
           "the static 'worst sample' is never a flagged one"),
-    Plant("miss-view-segment-ignored", "eagle3nb/accept/misses.py",
+    Plant("miss-view-segment-ignored", "eagle3nb/accept/views.py",
           "sel = [_clip(r, lo, hi, segment.value) for r in rs]", 'sel = [_clip(r, lo, hi, "all") for r in rs]',
           ("tests/test_misses.py::test_miss_view_widget_table_and_excerpts",),
           "the miss table ignores the segment filter"),

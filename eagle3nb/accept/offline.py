@@ -24,7 +24,8 @@ from eagle3nb.data.turns import parse_turn
 from eagle3nb.errors import InputError
 from eagle3nb.families import specials
 from eagle3nb.formulas import tau_from_conditional
-from eagle3nb.params import run_params, schema_for
+from eagle3nb.params import schema_for
+from eagle3nb.params_yaml import run_params
 from eagle3nb.paths import resolve
 from eagle3nb.progress import Progress
 

@@ -15,7 +15,8 @@ from eagle3nb.doctor.result import FAIL, CheckResult
 from eagle3nb.errors import InputError
 from eagle3nb.families import AUTO, detect
 from eagle3nb.launch import start_server
-from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict, run_params
+from eagle3nb.params import STAGES, ParamsError, StageParams, TargetParams, from_dict
+from eagle3nb.params_yaml import run_params
 from eagle3nb.paths import project_root, resolve
 from eagle3nb.synth.client import Endpoint, FatalServerError, GaveUp, base_url, chat, retried, run_sync
 from eagle3nb.synth.probe import landed

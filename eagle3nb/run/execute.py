@@ -17,7 +17,8 @@ from typing import Any, Iterator
 
 import psutil
 
-from eagle3nb.params import STAGES, ParamsError, from_dict, injectable
+from eagle3nb.params import STAGES, ParamsError, from_dict
+from eagle3nb.params_yaml import injectable
 from eagle3nb.paths import project_root
 from eagle3nb.progress import write_json_atomic
 from eagle3nb.render import render

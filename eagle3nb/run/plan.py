@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.params import ON_REQUEST, STAGE_MODULES, STAGES, ParamsError, from_dict, run_params
+from eagle3nb.params import ON_REQUEST, STAGE_MODULES, STAGES, ParamsError, from_dict
+from eagle3nb.params_yaml import run_params
 from eagle3nb.paths import outputs_root, project_root
 
 

@@ -35,7 +35,6 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from eagle3nb import __version__
@@ -44,6 +43,7 @@ from eagle3nb.families import Family, detect, harmony_split
 from eagle3nb.serve.engine import Engine, Request, SamplingParams, Update
 from eagle3nb.serve.errors import APIError
 from eagle3nb.serve.extract import handle_completion_extract
+from eagle3nb.serve.requests import Body, ChatBody, CompletionBody
 
 REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
 
@@ -51,33 +51,6 @@ REASONING_FIELDS = ("reasoning", "reasoning_content", "both")
 def error_json(status: int, message: str, type: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": status}},
                         status_code=status)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_token_ids: bool = False
-
-
-class ChatBody(_Body):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
 
 
 class Server:
@@ -109,7 +82,7 @@ class Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    def sampling(self, body: _Body, prompt_len: int, max_tokens: int | None,
+    def sampling(self, body: Body, prompt_len: int, max_tokens: int | None,
                  prompt_param: str = "messages") -> SamplingParams:
         if body.n != 1:
             raise APIError(400, f"n={body.n} is not supported by the embedded server; use n=1.", param="n")

@@ -26,7 +26,8 @@ from urllib.parse import urlparse
 
 from eagle3nb.errors import InputError
 from eagle3nb.layers import default_aux_layer_ids
-from eagle3nb.params import from_dict, run_params
+from eagle3nb.params import from_dict
+from eagle3nb.params_yaml import run_params
 from eagle3nb.serve.vllm import start_vllm
 from eagle3nb.toy import resolve_model_path
 

@@ -6,7 +6,7 @@ qk_rope_head_dim 64 = 576, which vLLM's MLA kernel requires; a routed MoE with K
 correction bias) at a small hidden size, with the same chat format: what the rehearsal and the demo serve.
 ``qwen3`` is Qwen3-MoE (Qwen3MoeForCausalLM) on the real Qwen3 tokenizer and chat template
 (``real_tokenizers``); it is not shipped (its 151,936-row vocabulary makes it tens of MB) but built at first
-use into the cache, and trained only over the vocabulary rows the corpus uses (see ``train``). ``gptoss`` is
+use into the cache, and trained only over the vocabulary rows the corpus uses (``train.CorpusRows``). ``gptoss`` is
 GptOss (sliding-window and full layers, sinks, MoE) on the real gpt-oss tokenizer in the Harmony format
 (``harmony``: our template), built the same way (docs/harmony.md).
 
@@ -22,8 +22,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
-import random
 import shutil
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ from eagle3nb.tokens import THINK_END
 from eagle3nb.toy import dialogues, harmony, real_tokenizers
 from eagle3nb.toy.shipped import manifest
 from eagle3nb.toy.tokenizer import build_tokenizer
+from eagle3nb.toy.train import samples, template_family, train
 
 # Model and training settings per size. ``threads`` is fixed so a rebuild repeats on the same machine (another
 # CPU still ends at other weights: the shipped builds are what every machine uses).
@@ -93,8 +92,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
 TEMPLATES = {real_tokenizers.GPTOSS.key: harmony.TEMPLATE}
 ROUTER = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
 MAX_POSITIONS = 1024
-SAMPLE_TOKENS = 128  # length cap of the sample generations printed after a build
-TRAIN_VERSION = 3  # bump when the training code below changes the weights (the cache key includes it)
+TRAIN_VERSION = 3  # bump when the training code (train.py, make) changes the weights (the cache key has it)
 MARKER = "toy_build.json"
 # The tokenizer and dialogue code as loaded now (read at import, so a long-lived process that imported older
 # code never files its build under the key of newer code on disk).
@@ -111,57 +109,6 @@ def settings_hash(size: str, seed: int) -> str:
     """Cache key: this size's settings, the seed, the training version and the tokenizer/dialogue source."""
     key = {"size": SIZES[size], "seed": seed, "v": TRAIN_VERSION, "src": SOURCE_HASH.hexdigest()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def template_family(tokenizer):
-    """The tokenizer's family, told from its chat template's markers as the stages tell them."""
-    family = from_template(tokenizer.chat_template or "")
-    if family is None:
-        raise InputError("toy build: the tokenizer's chat template carries no known family's markers")
-    return family
-
-
-def template_kwargs(tokenizer, thinking: bool) -> dict:
-    """The chat-template kwargs asking for ``thinking`` in the tokenizer's family (the toy template's and Kimi's
-    ``thinking``, Qwen3's ``enable_thinking``, gpt-oss's ``reasoning_effort``)."""
-    return template_family(tokenizer).template_kwargs(thinking)
-
-
-def render(tokenizer, d: dict) -> tuple[str, str]:
-    """A finished dialogue's generation prompt and full text (the loss covers what the full text adds). A family
-    whose reasoning cannot be switched off (gpt-oss: every effort reasons) reasons in every dialogue."""
-    sw = template_family(tokenizer).switch
-    thinking = d["thinking"] or (sw is not None and sw.off is None)
-    kw = template_kwargs(tokenizer, thinking)
-    prompt = tokenizer.apply_chat_template(d["messages"], tokenize=False, add_generation_prompt=True, **kw)
-    reply = {"role": "assistant", "content": d["answer"], "reasoning_content": d["reasoning"] if thinking else ""}
-    full = tokenizer.apply_chat_template(d["messages"] + [reply], tokenize=False, **kw)
-    assert full.startswith(prompt), "toy chat template: the finished dialogue must extend its generation prompt"
-    return prompt, full
-
-
-def batches(tokenizer, rng: random.Random, n: int, batch: int, split: str) -> list:
-    """``n`` padded batches (input_ids, labels with -100 outside the assistant reply) of fresh dialogues,
-    grouped by length so little compute goes to padding, in a seeded random order."""
-    import torch
-
-    prompts, fulls = zip(*(render(tokenizer, dialogues.dialogue(rng, split)) for _ in range(n * batch)))
-    enc = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # noqa: E731
-    rows = [(ids, len(p)) for ids, p in zip(enc(fulls), enc(prompts))]
-    window = 8 * batch  # sort within windows: batches stay mixed across categories
-    rows = [r for w in range(0, len(rows), window) for r in sorted(rows[w : w + window], key=lambda r: len(r[0]))]
-    out = []
-    for b in range(n):
-        chunk = rows[b * batch : (b + 1) * batch]
-        T = max(len(ids) for ids, _ in chunk)
-        x = torch.full((batch, T), tokenizer.pad_token_id, dtype=torch.long)
-        y = torch.full((batch, T), -100, dtype=torch.long)
-        for i, (ids, p) in enumerate(chunk):
-            x[i, : len(ids)] = torch.tensor(ids)
-            y[i, p - 1 : len(ids) - 1] = torch.tensor(ids[p:])
-        out.append((x, y))
-    rng.shuffle(out)
-    return out
 
 
 def load_tokenizer(s: dict):
@@ -200,120 +147,17 @@ def make_model(tokenizer, s: dict):
     return model
 
 
-class CorpusRows:
-    """Training over the vocabulary rows the corpus uses, for a real vocabulary (Qwen3's 151,936 rows): the lm_head
-    over every row would cost most of each step. The embedding and lm_head rows of the ids the training batches
-    hold are trained as their own parameters; every other lm_head row is zero (their logits 0), so the softmax
-    over the used rows plus one logit log(#rest) for the rest is the full-vocabulary cross-entropy exactly,
-    and greedy decoding never picks an untrained token. The other embedding rows stay at their init."""
-
-    def __init__(self, model, data: list):
-        import torch
-
-        self.model = model
-        self.ids = torch.unique(torch.cat([x.flatten() for x, _ in data]))
-        self.local = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
-        self.local[self.ids] = torch.arange(len(self.ids))
-        self.full_embed = model.get_input_embeddings().weight
-        self.full_head = model.get_output_embeddings().weight
-        self.embed = torch.nn.Parameter(self.full_embed.detach()[self.ids].clone())
-        self.head = torch.nn.Parameter(self.full_head.detach()[self.ids].clone())
-        self.rest = math.log(model.config.vocab_size - len(self.ids))
-        self.full_embed.requires_grad_(False)
-        self.full_head.requires_grad_(False)
-
-    def parameters(self) -> list:
-        return [self.embed, self.head] + [p for p in self.model.parameters() if p.requires_grad]
-
-    def loss(self, x, y):
-        import torch
-        import torch.nn.functional as F
-
-        h = self.model.get_decoder()(inputs_embeds=self.embed[self.local[x]]).last_hidden_state
-        z = h @ self.head.T
-        z = torch.cat([z, z.new_full((*z.shape[:-1], 1), self.rest)], -1)
-        return F.cross_entropy(z.flatten(0, 1), self.local[y.clamp(min=0)].masked_fill(y == -100, -100).flatten())
-
-    def write_back(self) -> None:
-        """The trained rows into the model's full embedding and lm_head (the rest of lm_head zero)."""
-        import torch
-
-        with torch.no_grad():
-            self.full_embed[self.ids] = self.embed
-            self.full_head.zero_()
-            self.full_head[self.ids] = self.head
-        self.full_embed.requires_grad_(True)
-        self.full_head.requires_grad_(True)
-
-
-def heldout_loss(model, tokenizer, seed: int, n_batches: int = 4, per_sequence: bool = False) -> float:
-    """Mean cross-entropy on held-out assistant tokens; ``per_sequence``: one sequence's logits at a time (a real
-    vocabulary's logits of a whole batch would take gigabytes)."""
+def make(out: Path, size: str, seed: int) -> dict:
+    """Make the size's toy in ``out`` (an empty folder): its tokenizer, its model trained (``train``), their files;
+    returns the build report."""
     import torch
-    import torch.nn.functional as F
-
-    rng = random.Random(f"heldout-loss:{seed}")
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for x, y in batches(tokenizer, rng, n_batches, 32, "heldout"):
-            if per_sequence:
-                h = model.get_decoder()(input_ids=x).last_hidden_state
-                for hi, yi in zip(h, y):
-                    total += F.cross_entropy(model.get_output_embeddings()(hi), yi, reduction="sum").item()
-            else:
-                logits = model(input_ids=x).logits
-                total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-            count += int((y != -100).sum())
-    return total / count
-
-
-def generate(model, tokenizer, messages: list[dict], thinking: bool = True, max_new_tokens: int = 128) -> str:
-    """Greedy completion text (special tokens kept) of one conversation."""
-    import torch
-
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                        **template_kwargs(tokenizer, thinking))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
-
-
-def train(out: Path, size: str, seed: int) -> dict:
-    """Train into ``out`` (an empty folder) and return the build report."""
-    import torch
-    import torch.nn.functional as F
 
     s = SIZES[size]
     t0 = time.time()
     tokenizer = load_tokenizer(s)
     torch.manual_seed(seed)
     model = make_model(tokenizer, s)
-    rng = random.Random(f"train:{seed}")
-    data = batches(tokenizer, rng, s["steps"], s["batch"], "train")
-    rows = CorpusRows(model, data) if "tokenizer" in s else None
-    params = rows.parameters() if rows else list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=s["lr"], weight_decay=0.01, betas=(0.9, 0.98))
-    model.train()
-    last = t0
-    for step, (x, y) in enumerate(data):
-        lr = s["lr"] * min(1.0, (step + 1) / s["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / s["steps"]))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss = rows.loss(x, y) if rows else F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if time.time() - last > 15 or step == s["steps"] - 1:
-            last = time.time()
-            print(f"toy {size}: step {step + 1}/{s['steps']} loss {loss.item():.3f} ({time.time() - t0:.0f}s)",
-                  flush=True)
-    if rows:
-        rows.write_back()
-    model.eval()
-    report = {"size": size, "seed": seed, "settings": s,
-              "heldout_loss": heldout_loss(model, tokenizer, seed, per_sequence=rows is not None),
+    report = {"size": size, "seed": seed, "settings": s, "heldout_loss": train(model, tokenizer, s, size, seed, t0),
               "train_seconds": round(time.time() - t0, 1)}
     model.save_pretrained(str(out), safe_serialization=True)
     if "tokenizer" in s:  # the real files as fetched (a re-serialization would be this transformers' own dialect)
@@ -322,17 +166,7 @@ def train(out: Path, size: str, seed: int) -> dict:
             (out / "chat_template.jinja").write_text(TEMPLATES[s["tokenizer"]])
     else:
         tokenizer.save_pretrained(str(out))
-    samples = []
-    rng = random.Random(f"samples:{seed}")
-    for category in dialogues.CATEGORIES:
-        p = next(p for p in iter(lambda: dialogues.problem(rng, "heldout"), None) if p["category"] == category)
-        msgs = [{"role": "user", "content": p["question"]}]
-        samples.append({"question": p["question"], "expected": p["answer"], "thinking": True,
-                        "output": generate(model, tokenizer, msgs, max_new_tokens=SAMPLE_TOKENS)})
-    samples.append({**samples[0], "thinking": False,
-                    "output": generate(model, tokenizer, [{"role": "user", "content": samples[0]["question"]}], False,
-                                          SAMPLE_TOKENS)})
-    report["samples"] = samples
+    report["samples"] = samples(model, tokenizer, seed)
     return report
 
 
@@ -381,7 +215,7 @@ def build(out: Path | None = None, size: str = "smoke", seed: int = 0) -> Path:
         threads = torch.get_num_threads()
         torch.set_num_threads(SIZES[size]["threads"])
         try:
-            report = train(tmp, size, seed)
+            report = make(tmp, size, seed)
         finally:
             torch.set_num_threads(threads)
         (tmp / MARKER).write_text(json.dumps(report, indent=2))

@@ -22,7 +22,8 @@ from typing import Any
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.shards import ShardError, bytes_per_token
 from eagle3nb.hidden.online import OnlineStates
-from eagle3nb.params import ParamsError, StageError, StageParams, from_dict, stage_values
+from eagle3nb.params import ParamsError, StageError, StageParams, from_dict
+from eagle3nb.params_yaml import stage_values
 from eagle3nb.paths import file_sha256, project_root, resolve
 from eagle3nb.progress import write_json_atomic
 from eagle3nb.train.data import layout
