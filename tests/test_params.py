@@ -69,12 +69,12 @@ def test_03s_num_layers_null_is_the_methods_own_depth_resolved_once_without_torc
     in its own process (~0.6 s, a subprocess)."""
     code = """if True:
         import json, sys
-        from eagle3nb.drafts import METHODS, fresh_num_layers
+        from eagle3nb.drafts import PACKAGES, fresh_num_layers
         from eagle3nb.params import changed_table, from_dict
         block = {"dflash": {"block_size": 4, "num_speculative_tokens": 3},
                  "dspark": {"block_size": 4, "num_speculative_tokens": 4}}
         out = {}
-        for m in METHODS:
+        for m in PACKAGES:
             over = {"method": m, **block.get(m, {})}
             left_out, null = (from_dict("03_train", v, check_paths=False) for v in (over, {**over, "num_layers": None}))
             given = from_dict("03_train", {**over, "num_layers": 5}, check_paths=False)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from eagle3nb.drafts import METHODS, fresh_num_layers
+from eagle3nb.drafts import PACKAGES, fresh_num_layers
 from eagle3nb.params import ParamsError, StageParams, register
 from eagle3nb.paths import resolve
 
@@ -99,7 +99,7 @@ class TrainParams(StageParams):
     num_layers: int | None = Field(
         None, ge=1, validate_default=True,
         description="from scratch: draft decoder layers (vLLM's num_hidden_layers); null = the method's own depth ("
-                    + ", ".join(f"{m}: {fresh_num_layers(m)}" for m in METHODS) + "), the checkpoint's own when "
+                    + ", ".join(f"{m}: {fresh_num_layers(m)}" for m in PACKAGES) + "), the checkpoint's own when "
                     "fine-tuning (init_from); EAGLE-3's first layer reads embedding + feature, the later ones only "
                     "the residual stream; each costs one more layer per draft step")
     parallel_drafting: bool = Field(False, description="from scratch: a P-EAGLE draft (arXiv 2602.01469) that proposes "
