@@ -58,7 +58,7 @@ from eagle3nb.data.reader import HiddenStates  # noqa: E402
 from eagle3nb.data.split import split_holdout  # noqa: E402
 from eagle3nb.data.stream import Template  # noqa: E402
 from eagle3nb.decoding.verify import SpecCounters  # noqa: E402
-from eagle3nb.drafts import load_draft  # noqa: E402
+from eagle3nb.drafts import DEFAULT, block_methods, load_draft, rules  # noqa: E402
 from eagle3nb.errors import UserError  # noqa: E402
 from eagle3nb.hf import DECODER, load_target  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
@@ -82,14 +82,16 @@ RECIPES: dict[str, dict] = {
     "loss=lk_lambda": {**BASELINE, "loss": "lk_lambda"},
     "muon": {**BASELINE, "optimizer": "muon"},
     "parallel_drafting": {**BASELINE, "parallel_drafting": True},  # P-EAGLE: all k drafts in one forward
-    # Block drafters (eagle3nb/drafts/dflash): a block of drafts in one forward, k = the block's drafts (DFlash:
-    # the block less its anchor; DSpark: the block), one layer like EAGLE's, the other settings 03's defaults ...
-    **{f"{m}/{b}": {"method": m, "block_size": b, "num_speculative_tokens": b - (m == "dflash"), "num_layers": 1}
-       for m in ("dflash", "dspark") for b in (4, 8)},
+    # Every registered block drafter (eagle3nb/drafts/dflash: DFlash, DSpark): a block of drafts in one forward,
+    # k = the block's drafts (DFlash: the block less its anchor; DSpark: the block), one layer like EAGLE's, the
+    # other settings 03's defaults ...
+    **{f"{m}/{b}": {"method": m, "block_size": b, "num_speculative_tokens": rules(m).drafts_per_block(b),
+                    "num_layers": 1}
+       for m in block_methods() for b in (4, 8)},
     # ... and at the depth of the num_layers=2 row: a DFlash mask slot reads its anchor only through attention
-    **{f"{m}/{b}-2layers": {"method": m, "block_size": b, "num_speculative_tokens": b - (m == "dflash"),
+    **{f"{m}/{b}-2layers": {"method": m, "block_size": b, "num_speculative_tokens": rules(m).drafts_per_block(b),
                             "num_layers": 2}
-       for m in ("dflash", "dspark") for b in (4, 8)},
+       for m in block_methods() for b in (4, 8)},
 }
 # The smoke run's 03 settings (params/smoke/03_train.yaml), a held-out quarter.
 TRAIN = {"run_name": "bench", "ttt_steps": 3, "lr": 5e-3, "warmup_ratio": 0.05, "max_length": 1024,
@@ -111,7 +113,7 @@ def k_of(name: str) -> int:
 
 def full_vocab(name: str) -> bool:
     """A block drafter drafts over the target's whole vocabulary (02 must store it: no reduced draft vocab)."""
-    return RECIPES[name].get("method") in ("dflash", "dspark")
+    return rules(RECIPES[name].get("method", DEFAULT)).block
 
 
 def spread(xs: list[float]) -> str:
@@ -240,7 +242,7 @@ def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[di
                 continue
             draft_dir = root / toy / "runs" / name / "0" / "draft"
             t0 = time.perf_counter()
-            k, method = k_of(name), RECIPES[name].get("method", "eagle3")
+            k, method = k_of(name), RECIPES[name].get("method", DEFAULT)
             try:  # DSpark on a CPU: vLLM's own refusal (its V1 runner has no dspark, V2 needs Triton) goes in the row
                 server = start_vllm(f"toy:{toy}", method, draft_dir=draft_dir, num_speculative_tokens=k,
                                     speculative={"draft_sample_method": "probabilistic"}, fixes=fixes)

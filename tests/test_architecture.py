@@ -263,17 +263,17 @@ def test_draft_packages_share_one_shape_and_are_registered():
     the registry the only way in from outside eagle3nb/drafts/ (the named exceptions, still needed)."""
     import importlib
 
-    from eagle3nb.drafts import METHODS, get
+    from eagle3nb.drafts import PACKAGES, get
 
     packages = sorted(p.name for p in (PKG / "drafts").iterdir() if (p / "__init__.py").exists())
-    served = {name: path.removeprefix("eagle3nb.drafts.") for name, path in METHODS.items()}
-    assert packages == sorted(set(served.values())) and set(packages) <= METHODS.keys()
+    served = {name: path.removeprefix("eagle3nb.drafts.") for name, path in PACKAGES.items()}
+    assert packages == sorted(set(served.values())) and set(packages) <= PACKAGES.keys()
     for name in packages:
         missing = [role for role in DRAFT_ROLES if not (PKG / "drafts" / name / role).exists()]
         assert missing == [], f"eagle3nb/drafts/{name}/ lacks {missing}"
     for name, package in served.items():
-        assert METHODS[name] == f"eagle3nb.drafts.{package}" and get(name).name == name
-        assert sorted(importlib.import_module(METHODS[name]).METHODS) == sorted(
+        assert PACKAGES[name] == f"eagle3nb.drafts.{package}" and get(name).name == name
+        assert sorted(importlib.import_module(PACKAGES[name]).METHODS) == sorted(
             n for n, p in served.items() if p == package), f"{package} serves other methods than the registry says"
     found = {(m, d) for m, deps in graph().items() for d in deps if not m.startswith("eagle3nb.drafts")
              and d.startswith("eagle3nb.drafts.") and d.split(".")[2] in packages}

@@ -163,7 +163,7 @@ def test_exports_load_back_exactly_in_both_layouts(tmp_path, target, target_conf
     its blocks' logits."""
     from safetensors.torch import load_file
 
-    from eagle3nb.drafts import METHODS, get
+    from eagle3nb.drafts import PACKAGES, get
     from eagle3nb.drafts.dflash.layouts import TARGET_TENSORS, load_draft, save_draft
 
     m = drafter(target, target_config, markov_rank)
@@ -182,7 +182,7 @@ def test_exports_load_back_exactly_in_both_layouts(tmp_path, target, target_conf
             assert torch.equal(back(back.context(ctx_aux), *args), m(m.context(ctx_aux), *args))
     for layout in ("vllm", "speculators"):  # exactly one registered method reads each config: this one
         config = json.loads((tmp_path / layout / "config.json").read_text())
-        assert [name for name in METHODS if get(name).claims(config)] == [m.method]
+        assert [name for name in PACKAGES if get(name).claims(config)] == [m.method]
     cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert cfg["architectures"] == [{0: "DFlashDraftModel", 8: "Qwen3DSparkModel"}[markov_rank]]
     assert cfg["dflash_config"] == {"mask_token_id": m.config.mask_token_id, "block_size": BLOCK, "causal": False,

@@ -62,13 +62,13 @@ def test_03s_num_layers_null_is_the_methods_own_depth_resolved_once_without_torc
     in its own process (~0.6 s, a subprocess)."""
     code = """if True:
         import json, sys
-        from eagle3nb.drafts import METHODS, fresh_num_layers
+        from eagle3nb.drafts import PACKAGES, fresh_num_layers
         from eagle3nb.params import from_dict
         from eagle3nb.params_notebook import changed_table
         block = {"dflash": {"block_size": 4, "num_speculative_tokens": 3},
                  "dspark": {"block_size": 4, "num_speculative_tokens": 4}}
         out = {}
-        for m in METHODS:
+        for m in PACKAGES:
             over = {"method": m, **block.get(m, {})}
             left_out, null = (from_dict("03_train", v, check_paths=False) for v in (over, {**over, "num_layers": None}))
             given = from_dict("03_train", {**over, "num_layers": 5}, check_paths=False)
@@ -161,3 +161,66 @@ def test_demo_params_list_only_what_differs_from_the_defaults(stage):
     values = load_yaml(ROOT / "params" / "demo" / f"{stage}.yaml")
     same = [k for k, v in values.items() if k != "run_name" and cls.model_fields[k].default == v]
     assert same == []
+
+
+def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
+    """03's method names and each method's rules come from the registry: a package registered in one line (a fake
+    block drafter whose anchor slot drafts nothing, reading markov_rank) is a value 03's method takes, with its
+    summary in the help, its depth as num_layers' null, k = block_size - 1 checked, its own setting's help naming
+    it, and a GPU-check row, without an edit to train/params.py; validating still loads no torch."""
+    code = """if True:
+        import importlib.util, json, sys, types
+        from eagle3nb import drafts
+        fake = types.ModuleType("fake_draft")
+        fake.NUM_LAYERS = 3
+        fake.RULES = {"fake": drafts.MethodRules(summary="a test's block drafter", block=True,
+                                                 params=("block_size", "markov_rank"))}
+        sys.modules["fake_draft"] = fake
+        drafts.PACKAGES["fake"] = "fake_draft"
+        from eagle3nb.params import ParamsError, from_dict
+        from eagle3nb.train.params import METHOD_KEYS, TrainParams
+
+        def refusal(values):
+            try:
+                from_dict("03_train", values, check_paths=False)
+            except ParamsError as e:
+                return str(e)
+        P = from_dict("03_train", {"method": "fake", "block_size": 5, "num_speculative_tokens": 4}, check_paths=False)
+        spec = importlib.util.spec_from_file_location("gpu_check", "tools/gpu_check.py")
+        gpu_check = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = gpu_check
+        torch_before = "torch" in sys.modules
+        spec.loader.exec_module(gpu_check)
+        print(json.dumps({
+            "method": P.method, "num_layers": P.num_layers, "torch": torch_before,
+            "k_refused": refusal({"method": "fake", "block_size": 5, "num_speculative_tokens": 5}),
+            "unknown": refusal({"method": "nope"}),
+            "help": TrainParams.model_fields["method"].description,
+            "markov_help": TrainParams.model_fields["markov_rank"].description,
+            "method_keys": list(METHOD_KEYS), "gpu_check": gpu_check.BLOCK_DRAFTERS.get("fake")}))
+    """
+    got = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                    cwd=ROOT).stdout)
+    assert got["torch"] is False
+    assert (got["method"], got["num_layers"]) == ("fake", 3)
+    assert "a block of 5 drafts 4 tokens" in got["k_refused"] and "must be 4" in got["k_refused"]
+    assert "Input should be 'eagle3', 'dflash', 'dspark' or 'fake'" in got["unknown"]
+    assert "dspark (DFlash with a Markov and a confidence head) or fake (a test's block drafter); " in got["help"]
+    assert got["markov_help"].startswith("dspark / fake: rank r of the Markov head")
+    assert got["method_keys"].count("markov_rank") == 1 and "block_size" in got["method_keys"]
+    assert got["gpu_check"] == {"method": "fake", "block_size": 4, "num_layers": 2, "num_speculative_tokens": 3}
+
+
+def test_every_methods_rules_name_03_settings_and_its_package_serves_the_methods_it_rules():
+    """A method's rules name settings 03 has (else 03's resume check would drop a key no run reads), and each
+    package rules exactly the methods the registry says it serves."""
+    import importlib
+
+    from eagle3nb.drafts import PACKAGES, rules
+    from eagle3nb.train.params import TrainParams
+
+    unknown = {m: [k for k in rules(m).params if k not in TrainParams.model_fields] for m in PACKAGES}
+    assert all(not keys for keys in unknown.values()), unknown
+    for package in set(PACKAGES.values()):
+        served = sorted(m for m, p in PACKAGES.items() if p == package)
+        assert sorted(importlib.import_module(package).RULES) == served, package

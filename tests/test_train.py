@@ -240,6 +240,21 @@ def test_the_old_num_layers_default_resumes_eagle3_and_refuses_a_block_drafter_n
     assert "other settings (num_layers: checkpoint 2, now 1). Restore them to resume" in refusal(2, 1)
 
 
+def test_the_resume_check_holds_the_settings_of_the_runs_method_and_no_other_methods():
+    """A run's resume check holds the settings its method reads (its rules' params: a block drafter's block, DSpark's
+    heads), none of another method's (changing one the run never reads resumes it), and an EAGLE-3 run's no
+    method, as every run's before there was a choice (so their checkpoints resume)."""
+    from eagle3nb.train.checkpoint import run_config
+
+    over = {"eagle3": {}, "dflash": {"block_size": 4, "num_speculative_tokens": 3},
+            "dspark": {"block_size": 4, "num_speculative_tokens": 4}}
+    cfg = {m: run_config(from_dict("03_train", {"method": m, **o}, check_paths=False), 1) for m, o in over.items()}
+    assert not {"method", "block_size", "anchors_per_seq", "markov_rank"} & cfg["eagle3"].keys()
+    assert (cfg["dflash"]["method"], cfg["dflash"]["block_size"]) == ("dflash", 4)
+    assert not {"markov_rank", "confidence_weight"} & cfg["dflash"].keys()
+    assert (cfg["dspark"]["markov_rank"], cfg["dspark"]["block_size"]) == (32, 4)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

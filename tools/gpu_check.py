@@ -57,8 +57,9 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``vllm_recipes``: ``start_vllm(mode="eagle3", cpu=False)`` serving one draft in both recipe layouts vLLM builds
   differently (a 2-layer EAGLE-3.1 draft: ``fc_norm`` + ``norm_output`` and ``num_hidden_layers: 2``, one server
   start instead of two), trained on cuda: acceptance length within 15% of CPU local decoding of that draft.
-- ``vllm_block_drafters``: a DSpark and a DFlash draft (``BLOCK_DRAFTERS``: block 4, 2 layers; 03 on cuda under
-  autocast for the served draft's steps, on 02's reference data with the whole vocabulary) served by
+- ``vllm_block_drafters``: each registered block drafter, DFlash and DSpark (``BLOCK_DRAFTERS``: block 4, 2
+  layers; 03 on cuda under autocast for the served draft's steps, on 02's reference data with the whole vocabulary)
+  served by
   ``start_vllm(mode="dspark" | "dflash", cpu=False)`` (DSpark in vLLM's V2 model runner: ``serve.vllm.MODE_ENV``),
   greedy on the held-out prompts' ids (``MAX_TOKENS`` each, ``ignore_eos``), one line per method: >= 90% of the
   completions equal our CPU decoding of the same draft (``SpecDecoder``, itself checked equal to the CPU target's
@@ -85,6 +86,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
+from eagle3nb.drafts import block_methods, rules
+
 if TYPE_CHECKING:
     import torch
 
@@ -105,12 +108,11 @@ RECIPES: dict[str, tuple[dict[str, Any], float]] = {
     "muon": ({**BASELINE, "optimizer": "muon"}, 5e-2),
 }
 SERVED_RECIPE = {"fc_norm": True, "norm_output": True, "num_layers": 2}  # both layouts vLLM builds differently
-# The block drafters vLLM serves (docs/block-drafters.md): block 4, 2 layers, k = the block's drafts (DFlash: the
-# block less its anchor; DSpark: the block), DSpark first (only a GPU serves it).
+# Every registered block drafter, as vLLM serves it (docs/block-drafters.md): block 4, 2 layers, k = the block's
+# drafts (DFlash: the block less its anchor; DSpark: the block).
 BLOCK_DRAFTERS: dict[str, dict[str, Any]] = {
-    "dspark": {"method": "dspark", "block_size": 4, "num_layers": 2, "num_speculative_tokens": 4},
-    "dflash": {"method": "dflash", "block_size": 4, "num_layers": 2, "num_speculative_tokens": 3},
-}
+    m: {"method": m, "block_size": 4, "num_layers": 2, "num_speculative_tokens": rules(m).drafts_per_block(4)}
+    for m in block_methods()}
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 GPU = "cuda"  # the device under test; CPU float32 is the reference
 
@@ -795,7 +797,7 @@ def block_drafter_served(w: World, name: str) -> str:
 
 
 def check_vllm_block_drafters(w: World) -> str:
-    """Each block drafter (DSpark, which only a GPU serves, then DFlash) served by vLLM on the GPU: one line each,
+    """Each block drafter (DFlash, then DSpark, which only a GPU serves) served by vLLM on the GPU: one line each,
     every method tried even when an earlier one fails."""
     lines, fixes = [], []
     for name in BLOCK_DRAFTERS:

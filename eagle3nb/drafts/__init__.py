@@ -7,7 +7,9 @@ its step in the batched decoder, ``offline.py`` 04's offline acceptance simulati
 ``METHODS`` maps each method it serves to its ``eagle3nb.drafts.base.DraftMethod`` (one package may serve variants
 that engines name apart: ``dflash`` serves DFlash and DSpark, DFlash's backbone with two heads), and a light
 ``__init__.py`` (no torch: 03's parameters read it while validating) holding ``NUM_LAYERS``, a fresh draft's depth
-when 03's ``num_layers`` is null (:func:`fresh_num_layers`), and ``METHODS`` loaded from ``method.py`` on first use
+when 03's ``num_layers`` is null (:func:`fresh_num_layers`), ``RULES``, each method's ``base.MethodRules`` (what
+03's parameters, the resume check, the benchmarks and the GPU check read of it: :func:`rules`, :func:`block_methods`,
+:func:`params_readers`), and ``METHODS`` loaded from ``method.py`` on first use
 (``eagle3nb.drafts.base.lazy_methods``):
 
 - ``name`` (the method's name in a draft's config: vLLM's speculative-config ``method``, speculators'
@@ -31,7 +33,7 @@ Every model has a ``method`` attribute (its name here) and a ``config`` with ``v
 ``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the
 decoder, the embedded server, the doctor and the export call only this module: :func:`get` by name, :func:`of` a
 model, :func:`method_of` a config.json, :func:`load_draft` a folder (03's EAGLE-3 parameters aside, the imports
-``tests/test_architecture.py`` names). A new algorithm is its package plus one line in ``METHODS``; ``objective``'s
+``tests/test_architecture.py`` names). A new algorithm is its package plus one line in ``PACKAGES``; ``objective``'s
 stats are by TTT step for EAGLE-3 and by block position for a block drafter.
 """
 
@@ -42,30 +44,47 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, check_fits
+from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, MethodRules, check_fits
 
-__all__ = ["METHODS", "DraftMethod", "DraftMismatchError", "check_fits", "fresh_num_layers", "get", "load_draft",
-           "method_of", "of", "one_forward_per_round"]
+__all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "block_methods", "check_fits",
+           "fresh_num_layers", "get", "load_draft", "method_of", "of", "one_forward_per_round", "params_readers",
+           "rules"]
 
-# method name -> the package whose METHOD it is; the first claims a config.json before the others.
-METHODS = {
+# method name -> the package whose METHODS holds it; the first claims a config.json before the others.
+PACKAGES = {
     "eagle3": "eagle3nb.drafts.eagle3",
     "dflash": "eagle3nb.drafts.dflash",
     "dspark": "eagle3nb.drafts.dflash",
 }
+DEFAULT = "eagle3"  # 03's method when none is set, and every 03 run's before the choice existed
 
 
 def get(name: str) -> DraftMethod:
     """The draft algorithm called ``name``."""
-    if name not in METHODS:
-        raise DraftMismatchError(f"unknown draft method {name!r}; known: {', '.join(METHODS)}")
-    return importlib.import_module(METHODS[name]).METHODS[name]
+    if name not in PACKAGES:
+        raise DraftMismatchError(f"unknown draft method {name!r}; known: {', '.join(PACKAGES)}")
+    return importlib.import_module(PACKAGES[name]).METHODS[name]
 
 
 def fresh_num_layers(name: str) -> int:
     """A fresh ``name`` draft's decoder layers when 03's ``num_layers`` is null: its package's ``NUM_LAYERS``, read
     without building its ``METHODS`` (no torch: 03's parameters resolve it while validating)."""
-    return importlib.import_module(METHODS[name]).NUM_LAYERS
+    return importlib.import_module(PACKAGES[name]).NUM_LAYERS
+
+
+def rules(name: str) -> MethodRules:
+    """What callers read of method ``name`` before any torch import: its package's ``RULES`` entry."""
+    return importlib.import_module(PACKAGES[name]).RULES[name]
+
+
+def block_methods() -> tuple[str, ...]:
+    """The registered block drafters (one forward drafts a block), in the registry's order."""
+    return tuple(name for name in PACKAGES if rules(name).block)
+
+
+def params_readers(key: str) -> tuple[str, ...]:
+    """The methods that read 03's setting ``key`` of those only some read (``MethodRules.params``)."""
+    return tuple(name for name in PACKAGES if key in rules(name).params)
 
 
 def of(model: Any) -> DraftMethod:
@@ -81,13 +100,13 @@ def one_forward_per_round(model: Any) -> bool:
 
 def method_of(config: dict[str, Any], where: str = "config.json") -> DraftMethod:
     """The algorithm that reads a draft whose config.json is ``config``."""
-    for name in METHODS:
+    for name in PACKAGES:
         method = get(name)
         if method.claims(config):
             return method
     what = (f"speculators_model_type {config['speculators_model_type']!r}" if config.get("speculators_model_type")
             else f"architecture {', '.join(config.get('architectures') or [])}")
-    known = ", ".join(f"{name} ({get(name).title})" for name in METHODS)
+    known = ", ".join(f"{name} ({get(name).title})" for name in PACKAGES)
     raise DraftMismatchError(f"{where}: {what} is not a draft this package reads (methods: {known})")
 
 

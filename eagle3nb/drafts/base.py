@@ -76,6 +76,27 @@ class DraftMethod:
     calibrate: Callable[..., dict[str, Any]] | None = None
 
 
+@dataclass(frozen=True)
+class MethodRules:
+    """What 03's parameters, the resume check, the benchmarks and the GPU check read of a method before any torch
+    import: its package's light ``__init__`` holds them in ``RULES`` (name -> rules), read through
+    ``eagle3nb.drafts.rules``, so no caller names a method to know its rules."""
+
+    summary: str  # what 03's ``method`` help says of it
+    # a block drafter: one forward drafts a block of 03's block_size, which vLLM sizes by num_speculative_tokens;
+    # EAGLE-3's own settings (parallel_drafting, draft_attention, loss) are not its
+    block: bool = False
+    samples_from_anchor: bool = False  # a block drafter whose anchor slot drafts too (DSpark): block_size drafts
+    # 03's settings it reads that EAGLE-3, the first method, does not (their help names the methods reading them;
+    # another method's are left out of its runs' resume check)
+    params: tuple[str, ...] = ()
+
+    def drafts_per_block(self, block_size: int) -> int:
+        """Tokens one block of a block drafter proposes (vLLM's num_speculative_tokens): the anchor slot drafts
+        only when the method samples from it."""
+        return block_size if self.samples_from_anchor else block_size - 1
+
+
 def lazy_methods(package: str) -> Callable[[str], Any]:
     """A draft package's module ``__getattr__`` (PEP 562): its ``METHODS``, imported from ``<package>.method`` on
     first use, so the package's light facts (``NUM_LAYERS``, read while 03's parameters are validated) load no

@@ -11,14 +11,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3nb.drafts import DEFAULT, rules
 from eagle3nb.drafts.eagle3.layouts import EAGLE31_KEYS
 from eagle3nb.params import StageError
-from eagle3nb.train.params import BLOCK_KEYS, CURVE_KEYS, TrainParams
+from eagle3nb.train.params import CURVE_KEYS, METHOD_KEYS, TrainParams
 
 # The recipes' choices at the value every run had before they existed: a run config leaves them out at that value, so
 # older runs still resume, and a checkpoint without one was made with that value. num_layers' 1 is also EAGLE-3's
 # depth; a block drafter's null now resolves to its own depth (2), so its run saved with 1 is refused, naming it.
-BEFORE = {"num_layers": 1, "loss": "forward_kl", "optimizer": "adamw", "parallel_drafting": False}
+BEFORE = {"num_layers": 1, "loss": "forward_kl", "optimizer": "adamw", "parallel_drafting": False, "method": DEFAULT}
 
 
 class ResumeMismatch(StageError, ValueError):
@@ -39,8 +40,8 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
             del cfg[key]
     if P.loss != "lk_lambda":
         del cfg["lk_eta"]  # only lk_lambda reads it
-    if cfg["method"] == "eagle3":  # every run before block drafters existed, which their settings do not shape
-        for key in ("method", *BLOCK_KEYS):
+    for key in METHOD_KEYS:  # another method's settings, which do not shape this run
+        if key not in rules(P.method).params:
             del cfg[key]
     cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None

@@ -7,22 +7,33 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from eagle3nb.drafts import METHODS, fresh_num_layers
+from eagle3nb.drafts import DEFAULT, PACKAGES, fresh_num_layers, params_readers, rules
 from eagle3nb.params import ParamsError, StageParams, register
 from eagle3nb.paths import resolve
 
 STAGE = "03_train"
 
+# The settings only some methods read (each method's MethodRules.params, in the registry's order): a run of a method
+# leaves the others' out of its resume check.
+METHOD_KEYS = tuple(dict.fromkeys(key for m in PACKAGES for key in rules(m).params))
 # Settings that change the loss curve: resuming with a different value is refused (the curve would not be one run).
 CURVE_KEYS = ("data_dir", "init_from", "ttt_steps", "step_decay", "lr", "weight_decay", "warmup_ratio", "epochs",
               "max_steps", "max_length", "batch_tokens", "grad_clip", "seed", "holdout_fraction",
               "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "remap_vocab",
               "autocast", "draft_attention", "fc_norm", "norm_output", "num_layers", "loss", "lk_eta", "optimizer",
-              "parallel_drafting", "method", "block_size", "anchors_per_seq", "block_loss", "block_weighting",
-              "block_gamma", "dpace_alpha", "markov_rank", "confidence_weight")
-# The block drafters' settings (method dflash / dspark): a run of another method leaves them out of its resume check.
-BLOCK_KEYS = ("block_size", "anchors_per_seq", "block_loss", "block_weighting", "block_gamma", "dpace_alpha",
-              "markov_rank", "confidence_weight")
+              "parallel_drafting", "method", *METHOD_KEYS)
+# The registered methods' names, the values 03's method takes.
+Method = Literal[tuple(PACKAGES)]
+
+
+def one_of(names: list[str]) -> str:
+    """``a, b or c``."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+
+
+def readers(key: str) -> str:
+    """The methods reading ``key``, as its help opens: ``dflash / dspark``."""
+    return " / ".join(params_readers(key))
 
 
 @register(STAGE)
@@ -44,12 +55,11 @@ class TrainParams(StageParams):
                                                         "its 02_hidden_states.yaml: target, aux layers, draft vocab, "
                                                         "storage, backend incl. vllm_url); null = the folder of "
                                                         "params_file, else params/<run_name>/")
-    method: Literal["eagle3", "dflash", "dspark"] = Field(
-        "eagle3", description="the draft algorithm (eagle3nb.drafts): eagle3 (EAGLE-3 and its options below), "
-                              "dflash (a block drafter: one forward drafts a block from the target's states, "
-                              "docs/block-drafters.md) or dspark (DFlash with a Markov and a confidence head); a "
-                              "block drafter reads 02's aux layers (for the peers' spread set 02's aux_layer_ids, "
-                              "docs/block-drafters.md) and needs 02's draft_vocab_size = the target's vocabulary")
+    method: Method = Field(
+        DEFAULT, description="the draft algorithm (eagle3nb.drafts): "
+                             + one_of([f"{m} ({rules(m).summary})" for m in PACKAGES]) + "; a block drafter reads "
+                             "02's aux layers (for the peers' spread set 02's aux_layer_ids, docs/block-drafters.md) "
+                             "and needs 02's draft_vocab_size = the target's vocabulary")
     init_from: str | None = Field(None, description="a draft checkpoint folder to fine-tune (EAGLE-3 or speculators "
                                                     "layout, e.g. the AQ-MedAI Kimi drafter); null = start fresh from "
                                                     "the target's embedding and lm_head rows")
@@ -99,7 +109,7 @@ class TrainParams(StageParams):
     num_layers: int | None = Field(
         None, ge=1, validate_default=True,
         description="from scratch: draft decoder layers (vLLM's num_hidden_layers); null = the method's own depth ("
-                    + ", ".join(f"{m}: {fresh_num_layers(m)}" for m in METHODS) + "), the checkpoint's own when "
+                    + ", ".join(f"{m}: {fresh_num_layers(m)}" for m in PACKAGES) + "), the checkpoint's own when "
                     "fine-tuning (init_from); EAGLE-3's first layer reads embedding + feature, the later ones only "
                     "the residual stream; each costs one more layer per draft step")
     parallel_drafting: bool = Field(False, description="from scratch: a P-EAGLE draft (arXiv 2602.01469) that proposes "
@@ -119,23 +129,25 @@ class TrainParams(StageParams):
                                   "the drafted token, loss_mask 2, KL(p||q) where it accepted it)")
     lk_eta: float = Field(3.0, ge=0, description="loss lk_lambda: how fast the weight moves from KL to TV as the "
                                                  "acceptance grows (the paper's best: 3)")
-    block_size: int = Field(8, ge=2, description="dflash / dspark: block slots per draft forward (the anchor then "
-                                                 "masks); DFlash drafts block_size-1 tokens a round, DSpark "
-                                                 "block_size: num_speculative_tokens must be that")
-    anchors_per_seq: int = Field(512, ge=1, description="dflash / dspark: blocks trained per sequence, anchored at "
-                                                        "random generated tokens (all of them when fewer)")
-    block_loss: Literal["kl", "ce"] = Field("kl", description="dflash / dspark: per slot KL to the target's "
+    block_size: int = Field(8, ge=2, description=f"{readers('block_size')}: block slots per draft forward (the "
+                                                 "anchor then masks); DFlash drafts block_size-1 tokens a round, "
+                                                 "DSpark block_size: num_speculative_tokens must be that")
+    anchors_per_seq: int = Field(512, ge=1, description=f"{readers('anchors_per_seq')}: blocks trained per sequence, "
+                                                        "anchored at random generated tokens (all of them when fewer)")
+    block_loss: Literal["kl", "ce"] = Field("kl", description=f"{readers('block_loss')}: per slot KL to the target's "
                                                               "distribution, or CE on its argmax")
     block_weighting: Literal["decay", "dpace"] = Field(
-        "decay", description="dflash / dspark: the block positions' weights: decay exp(-i/block_gamma) (DFlash), "
-                             "or dpace (D-PACE, arXiv 2605.18810: suffix sums of the running products of the draft's "
-                             "own confidence, the gradient of the expected accepted length)")
-    block_gamma: float = Field(4.0, gt=0, description="dflash / dspark: decay's gamma (DSpark's confidence loss "
-                                                      "uses it too)")
-    dpace_alpha: float = Field(0.5, ge=0, le=1, description="dflash / dspark, weighting dpace: the confidence's "
-                                                            "smoothing (1 - alpha) q + alpha")
-    markov_rank: int = Field(32, ge=1, description="dspark: rank r of the Markov head (V x r, r x V)")
-    confidence_weight: float = Field(1.0, ge=0, description="dspark: weight of the confidence head's loss")
+        "decay", description=f"{readers('block_weighting')}: the block positions' weights: decay exp(-i/block_gamma) "
+                             "(DFlash), or dpace (D-PACE, arXiv 2605.18810: suffix sums of the running products of "
+                             "the draft's own confidence, the gradient of the expected accepted length)")
+    block_gamma: float = Field(4.0, gt=0, description=f"{readers('block_gamma')}: decay's gamma (DSpark's confidence "
+                                                      "loss uses it too)")
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description=f"{readers('dpace_alpha')}, weighting dpace: the "
+                                                            "confidence's smoothing (1 - alpha) q + alpha")
+    markov_rank: int = Field(32, ge=1, description=f"{readers('markov_rank')}: rank r of the Markov head (V x r, "
+                                                   "r x V)")
+    confidence_weight: float = Field(1.0, ge=0, description=f"{readers('confidence_weight')}: weight of the "
+                                                            "confidence head's loss")
     optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw, or muon (torch.optim.Muon) on the "
                                                                      "hidden 2-D weight matrices with AdamW on the "
                                                                      "rest (norms, lm_head); one lr for both "
@@ -188,8 +200,8 @@ class TrainParams(StageParams):
         if self.parallel_drafting and self.export_format != "eagle3":
             raise ValueError(f"parallel_drafting exports vLLM's eagle3 layout (mask_token_id + mask_hidden) only: set "
                              f"export_format: eagle3, not {self.export_format}")
-        if self.method != "eagle3":
-            n = self.block_size - (self.method == "dflash")
+        if rules(self.method).block:
+            n = rules(self.method).drafts_per_block(self.block_size)
             if self.num_speculative_tokens != n:  # vLLM sizes the block it runs by num_speculative_tokens
                 raise ValueError(f"method {self.method}: a block of {self.block_size} drafts {n} tokens, so "
                                  f"num_speculative_tokens ({self.num_speculative_tokens}) must be {n}")

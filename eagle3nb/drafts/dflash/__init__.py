@@ -8,11 +8,19 @@ position on stored states, ``method`` the two ``DraftMethod``s (``METHODS``, loa
 docs/block-drafters.md explains the model, the layouts and the layer-id convention.
 """
 
-from eagle3nb.drafts.base import lazy_methods
+from eagle3nb.drafts.base import MethodRules, lazy_methods
 
 # A fresh draft's decoder layers when 03's num_layers is null: on the smoke toy (60 steps, 3 seeds) one layer
 # accepted 1.38 (DFlash) / 2.46 (DSpark), two 2.52 / 3.17 (docs/recipes.md); the peers' published DFlash drafts
 # use 5 at 8B scale.
 NUM_LAYERS = 2
+# 03's block settings both read (model.fresh_draft, objective.BlockObjective.from_params); DSpark's heads add two.
+BLOCK = ("block_size", "anchors_per_seq", "block_loss", "block_weighting", "block_gamma", "dpace_alpha")
+RULES = {
+    "dflash": MethodRules(summary="a block drafter: one forward drafts a block from the target's states, "
+                                  "docs/block-drafters.md", block=True, params=BLOCK),
+    "dspark": MethodRules(summary="DFlash with a Markov and a confidence head", block=True, samples_from_anchor=True,
+                          params=(*BLOCK, "markov_rank", "confidence_weight")),
+}
 
 __getattr__ = lazy_methods(__name__)

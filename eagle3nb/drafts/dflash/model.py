@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3nb.drafts.base import DraftMismatchError
-from eagle3nb.drafts.eagle3.model import MLP, RMSNorm, rotate_half
+from eagle3nb.drafts.nn import MLP, RMSNorm, rotate_half
 from eagle3nb.layers import to_sglang
 
 

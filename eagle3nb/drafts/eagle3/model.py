@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.eagle3.cache import DraftCache, TTTCache, sdpa
+from eagle3nb.drafts.nn import MLP, RMSNorm, rotate_half
 from eagle3nb.errors import InputError
 
 
@@ -156,27 +156,7 @@ MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 _KEPT_EXTRA = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-# ---- building blocks ------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in fp32, scale by a learned weight."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # shape: [..., size], unit RMS
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+# ---- building blocks (RMSNorm, rotate_half and the MLP are eagle3nb.drafts.nn's) -----------------
 
 
 class Attention(nn.Module):
@@ -268,19 +248,6 @@ class MLAAttention(nn.Module):
                 k, v = cache.append(k, v)  # shape: [B, nh, past + T, .]
             out = sdpa(q, k, v, attention_mask, past)  # shape: [B, nh, T, vd], scale 1/sqrt(nope + rope)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.vd))  # shape: [B, T, H]
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # shape: [..., H] -> [..., I] -> [..., H]
 
 
 class MidLayer(nn.Module):
