@@ -93,3 +93,18 @@ def test_a_sweep_that_cannot_be_served_is_refused_naming_the_fix(trained, tmp_pa
     assert served_k("s", None, counters) == 3 and served_k("s", None, {"engine": None}) is None
     with pytest.raises(InputError, match="declares k=2 but its /metrics counts 3 .* set its k to 3"):
         served_k("s", 2, counters)
+
+
+def test_the_concurrency_verdict_covers_every_measured_level(sweep):
+    """Each measured concurrency maps to the k with the best measured speedup there (0 where plain wins), and each
+    speculative series gets a prediction fitted on the baseline's own steps."""
+    from eagle3nb.accept.concurrency import best_k_by_concurrency, concurrency_verdict
+
+    _, rows = sweep
+    best = best_k_by_concurrency(rows, "baseline")
+    assert sorted(best, key=int) == [str(c) for c in LEVELS]
+    for c, k in best.items():
+        spec = {r["k"]: r["speedup"] for r in rows if r["k"] and r["concurrency"] == int(c)}
+        assert k == (max(spec, key=spec.get) if max(spec.values()) >= 1 else 0), (c, spec)
+    verdict = concurrency_verdict(rows, "baseline")
+    assert verdict["step_cost"] is not None and sorted(s["k"] for s in verdict["series"]) == KS

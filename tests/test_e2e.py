@@ -16,7 +16,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
 FIGURES_04 = ["alpha_per_position", "tau_vs_k", "offline_vs_local", "throughput_vs_concurrency",
-              "speedup_vs_concurrency", "predicted_vs_measured_speedup"]
+              "speedup_vs_concurrency", "predicted_vs_measured_speedup", "throughput_pareto"]
 # the doctor's checks that the healthy smoke run must PASS: all of them
 PASSING = ["server", "token_stream", "thinking", "layer_ids", "shapes_vocab", "data_health", "disk", "draft_sanity"]
 
@@ -100,6 +100,10 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
             assert 0.0 <= r["acceptance_rate"] <= 1.0 and len(r["per_position"]) == P["k"], r
         else:
             assert r["acceptance_length"] is None and r["speedup"] == 1.0, r
+    # up to which concurrency the draft pays: every measured level mapped to its best k (0: plain wins there)
+    assert sorted(acc["best_k_by_concurrency"], key=int) == [str(c) for c in P["concurrency_levels"]]
+    assert all(k in (0, P["k"]) for k in acc["best_k_by_concurrency"].values())
+    assert set(acc["concurrency"]["serve_flags"]) == set(acc["best_k_by_concurrency"])
     # per-dataset rows for the public sets the params name, as the report's table shows them
     sets = acc["benchmarks"]["datasets"]
     assert list(sets) == P["benchmarks"] and sets["mt-bench"]["turns"] == 2 * P["benchmark_prompts"]

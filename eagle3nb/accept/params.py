@@ -59,9 +59,10 @@ class AcceptParams(TargetParams):
                                                                                     "draft) or a list of {label, url}; "
                                                                                     "the first is the speedup baseline")
     ks: list[int] | None = Field(None, description="embedded: draft lengths k to sweep, one speculative server started "
-                                                   "per k (a server's k is fixed at its start); null = [k]. Listed "
-                                                   "endpoints declare their own k instead")
-    concurrency_levels: list[int] = Field([1, 4], description="concurrent requests per benchmark level")
+                                                   "per k (a server's k is fixed at its start); null = 1..max_k. "
+                                                   "Listed endpoints declare their own k instead")
+    concurrency_levels: list[int] = Field([1, 2, 4, 8, 16], description="concurrent requests per benchmark level "
+                                                                        "(where speculation stops paying, by k)")
     num_prompts: int = Field(16, ge=1, description="requests per concurrency level")
     benchmarks: list[str] = Field([], description="public prompt sets (mt-bench, humaneval, sharegpt) or files decoded "
                                                   "here speculatively: one acceptance row per set in the public "
@@ -104,8 +105,8 @@ class AcceptParams(TargetParams):
 
     @property
     def sweep_ks(self) -> list[int]:
-        """The draft lengths the embedded benchmark serves: ``ks``, else just ``k``."""
-        return self.ks or [self.k]
+        """The draft lengths the embedded benchmark serves: ``ks``, else 1..``max_k``."""
+        return self.ks or list(range(1, self.max_k + 1))
 
     @property
     def draft_path(self) -> Path:

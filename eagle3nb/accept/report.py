@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.accept.concurrency import plot_pareto, series_label
 from eagle3nb.accept.online import at_k
 from eagle3nb.accept.predict import speedup_by_k
 from eagle3nb.figures import save_figures as save_all
@@ -15,7 +16,7 @@ from eagle3nb.formulas import tau_iid
 # The PNGs ``save_figures`` writes (offline_vs_local only when the local check ran).
 FIGURES = ["offline_vs_local", "tau_vs_k", "throughput_vs_concurrency", "speedup_vs_concurrency",
            "acceptance_vs_concurrency", "speedup_vs_k", "alpha_per_position", "predicted_vs_measured_speedup",
-           "acceptance_by_context"]
+           "acceptance_by_context", "throughput_pareto"]
 
 
 # ----------------------------------------------------------------------------------------- tables
@@ -279,11 +280,6 @@ def plot_context(metrics: dict[str, Any]):
     return fig
 
 
-def series_label(row: dict[str, Any]) -> str:
-    """A benchmark row's line in the plots: its endpoint, and its draft length where it has one."""
-    return row["endpoint"] if row.get("k") is None else f"{row['endpoint']} k={row['k']}"
-
-
 def by_series(rows: list[dict[str, Any]], y: str) -> dict[str, list[tuple[int, float]]]:
     """``{series label: [(concurrency, row[y]), ...]}`` sorted by concurrency, rows without ``y`` left out."""
     out: dict[str, list[tuple[int, float]]] = {}
@@ -390,6 +386,7 @@ def figures(metrics: dict[str, Any]) -> dict[str, Any]:
         "alpha_per_position": lambda: plot_alpha(metrics),
         "predicted_vs_measured_speedup": lambda: plot_predicted_vs_measured(metrics),
         "acceptance_by_context": lambda: plot_context(metrics) if metrics["offline"].get("by_context") else None,
+        "throughput_pareto": lambda: plot_pareto(metrics.get("online") or []) if metrics.get("online") else None,
     }
     return {name: fig for name, fig in ((n, makers[n]()) for n in FIGURES) if fig is not None}
 

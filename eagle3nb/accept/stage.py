@@ -14,6 +14,7 @@ from typing import Any
 
 from eagle3nb import track
 from eagle3nb.accept.bench import run_benchmarks
+from eagle3nb.accept.concurrency import best_k_by_concurrency, concurrency_verdict, serve_flags
 from eagle3nb.accept.local import prompt_token_ids, run_local
 from eagle3nb.accept.misses import summary as miss_summary
 from eagle3nb.accept.models import load_models
@@ -38,10 +39,12 @@ def run(P: AcceptParams) -> dict[str, Any]:
     local = run_local(P, target, draft, tokenizer) if P.local_prompts else None
     benchmarks = run_benchmarks(P, target, draft)
     pred = prediction(P, offline, local, parallel=one_forward_per_round(draft))
+    method = draft.method
     del target, draft  # the benchmark's servers load their own
     context = context_check(P)
     online = run_online(P)
-    metrics = clean({**assemble(P, offline, local, pred, online), "benchmarks": benchmarks})
+    metrics = clean({**assemble(P, offline, local, pred, online), **by_concurrency(P, offline, online, method),
+                     "benchmarks": benchmarks})
     metrics.update(context=context, misses=clean(miss_summary(P.stage_dir)))
     for source, m in metrics["misses"].items():
         print(f"misses ({source}): {m['worst']}", flush=True)
@@ -80,6 +83,17 @@ def assemble(P: AcceptParams, offline: dict[str, Any], local: dict[str, Any] | N
     return {"stage": STAGE, "run_name": P.run_name, "draft_dir": str(P.draft_path), "data_dir": str(P.data_path),
             "model_path": P.model_path, "offline": offline, "local": local, "prediction": prediction,
             "online": online or [], "online_baseline": baseline_label(P)}
+
+
+def by_concurrency(P: AcceptParams, offline: dict[str, Any], online: list[dict[str, Any]], method: str
+                   ) -> dict[str, Any]:
+    """Up to which concurrency the draft pays and with which k (``concurrency``): the best k per measured
+    concurrency (0: plain wins), the crossover measured and predicted from the engine's step costs, and the vLLM
+    flags for each level."""
+    best = best_k_by_concurrency(online, baseline_label(P))
+    return {"best_k_by_concurrency": best,
+            "concurrency": {**concurrency_verdict(online, baseline_label(P), offline.get("acceptance_length")),
+                            "serve_flags": serve_flags(best, method, str(P.draft_path))}}
 
 
 def clean(x):

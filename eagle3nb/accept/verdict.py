@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from eagle3nb.accept.concurrency import series_label
 from eagle3nb.accept.online import at_k
-from eagle3nb.accept.report import series_label
 
 PUBLIC_KIMI = "public Kimi-K2.5 drafters reach tau 3.0-3.5 at k=3 (alpha ~0.85)"
 
@@ -91,6 +91,23 @@ def headline(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = Non
     return measured, pays, nxt
 
 
+def concurrency_rows(conc: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where speculation stops paying (measured and predicted from the engine's step costs) and, for each measured
+    concurrency, the vLLM flags to serve with (``metrics.json`` ``concurrency``)."""
+    rows = []
+    if conc.get("series") or conc.get("serve_flags"):
+        measured, predicted = conc.get("measured_crossover"), conc.get("predicted_crossover")
+        rows.append(("Where speculation stops paying",
+                     f"measured: {f'from concurrency {measured}' if measured else 'it pays at every measured level'}; "
+                     f"predicted from the engine's step costs: "
+                     f"{f'from concurrency {predicted}' if predicted else 'not below 1x up to 256'} (the verify pass "
+                     "of c*(k+1) tokens costs more plain steps as the engine becomes compute-bound)."))
+    for c, flag in (conc.get("serve_flags") or {}).items():
+        rows.append((f"Serve at concurrency {c}", f"vllm serve <target> {flag}" if flag else
+                     "without --speculative-config: plain decoding is faster at this load"))
+    return rows
+
+
 def verdict(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None):
     """The plain-words table that ends the notebook: acceptance, what it means at each concurrency, why.
     ``checkup_causes`` as in ``likely_causes``: the doctor's, passed in (04 does not run the doctor)."""
@@ -136,6 +153,7 @@ def verdict(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None
                else ", no spec-decode metrics from the server")
         rows.append((f"Throughput at concurrency {r['concurrency']} ({series_label(r)})",
                      f"{s:.2f}x the baseline ({r['output_tokens_per_s']:.1f} tok/s): {what}{acc}."))
+    rows += concurrency_rows(metrics.get("concurrency") or {})
     causes = likely_causes(metrics, checkup_causes)
     low = off and (off["per_position"][0] < 0.4 or any(
         (r.get("speedup") or 1.0) < 1.0 for r in metrics.get("online") or []))
