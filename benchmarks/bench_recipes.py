@@ -14,7 +14,7 @@ temperature 1 (sampled drafting):
 - vLLM (seed 0 only, one server per draft, ``draft_sample_method: probabilistic`` so T=1 drafts by sampling):
   the real vLLM's spec-decode counters on the same prompts, and the served speedup: output tokens/s with the draft
   over a plain vLLM server's on the same prompts at concurrency 1 and T=0, the two measured one after the other.
-  vLLM runs with the project's fixes for its CPU build (``tools/vllm/eagle3nb_vllm_fixes``: without them its T=1
+  vLLM runs with the project's fixes for its CPU build (the plugin ``eagle3nb_vllm_fixes``: without them its T=1
   acceptance is ~1.0 whatever the draft); ``--no-vllm-fixes`` serves the drafts without them, to show that.
 
 with the spread over the seeds and 03's training tokens/s. The block drafters' rows (``dflash/4`` ... ``dspark/8``:
@@ -315,7 +315,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated recipe names (default: all): " + ", ".join(RECIPES))
     ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the real vLLM's columns")
     ap.add_argument("--no-vllm-fixes", dest="vllm_fixes", action="store_false",
-                    help="serve the drafts without tools/vllm/eagle3nb_vllm_fixes (the CPU build's defects back)")
+                    help="serve the drafts without the vLLM plugin eagle3nb_vllm_fixes (the CPU build's defects back)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -39,7 +39,9 @@ SLOW_TESTS = {"test_toy.py::test_a_fresh_rebuild_is_as_good_as_the_shipped_toy",
               "test_train.py::test_resume_after_kill9_follows_the_uninterrupted_curve",
               "test_run.py::test_kill_9_then_resume_status_and_refusal",
               "test_run.py::test_detach_survives_its_terminal_and_refuses_a_second_run",
-              "test_family_kimi.py::test_kimi_vllm_serves_a_dflash_block_drafter"}
+              "test_family_kimi.py::test_kimi_vllm_serves_a_dflash_block_drafter",
+              "test_family_kimi.py::test_kimi_vllm_started_from_another_directory_has_the_fixes",
+              "test_vllm_plugin.py::test_the_wheel_ships_the_plugin_and_the_installed_package_finds_it"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

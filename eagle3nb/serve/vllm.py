@@ -5,7 +5,9 @@ vLLM runs from its own environment (``make vllm`` builds ``.venv-vllm/`` with th
 :func:`vllm_args` writes the flags of each mode the recipe uses; :func:`start_vllm` starts one and waits for
 ``/health``. On a CPU machine three things differ from the GPU recipe, and only these: no tensor
 parallelism, ``--enforce-eager`` (no compile step: a start in about a minute), and the hidden-states
-connector, which is ``tools/vllm/cpu_hidden_states_connector.py`` (vLLM's own copies through CUDA streams).
+connector, which is ours (vLLM's own copies through CUDA streams). That connector and the plugin with the project's
+fixes for the CPU build's defects live in :data:`VLLM_EXT`, inside the installed package, and reach vLLM through its
+``PYTHONPATH`` whatever the current directory; :func:`start_vllm` refuses to start the CPU build without them.
 The reasoning parser is the target family's (``eagle3nb.families``), the dtype the one vLLM's CPU build serves
 the target in on this machine (``families.vllm_cpu_dtype``); a Harmony family (gpt-oss) gets the encoding file its
 chat path loads, written from the gpt-oss tokenizer package (``real_tokenizers.harmony_encodings``).
@@ -13,10 +15,13 @@ chat path loads, written from the gpt-oss tokenizer package (``real_tokenizers.h
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import platform
 import subprocess
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 from eagle3nb import paths
@@ -39,6 +44,12 @@ TOOL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True
 # Triton; pinned so an inherited VLLM_USE_V2_MODEL_RUNNER=0 cannot pick V1, and so the CPU build (no Triton) refuses
 # with the cause: "Model Runner V2 requires Triton". DFlash stays on vLLM's default (the CPU build serves it on V1).
 MODE_ENV: dict[str, dict[str, str]] = {"dspark": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
+# What vLLM's PYTHONPATH gets: the fixes plugin (``eagle3nb_vllm_fixes``, found by vLLM through the entry point of
+# the ``.dist-info`` beside it) and the CPU hidden-states connector. Package data (pyproject.toml), never imported
+# by eagle3nb: vLLM's environment runs it without eagle3nb installed.
+VLLM_EXT = Path(__file__).resolve().parent / "vllm_ext"
+PLUGIN_GROUP = "vllm.general_plugins"
+SKIPPED = ": skipped: "  # how a fix the plugin could not install says so (eagle3nb_vllm_fixes/guard.py)
 
 
 def vllm_python() -> Path:
@@ -119,6 +130,39 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     return args
 
 
+def missing_fixes(env: Mapping[str, str], folder: Path = VLLM_EXT) -> str | None:
+    """Why a vLLM started with ``env`` and ``folder`` on its PYTHONPATH would not load the fixes plugin (None when
+    it would): the folder lacks the plugin's entry point or package (a broken install), or ``VLLM_PLUGINS``, vLLM's
+    allowlist, leaves it out."""
+    entries: dict[str, str] = {}
+    for points in sorted(folder.glob("*.dist-info/entry_points.txt")):
+        parser = configparser.ConfigParser()
+        parser.optionxform = str  # entry point names keep their case
+        parser.read_string(points.read_text())
+        entries.update(parser[PLUGIN_GROUP] if parser.has_section(PLUGIN_GROUP) else {})
+    if not entries:
+        return f"no {PLUGIN_GROUP} entry point under {folder}: reinstall eagle3nb"
+    allowed = env.get("VLLM_PLUGINS")
+    for name, target in entries.items():
+        package = folder / target.split(":")[0].replace(".", "/")
+        if not (package / "__init__.py").is_file():
+            return f"{package} is missing: reinstall eagle3nb"
+        if allowed is not None and name not in allowed.split(","):
+            return f"VLLM_PLUGINS={allowed!r}, vLLM's plugin allowlist, leaves out {name}: add it or unset VLLM_PLUGINS"
+    return None
+
+
+def warn_skipped_fixes(handle: ServerHandle) -> list[str]:
+    """The plugin's fixes that vLLM started without (a private name a later vLLM renamed, a changed signature), one
+    line each, repeated as a warning: the server runs, but what those fixes cover is wrong again."""
+    skipped = sorted({line[line.index("eagle3nb_vllm_fixes."):] for line in handle.log().splitlines()
+                      if "eagle3nb_vllm_fixes." in line and SKIPPED in line})
+    if skipped:
+        warnings.warn(f"vLLM at {handle.url} started without {len(skipped)} of the project's fixes for its CPU "
+                      "build (docs/vllm.md), so what they cover is wrong:\n" + "\n".join(skipped), stacklevel=3)
+    return skipped
+
+
 def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str = "127.0.0.1", port: int = 0,
                api_key_env: str | None = None, timeout: float = 600.0, fixes: bool = True, log_requests: bool = False,
                **kw) -> ServerHandle:
@@ -126,8 +170,10 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
 
     ``model_dir`` may be ``toy:smoke`` / ``toy:demo`` (built first, served under that name). The API key,
     when ``api_key_env`` names a variable, reaches vLLM through its environment (``VLLM_API_KEY``), never its
-    command line. ``fixes=False`` starts it without ``tools/vllm/eagle3nb_vllm_fixes`` (the plugin with our fixes
-    for the CPU build's defects: docs/vllm.md), through vLLM's own plugin allowlist, to show what they fix.
+    command line. With ``fixes`` (the default) on a CPU, vLLM loads the plugin with our fixes for the CPU build's
+    defects (:data:`VLLM_EXT`, docs/vllm.md): a start that would load it not (:func:`missing_fixes`) is refused with
+    the cause, and a fix the plugin had to skip is repeated as a warning (:func:`warn_skipped_fixes`).
+    ``fixes=False`` starts it without the plugin, through vLLM's own plugin allowlist, to show what they fix.
     ``log_requests``: vLLM's request log (``--enable-log-requests`` at log level DEBUG: each chat request's body as
     one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). The mode's own environment
     (:data:`MODE_ENV`: DSpark's V2 model runner) overrides the caller's. Raises RuntimeError naming the fix when
@@ -142,13 +188,16 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     port = port or free_port(host)
     args = vllm_args(model, mode, fixes=fixes, **kw) + (["--enable-log-requests"] if log_requests else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "PYTHONPATH": str(paths.project_root() / "tools" / "vllm"),
+           "PYTHONPATH": str(VLLM_EXT),
            "VLLM_LOGGING_LEVEL": "DEBUG" if log_requests else "INFO"}
     env.update(MODE_ENV.get(mode, {}))
     if kw.get("tools"):
         env.update(TOOL_ENV)
     if not fixes:
         env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: vLLM loads none
+    elif kw.get("cpu", True) and (problem := missing_fixes(env)):
+        raise InputError(f"vLLM's CPU build would start without the project's fixes, so its outputs and acceptance "
+                         f"would be wrong (docs/vllm.md): {problem}; or pass fixes=False to run stock vLLM")
     if api_key_env:
         env["VLLM_API_KEY"] = os.environ[api_key_env]
     if detect(model, kw.get("family", AUTO)).reasoning == "harmony" and HARMONY_ENV not in env:
@@ -156,7 +205,10 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
         env[HARMONY_ENV] = str(harmony_encodings())
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
            *args]
-    return launch(cmd, host, port, f"vllm-{mode}", timeout, env=env)
+    handle = launch(cmd, host, port, f"vllm-{mode}", timeout, env=env)
+    if fixes:
+        warn_skipped_fixes(handle)
+    return handle
 
 
 def vllm_version() -> str:

@@ -8,22 +8,19 @@ normalised with layer 0's ``k_norm``: a DFlash draft of two or more layers propo
 it was trained to (greedy output stays the target's; acceptance moves: 1.685 against 1.709 on the smoke toy's
 trained 2-layer draft). :func:`install` runs the kernel on two groups with different weights against the formula
 and, only if it is wrong, makes a grouped call run one group at a time through the same kernel. One log line
-says which. ``qwen3_dflash`` looks ``ops.rms_norm`` up at each call, so replacing it in ``vllm._custom_ops``
-suffices.
+says which. ``qwen3_dflash`` (and every other caller in vLLM 0.32) looks ``ops.rms_norm`` up at each call, so
+replacing it in ``vllm._custom_ops`` reaches them all (docs/vllm.md "Callers that bound it").
 """
 
 from __future__ import annotations
 
 import torch
 
+from eagle3nb_vllm_fixes.guard import NotFixed, log
+
 _WRAPPED = "eagle3nb_wrapped"
-
-
-def _log(line: str) -> str:
-    from vllm.logger import init_logger
-
-    init_logger("vllm.eagle3nb_vllm_fixes.grouped_norm").info(line)
-    return line
+WITHOUT = "a DFlash draft of 2+ layers normalises every layer's context keys with layer 0's weights"
+EXACT = 1e-5  # float32's noise on the probe's tensors; the first row applied to all errs by ~0.1
 
 
 def grouped_error(kernel) -> float:
@@ -54,25 +51,28 @@ def _wrap(kernel):
 
 
 def install() -> None:
-    """On a CPU, probe ``rms_norm`` with grouped weights; wrap it where it ignores all but the first row."""
+    """On a CPU, probe ``rms_norm`` with grouped weights; wrap it where it ignores all but the first row, then probe
+    the wrapper (a wrapper that does not hold is undone: :class:`NotFixed`)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        _log(f"eagle3nb_vllm_fixes.grouped_norm: {current_platform.device_name} platform, not a CPU; left alone")
+        log("grouped_norm", f"{current_platform.device_name} platform, not a CPU; left alone")
         return
     from vllm import _custom_ops as ops
 
-    if hasattr(ops.rms_norm, _WRAPPED):
+    kernel = ops.rms_norm
+    if hasattr(kernel, _WRAPPED):
         return
-    error = grouped_error(ops.rms_norm)
-    if error < 1e-5:
-        _log(f"eagle3nb_vllm_fixes.grouped_norm: vLLM's CPU rms_norm applies each group's weight row (max error "
-             f"{error:.1e}): left alone")
+    error = grouped_error(kernel)
+    if error < EXACT:
+        log("grouped_norm", f"vLLM's CPU rms_norm applies each group's weight row (max error {error:.1e}); left alone")
         return
-    ops.rms_norm = _wrap(ops.rms_norm)
+    ops.rms_norm = _wrap(kernel)
     fixed = grouped_error(ops.rms_norm)
-    if fixed > 1e-5:
-        raise RuntimeError(f"eagle3nb_vllm_fixes.grouped_norm: rms_norm is still wrong after the fix ({fixed:.2e})")
-    _log(f"eagle3nb_vllm_fixes.grouped_norm: vLLM's CPU rms_norm applied the first weight row to every group (max "
-         f"error {error:.2f}; DFlash's context keys of layers after the first); it now runs one group at a time "
-         f"({fixed:.1e})")
+    if not fixed < EXACT:  # NaN (a kernel that wrote nothing into empty memory) fails too
+        ops.rms_norm = kernel
+        raise NotFixed(f"the CPU rms_norm ignores all but the first weight row (max error {error:.2f}) and still "
+                       f"errs one group at a time ({fixed:.1e}); vLLM's own kernel put back")
+    log("grouped_norm", f"vLLM's CPU rms_norm applied the first weight row to every group (max error {error:.2f}; "
+                        f"DFlash's context keys of layers after the first); it now runs one group at a time "
+                        f"({fixed:.1e})")

@@ -7,24 +7,21 @@ only, so an MLA target (DeepseekV3, Kimi-K2) beside any draft with ordinary atte
 Qwen3 DFlash block drafter) fails at start-up, "No common block size for 16". :func:`install` runs the kernel vLLM
 picks for a block of 16 on a small paged cache (permuted blocks, a prefill and a decode request, grouped heads) in
 each dtype the backend serves, causal and not (DFlash's block is not), against attention written out in PyTorch;
-only if it is as exact there as at the 32 vLLM declares does it add 16 to the declaration. One log line says which.
+only if it is as exact there as at the 32 vLLM declares does it add 16 to the declaration, then asks vLLM again
+whether it takes 16. One log line says which. vLLM reads the declaration through the class at each call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from eagle3nb_vllm_fixes.guard import NotFixed, log
+
 _WRAPPED = "_eagle3nb_blocksize_fix"
+WITHOUT = "an MLA target beside a draft with ordinary attention fails to start (no common KV block size for 16)"
 BLOCK = 16  # the CPU MLA backend's only block size
 DECLARED = 32  # the block vLLM's CPU attention declares (multiples of): the bar the probe holds 16 to
 WRONG = 0.05  # an error no dtype's rounding explains (bfloat16's is ~8e-3 here, a wrong block read's ~1, outputs ~3)
-
-
-def _log(line: str) -> str:
-    from vllm.logger import init_logger
-
-    init_logger("vllm.eagle3nb_vllm_fixes.blocksize").info(line)
-    return line
 
 
 def kernel_error(block_size: int = BLOCK, dtype: torch.dtype = torch.float32, causal: bool = True) -> float:
@@ -89,15 +86,16 @@ def check_and_fix() -> str:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     if CPUAttentionBackend.supports_block_size(BLOCK):
-        return _log(f"eagle3nb_vllm_fixes.blocksize: vLLM's CPU attention takes KV blocks of {BLOCK}; left alone")
+        return log("blocksize", f"vLLM's CPU attention takes KV blocks of {BLOCK}; left alone")
     cases = probe()
     case = max(cases, key=lambda c: cases[c][0] / (2 * cases[c][1] + 1e-6))  # the worst against 32
     error, declared = cases[case]
     if error > 2 * declared + 1e-6 or max(e for e, _ in cases.values()) > WRONG:
-        return _log(f"eagle3nb_vllm_fixes.blocksize: vLLM's CPU attention kernel is wrong at KV blocks of {BLOCK} "
-                    f"(max error by case at {BLOCK} / {DECLARED}: "
-                    f"{', '.join(f'{c} {e:.1e} / {d:.1e}' for c, (e, d) in cases.items())}); "
-                    "its declaration left alone")
+        return log("blocksize", f"vLLM's CPU attention kernel is wrong at KV blocks of {BLOCK} (max error by case "
+                                f"at {BLOCK} / {DECLARED}: "
+                                f"{', '.join(f'{c} {e:.1e} / {d:.1e}' for c, (e, d) in cases.items())}); "
+                                "its declaration left alone")
+    stock = CPUAttentionBackend.__dict__.get("get_supported_kernel_block_sizes")  # None: inherited
     sizes = [BLOCK, *CPUAttentionBackend.get_supported_kernel_block_sizes()]
 
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
@@ -105,10 +103,17 @@ def check_and_fix() -> str:
 
     setattr(get_supported_kernel_block_sizes, _WRAPPED, True)
     CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(get_supported_kernel_block_sizes)
-    return _log(f"eagle3nb_vllm_fixes.blocksize: vLLM's CPU attention declared KV blocks of {DECLARED} only, its "
-                f"kernel computes blocks of {BLOCK} as exactly ({len(cases)} cases, worst {case}: max error "
-                f"{error:.1e}, {declared:.1e} at {DECLARED}): it now takes {BLOCK} too, so an MLA target serves "
-                "beside a draft with ordinary attention")
+    if not CPUAttentionBackend.supports_block_size(BLOCK):
+        if stock is None:
+            del CPUAttentionBackend.get_supported_kernel_block_sizes
+        else:
+            CPUAttentionBackend.get_supported_kernel_block_sizes = stock
+        raise NotFixed(f"vLLM's CPU attention still refuses KV blocks of {BLOCK} after declaring them (its check "
+                       "reads something else now); its declaration put back")
+    return log("blocksize", f"vLLM's CPU attention declared KV blocks of {DECLARED} only, its kernel computes "
+                            f"blocks of {BLOCK} as exactly ({len(cases)} cases, worst {case}: max error {error:.1e}, "
+                            f"{declared:.1e} at {DECLARED}): it now takes {BLOCK} too, so an MLA target serves beside "
+                            "a draft with ordinary attention")
 
 
 def install() -> None:
@@ -116,7 +121,7 @@ def install() -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        _log(f"eagle3nb_vllm_fixes.blocksize: {current_platform.device_name} platform, not a CPU; left alone")
+        log("blocksize", f"{current_platform.device_name} platform, not a CPU; left alone")
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

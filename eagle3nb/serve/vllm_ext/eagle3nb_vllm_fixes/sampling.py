@@ -9,15 +9,19 @@ uninitialised, the target's logits are divided by garbage, and at T > 0 almost e
 
 A worker loads general plugins *before* ``current_platform.register_triton_kernel_overrides()`` swaps the kernels, so
 :func:`install` wraps that registration: once the platform's overrides are in, it runs ``_expand`` into a float buffer
-of -7 and, only if the result is wrong, registers :func:`expand` for the kernel. One log line says which.
+of -7 and, only if the result is wrong, registers :func:`expand` for the kernel through vLLM's own dispatcher (which
+rebinds every module holding the kernel), then runs the probe again. One log line says which.
 """
 
 from __future__ import annotations
 
 import torch
 
+from eagle3nb_vllm_fixes.guard import NotFixed, guarded, log
+
 KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 _WRAPPED = "_eagle3nb_sampling_fix"
+WITHOUT = "at T > 0 speculative decoding rejects almost every draft token (temperature and top-p lost)"
 
 
 def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from: float,
@@ -41,36 +45,37 @@ def expand_is_broken() -> bool:
     return not torch.equal(out, torch.tensor([0.5, 2.0, 2.0]))
 
 
-def _log(line: str) -> str:
-    from vllm.logger import init_logger
-
-    init_logger("vllm.eagle3nb_vllm_fixes.sampling").info(line)
-    return line
-
-
 def check_and_fix() -> str:
-    """Test ``_expand`` and register :func:`expand` for its kernel when it is broken; the line it logged."""
+    """Test ``_expand``; where it is broken, register :func:`expand` for its kernel and test again (a fix that
+    does not hold is undone: the platform's kernel registered back, :class:`NotFixed` raised). The line logged."""
     from vllm.triton_utils.dispatcher import register_kernels
+    from vllm.v1.sample import rejection_sampler
 
     if not expand_is_broken():
-        line = "eagle3nb_vllm_fixes.sampling: vLLM's _expand keeps float values here; left alone"
-    else:
-        register_kernels({KERNEL: expand})
-        if expand_is_broken():
-            raise RuntimeError("eagle3nb_vllm_fixes.sampling: _expand is still wrong after the fix was registered")
-        line = ("eagle3nb_vllm_fixes.sampling: vLLM's CPU _expand lost float values (temperature, top-p at T>0 in "
-                "rejection sampling); replaced with a dtype-preserving expand")
-    return _log(line)
+        return log("sampling", "vLLM's _expand keeps float values here; left alone")
+    before = getattr(rejection_sampler.expand_kernel, "func", None)  # the platform's implementation
+    register_kernels({KERNEL: expand})
+    if expand_is_broken():
+        if before is not None:
+            register_kernels({KERNEL: before})
+        raise NotFixed("_expand still loses float values through the registered fix (the platform's kernel put "
+                       "back)")
+    return log("sampling", "vLLM's CPU _expand lost float values (temperature, top-p at T>0 in rejection "
+                           "sampling); replaced with a dtype-preserving expand")
 
 
 def install() -> None:
     """On a CPU platform, make its kernel-override registration run :func:`check_and_fix` right after it (once per
-    process, however often plugins load); any other platform (a GPU) is left untouched."""
+    process, however often plugins load), guarded as :func:`register` is; any other platform is left untouched.
+    The names the check needs are looked up here first, so a vLLM without them skips the fix at start-up."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        _log(f"eagle3nb_vllm_fixes.sampling: {current_platform.device_name} platform, not a CPU; left alone")
+        log("sampling", f"{current_platform.device_name} platform, not a CPU; left alone")
         return
+    from vllm.triton_utils.dispatcher import register_kernels  # noqa: F401 (present, or the fix is skipped)
+    from vllm.v1.sample.rejection_sampler import _expand, expand_kernel  # noqa: F401
+
     platform_cls = type(current_platform)
     register = platform_cls.register_triton_kernel_overrides
     if getattr(register, _WRAPPED, False):
@@ -78,7 +83,7 @@ def install() -> None:
 
     def register_then_fix(cls: type) -> None:
         register()
-        check_and_fix()
+        guarded("sampling", check_and_fix, WITHOUT)
 
     setattr(register_then_fix, _WRAPPED, True)
     platform_cls.register_triton_kernel_overrides = classmethod(register_then_fix)

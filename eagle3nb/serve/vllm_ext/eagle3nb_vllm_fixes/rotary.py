@@ -7,17 +7,18 @@ count ``size(-1) / head_size``. A 3-D view breaks both: MLA (``layers/mla.py``) 
 ``[T, H, 64]`` (strides ``(H * 192, 192, 1)``) and ``k_pe`` ``[T, 1, 64]`` sliced from the 576-wide latent, so the
 kernel rotates the wrong rows at the wrong positions and writes into the latent ``kv_c``. Position 0's rotation is
 the identity, so only later positions are wrong. A 2-D view with unit last stride (Llama's ``qkv.split``) is
-read right and passes through untouched.
+read right and passes through untouched. ``forward_cpu`` (and every other caller in vLLM 0.32) looks the function up
+in ``vllm._custom_ops`` at each call, so replacing it there reaches them all (docs/vllm.md "Callers that bound it").
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-# vLLM's logging config handles the "vllm" logger tree, so this line reaches the server log
-log = logging.getLogger("vllm.eagle3nb_vllm_fixes.rotary")
+from eagle3nb_vllm_fixes.guard import NotFixed, log
+
+WITHOUT = "MLA targets (DeepseekV3, Kimi-K2) rotate queries and keys at the wrong positions: wrong tokens"
+EXACT = 1e-5  # float32's noise on the probe's tensors; a misread rotation errs by ~1
 
 
 def _readable(x: torch.Tensor | None) -> bool:
@@ -73,22 +74,27 @@ def _wrap(kernel):
 
 
 def install() -> None:
-    """On a CPU, probe vLLM's rotary kernel on MLA's layout; wrap it where it misreads (one log line either way).
-    ``forward_cpu`` looks the function up in ``vllm._custom_ops`` at each call, so replacing it there suffices."""
+    """On a CPU, probe vLLM's rotary kernel on MLA's layout; wrap it where it misreads, then probe the wrapper (a
+    wrapper that does not hold is undone: :class:`NotFixed`). One log line either way."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        log.info("eagle3nb: not a CPU: vLLM's rotary kernels left alone")
+        log("rotary", f"{current_platform.device_name} platform, not a CPU; left alone")
         return
     from vllm import _custom_ops as ops
 
-    if hasattr(ops.rotary_embedding, "eagle3nb_wrapped"):
+    kernel = ops.rotary_embedding
+    if hasattr(kernel, "eagle3nb_wrapped"):
         return
-    error = _probe(ops.rotary_embedding)
-    if error < 1e-5:
-        log.info("eagle3nb: vLLM's CPU rotary kernel reads 3-D strided views right (max error %.1e): left alone",
-                 error)
+    error = _probe(kernel)
+    if error < EXACT:
+        log("rotary", f"vLLM's CPU rotary kernel reads 3-D strided views right (max error {error:.1e}); left alone")
         return
-    ops.rotary_embedding = _wrap(ops.rotary_embedding)
-    log.info("eagle3nb: vLLM's CPU rotary kernel misreads 3-D strided views (max error %.2f; %.1e through the "
-             "fix): it now gets contiguous 2-D copies", error, _probe(ops.rotary_embedding))
+    ops.rotary_embedding = _wrap(kernel)
+    fixed = _probe(ops.rotary_embedding)
+    if not fixed < EXACT:  # NaN (a kernel that wrote nothing into empty memory) fails too
+        ops.rotary_embedding = kernel
+        raise NotFixed(f"the CPU rotary kernel misreads 3-D strided views (max error {error:.2f}) and still does "
+                       f"through 2-D copies ({fixed:.1e}); vLLM's own kernel put back")
+    log("rotary", f"vLLM's CPU rotary kernel misreads 3-D strided views (max error {error:.2f}; {fixed:.1e} through "
+                  "the fix): it now gets contiguous 2-D copies")
