@@ -206,7 +206,7 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
            *args]
     handle = launch(cmd, host, port, f"vllm-{mode}", timeout, env=env)
-    if fixes:
+    if fixes and kw.get("cpu", True):  # the plugin fixes the CPU build only: on a GPU it applies nothing
         warn_skipped_fixes(handle)
     return handle
 
