@@ -149,3 +149,24 @@ def test_allocate_follows_the_loss_and_spills_over() -> None:
     even = allocate({}, pool, 9)
     assert sorted(r["group"] for r in even).count("chat") >= 3 and len(even) == 9
     assert len(allocate({"math": 1.0}, pool, 100)) == 30  # no more than the group holds
+
+
+def test_the_committed_logs_name_no_machines_folders() -> None:
+    """tools/make_traffic_logs.py scrubs the logs it writes: outside the request bodies (kept byte for byte), no
+    absolute path of the machine that made them (its checkout, virtual environments, temporary files)."""
+    import re
+
+    from tools.make_traffic_logs import OUT, scrub
+
+    machine = re.compile(r"/(?:work|home|root|tmp|usr|opt|var|Users|mnt|srv|private|scratch|nix)/")
+    body = ('DEBUG [request_logger.py:74] Request r1 JSON body: '
+            '{"messages": [{"role": "user", "content": "cat /tmp/x"}]}\n')
+    made = ("/home/ann/venv/lib/python3.11/site-packages/vllm/api.py:24: Warning\r\n"
+            + "model /work/ann/eagle3nb/toy/shipped/smoke, ipc:///tmp/f355 GET /v1/models\n" + body)
+    assert scrub(made) == ("<site-packages>/vllm/api.py:24: Warning\r\n"
+                           + "model <eagle3nb>/toy/shipped/smoke, ipc://<tmp>/f355 GET /v1/models\n" + body)
+    logs = sorted(OUT.glob("*.log"))
+    assert logs
+    for log in logs:
+        bad = [line[:120] for line in log.read_text().splitlines() if machine.search(line) and "JSON body:" not in line]
+        assert bad == [], log

@@ -32,7 +32,8 @@ def run(P: RefreshParams) -> dict[str, Any]:
     #    requests (to measure and judge, at least what the gate needs) and a pool (refresh data); none usable: stop
     traffic = read_traffic(prompts_path(P.traffic), P.per_group, group_by=P.group_by, seed=P.seeds[0])
     if not traffic.rows:
-        dropped = ", ".join(f"{n} {why}" for why, n in traffic.dropped.most_common()) or "no request body found"
+        dropped = (", ".join(f"{n} {why}" for why, n in traffic.dropped.most_common())
+                   or "none holds a request: vLLM logs them with --enable-log-requests at log level DEBUG")
         raise InputError(f"traffic {P.traffic} holds no usable chat request (lines dropped: {dropped}); point "
                          "traffic at a gateway's JSONL request log or vLLM's request log (docs/refresh.md, step 1)")
     heldout, pool = split(traffic.rows, len(P.seeds))
