@@ -571,17 +571,17 @@ def test_05_stops_at_its_first_step_on_traffic_with_no_usable_request(tmp_path, 
 
 
 def test_05_stops_naming_the_cause_when_every_on_policy_answer_is_truncated(trained, embedded, tmp_path, capsys):
-    """20 readable requests answered with max_completion_tokens 32: every answer is cut, so there is nothing to
-    train on; 05 stops after 01, naming the truncation and the fix, before 02 and 03."""
+    """20 readable requests answered with max_completion_tokens 8 (the toy reasons for ~20 tokens): every answer is
+    cut, so there is nothing to train on; 05 stops after 01, naming the truncation and the fix, before 02 and 03."""
     log = write(tmp_path / "traffic.jsonl", "".join(
         json.dumps({"messages": [{"role": "user", "content": f"Tell me about the number {i} in a few sentences."}]})
         + "\n" for i in range(20)))
     out = trained["out"]
     argv = refresh_params(tmp_path, traffic=log, draft_dir=out / "03_train" / "draft", synth_dir=out / "01_synth",
-                          vllm_url=embedded.url, max_completion_tokens=32, max_tokens=8, seeds=[0], budget=8)
+                          vllm_url=embedded.url, max_completion_tokens=8, max_tokens=8, seeds=[0], budget=8)
     capsys.readouterr()
     assert run_command("05_refresh", argv) == 2
     err = capsys.readouterr().err
     assert "none of the 8 on-policy answers" in err and "8 truncated" in err, err
-    assert "max_completion_tokens (32)" in err and "raise it" in err and "Traceback" not in err, err
+    assert "max_completion_tokens (8)" in err and "raise it" in err and "Traceback" not in err, err
     assert (tmp_path / "o" / "01_synth").is_dir() and not (tmp_path / "o" / "02_hidden_states").exists()

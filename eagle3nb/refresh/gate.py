@@ -155,7 +155,7 @@ def judge(groups: list[GroupScores], k: int, cost_ratio: float, overhead: float 
     lengths on their judging requests, weighted by their shares."""
     if not groups:
         raise ValueError("the gate needs at least one group of held-out requests")
-    denom = speedup(1.0, k, cost_ratio, overhead, parallel) ** -1
+    denom = 1.0 / speedup(1.0, k, cost_ratio, overhead, parallel)  # D: speedup = tau / D
     seed = choose(groups, denom)
     verdicts = [judge_group(g, seed, drop_alpha, min_requests) for g in groups]
     judged = [v for v in verdicts if v.status != "not judged"]
