@@ -1,8 +1,8 @@
-"""eagle3nb: train and judge EAGLE-3 draft models for large reasoning LLMs.
+"""eagle3nb: train and judge speculative-decoding draft models (EAGLE-3, DFlash, DSpark) for large reasoning LLMs.
 
-The four notebooks in ``notebooks/`` narrate; this package does the work. Stages:
-``synth`` (01), ``hidden`` (02), ``train`` (03), ``accept`` (04); below them a core (``draft``, ``spec``,
-``formulas``, ...), above them ``serve``, ``doctor`` and ``run``.
+The five notebooks in ``notebooks/`` narrate; this package does the work. Stages: ``synth`` (01), ``hidden`` (02),
+``train`` (03), ``accept`` (04); below them a core (``drafts``, ``decoding``, ``specdec``, ``formulas``, ...), above
+them ``refresh`` (05, on request), ``serve``, ``doctor`` and ``run``.
 """
 
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 
+from eagle3nb.drafts import METHODS
 from eagle3nb.errors import guarded
 
 # command -> module with register_cli(subparsers)
@@ -19,14 +20,18 @@ CLI_MODULES = [
 ]
 
 
-DESCRIPTION = """\
-Train and judge EAGLE-3 speculative-decoding draft models for a reasoning LLM. The four stages are the
-notebooks notebooks/01_synth.ipynb ... 04_acceptance.ipynb (also `python -m eagle3nb.synth|hidden|train|accept
-params/<run>/`); these commands run them in order, check a run, serve a model and build the toy target."""
+DESCRIPTION = f"""\
+Train and judge speculative-decoding draft models ({", ".join(METHODS)}) for a reasoning LLM. The five stages are
+the notebooks notebooks/01_synth.ipynb ... 05_refresh.ipynb (also `python -m
+eagle3nb.synth|hidden|train|accept|refresh params/<run>/`): 01-04 make and judge a draft, 05 refreshes a served one
+from its traffic, on request. These commands run them in order, check a run, serve a model and build the toy
+target."""
 
 EPILOG = """\
 examples:
-  eagle3nb run params/demo/              the four stages in order; run it again and it resumes
+  eagle3nb run params/demo/              stages 01-04 in order (and 05 when params/demo/ holds 05_refresh.yaml);
+                                         run it again and it resumes
+  eagle3nb run params/mine/ --stages 05  the refresh alone, on params/mine/05_refresh.yaml's traffic (docs/refresh.md)
   eagle3nb doctor params/mine/           check a run for the known causes of a bad drafter, before the GPU hours
   eagle3nb run params/mine/ --detach     the same in the background: it survives the terminal closing
   eagle3nb status outputs/mine/          what a run is doing, its live progress, whether it is alive

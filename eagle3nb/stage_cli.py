@@ -11,10 +11,17 @@ from __future__ import annotations
 import argparse
 import importlib
 from pathlib import Path
+from typing import Any
 
 from eagle3nb.errors import guarded
-from eagle3nb.params import STAGE_MODULES, from_dict
+from eagle3nb.params import STAGE_MODULES, StageParams, from_dict
 from eagle3nb.params_yaml import stage_values
+
+
+def run_stage(P: StageParams) -> Any:
+    """The one way to a stage's ``run(P)`` from inside the package: its ``stage.py`` found by the parameters' stage
+    name (the command line's, and 05's for 01-03). No module imports a ``stage.py`` (tests/test_architecture.py)."""
+    return importlib.import_module(f"{STAGE_MODULES[P.stage]}.stage").run(P)
 
 
 def main(stage: str, argv: list[str] | None = None) -> int:
@@ -26,8 +33,7 @@ def main(stage: str, argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def body() -> int:
-        P = from_dict(stage, stage_values(stage, args.params, args.set))
-        importlib.import_module(f"{module}.stage").run(P)
+        run_stage(from_dict(stage, stage_values(stage, args.params, args.set)))
         return 0
 
     return guarded(f"python -m {module}", body, argv=["--debug"] if args.debug else None)

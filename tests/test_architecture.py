@@ -186,7 +186,8 @@ def test_a_stage_imports_no_other_stage():
 
 
 def stage_modules() -> set[str]:
-    return {f"eagle3nb.{stage}.stage" for stage in STAGES}
+    """Every stage's orchestrator: 01-04's and 05's (``refresh``, on top of them)."""
+    return {f"eagle3nb.{stage}.stage" for stage in (*STAGES, "refresh")}
 
 
 def test_no_module_imports_a_stage_orchestrator():
@@ -195,6 +196,20 @@ def test_no_module_imports_a_stage_orchestrator():
     stage (03's online source from 02, the doctor from 02's plan) is a public function of a named module."""
     bad = sorted(f"{m} imports {d}" for m, deps in graph().items() for d in deps if d in stage_modules())
     assert bad == []
+
+
+def test_a_stage_is_run_by_name_only_through_the_stage_entry():
+    """Running a stage's ``run(P)`` from inside the package (05 runs 01-03) goes through one public entry,
+    ``eagle3nb.stage_cli.run_stage(P)``: no other module builds a ``stage`` module's name for importlib, so the
+    rule above cannot be sidestepped."""
+    bad = []
+    for m, f in MODULES.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args
+                    and re.search(r"\.stage['\"]", ast.unparse(node.args[0]))):
+                bad.append(f"{m}: {ast.unparse(node)}")
+    assert [b for b in bad if not b.startswith("eagle3nb.stage_cli:")] == []
+    assert len(bad) == 1, "stage_cli.run_stage is the entry: it reaches each stage.py by name"
 
 
 def test_tools_benchmarks_and_testkit_take_only_run_from_a_stage():

@@ -544,3 +544,45 @@ def test_a_dead_server_is_refused_at_once_naming_the_family_parser(name):
     msg, hint = str(e.value), "" if family.reasoning == "none" else family.parser_flag()
     assert "cannot reach" in msg and "connection refused" in msg and hint in msg
     assert ("--reasoning-parser" in msg) == bool(hint), msg
+
+
+def refresh_params(tmp: Path, **values: Any) -> list[str]:
+    """05's command line on a copy of params/smoke with a ``05_refresh.yaml`` of ``values`` (the costs given, so 04
+    need not have run)."""
+    folder = run_dir(tmp)
+    write(folder / "05_refresh.yaml", yaml.safe_dump({"model_path": "toy:smoke", "cost_ratio": 0.1, "overhead": 0.1,
+                                                      "output_dir": str(tmp / "o"),
+                                                      **{k: str(v) if isinstance(v, Path) else v
+                                                         for k, v in values.items()}}))
+    return [str(folder)]
+
+
+def test_05_stops_at_its_first_step_on_traffic_with_no_usable_request(tmp_path, capsys):
+    """41 lines of garbage: 05 stops before any work, naming the lines dropped by reason (it used to run on into
+    the fine-tune and fail there with 03's held-out split)."""
+    log = write(tmp_path / "traffic.jsonl", "".join(f"garbage {i} {{\n" for i in range(40)) + '["a list"]\n')
+    draft = write(tmp_path / "draft" / "config.json", "{}").parent
+    argv = refresh_params(tmp_path, traffic=log, draft_dir=draft)
+    capsys.readouterr()
+    assert run_command("05_refresh", argv) == 2
+    err = capsys.readouterr().err
+    assert "no usable chat request" in err and "40 not JSON" in err and "1 not a JSON object" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [], "05 worked past reading the traffic"
+
+
+def test_05_stops_naming_the_cause_when_every_on_policy_answer_is_truncated(trained, embedded, tmp_path, capsys):
+    """20 readable requests answered with max_completion_tokens 8 (the toy reasons for ~20 tokens): every answer is
+    cut, so there is nothing to train on; 05 stops after 01, naming the truncation and the fix, before 02 and 03."""
+    log = write(tmp_path / "traffic.jsonl", "".join(
+        json.dumps({"messages": [{"role": "user", "content": f"Tell me about the number {i} in a few sentences."}]})
+        + "\n" for i in range(20)))
+    out = trained["out"]
+    argv = refresh_params(tmp_path, traffic=log, draft_dir=out / "03_train" / "draft", synth_dir=out / "01_synth",
+                          vllm_url=embedded.url, max_completion_tokens=8, max_tokens=8, seeds=[0], budget=8)
+    capsys.readouterr()
+    assert run_command("05_refresh", argv) == 2
+    err = capsys.readouterr().err
+    assert "none of the 8 on-policy answers" in err and "8 truncated" in err, err
+    assert "max_completion_tokens (8)" in err and "raise it" in err and "Traceback" not in err, err
+    assert (tmp_path / "o" / "01_synth").is_dir() and not (tmp_path / "o" / "02_hidden_states").exists()

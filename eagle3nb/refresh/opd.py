@@ -17,6 +17,26 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eagle3nb.drafts.base import REJECTED
+from eagle3nb.refresh.measure import Measure
+from eagle3nb.refresh.params import RefreshParams
+from eagle3nb.refresh.substages import extract, sub_stage
+
+
+def distil(P: RefreshParams, measure: Measure, draft: Path, rows: list[dict], seed: int, vocab: tuple[int, Path],
+           folder: Path) -> tuple[Path, dict[str, int]]:
+    """On-policy distillation of one refreshed draft: its proposals on ``rows`` replayed through the target (02
+    over the records, keeping the vocabulary of ``vocab``'s 02 folder, the one the draft was fine-tuned on: the
+    proposals' few scored tokens would choose another and cost the draft the rest), then 03 from it with
+    ``loss: opd``. Returns the distilled draft and the proposals' counts."""
+    records = folder / "proposals"
+    if not records.is_dir():
+        decoder, tpl, eos = measure.decoder(draft)
+        write_records(proposals(decoder, tpl, rows, P.max_tokens, eos, P.opd_rounds), records)
+    data_dir = extract(P, records, vocab[0], folder / "02_hidden_states", vocab_from=vocab[1])
+    trained = sub_stage("03_train", P, {"data_dir": data_dir, "init_from": draft, "max_steps": P.opd_steps,
+                                        "lr": P.opd_lr, "seed": seed, "loss": "opd",
+                                        "keep_best": False, "output_dir": folder / "03_train"})
+    return trained / "draft", counts(records)
 
 
 def proposals(decoder, template, rows: Sequence[dict], max_tokens: int, eos: Sequence[int],

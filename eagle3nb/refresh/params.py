@@ -26,7 +26,8 @@ class RefreshParams(TargetParams):
         ["domain"], description="what groups the traffic: the log's own tag, or the request's domain (tools, code, "
                                 "math, chat), script, turns or length bucket; several join as domain/turns")
     per_group: int = Field(32, ge=2, description="requests sampled per group (uniformly from the whole log); half are "
-                                                 "held out to measure and gate, half may become refresh data")
+                                                 "held out to measure and gate (at least 8 with several seeds, 4 "
+                                                 "with one), the rest may become refresh data")
     draft_dir: str | None = Field(None, description="the current draft; default outputs/<run_name>/03_train/draft")
     synth_dir: str | None = Field(None, description="the current draft's training data (01_synth's folder), replayed "
                                                     "in the refresh; default outputs/<run_name>/01_synth")
@@ -48,8 +49,9 @@ class RefreshParams(TargetParams):
                                                   "cost the groups it has none of)")
     opd_rounds: int = Field(4, ge=1, description="on-policy distillation: decoding rounds kept per refresh request, "
                                                  "spread over its answer")
-    seeds: list[int] = Field([0, 1], min_length=1, description="one refreshed draft per seed; their spread is the "
-                                                               "gate's seed noise")
+    seeds: list[int] = Field([0, 1], min_length=1, description="one refreshed draft per seed; with several, the gate "
+                                                               "chooses one on half of each group's held-out "
+                                                               "requests and judges it on the other half")
     k: int = Field(3, ge=1, le=16, description="drafted tokens per target step when measuring and predicting")
     max_tokens: int = Field(64, ge=1, description="tokens decoded per held-out request when measuring acceptance")
     offline: bool = Field(False, description="also measure the current draft offline per group: 01 answers the "

@@ -15,9 +15,10 @@ def verdict_lines(metrics: dict[str, Any]) -> list[str]:
              f"{sum(metrics['refresh_data']['traffic'].values())} on-policy requests + "
              f"{metrics['refresh_data']['replayed']} replayed samples"]
     if gate["ship"]:
-        best = max(groups, key=lambda g: g["change"])
-        lines.append(f"pays: traffic-weighted speedup {gate['speedup_before']:.3f}x -> {gate['speedup_after']:.3f}x, "
-                     f"{best['name']} {best['before']:.2f} -> {best['after']:.2f}, no group down beyond its noise")
+        best = max((g for g in groups if g["change"] is not None), key=lambda g: g["change"])
+        lines.append(f"pays: traffic-weighted speedup {gate['speedup_before']:.3f}x -> {gate['speedup_after']:.3f}x "
+                     f"(lower bound of the gain {gate['gain_lower']:+.3f}x), {best['name']} {best['before']:.2f} -> "
+                     f"{best['after']:.2f}, no group significantly down")
         lines.append(f"next: serve {metrics['draft']} (the current draft is untouched at {metrics['current_draft']})")
     else:
         lines.append(f"does not pay: {gate['reason']}")
@@ -26,13 +27,14 @@ def verdict_lines(metrics: dict[str, Any]) -> list[str]:
 
 
 def gate_table(metrics: dict[str, Any]):
-    """Per group: share of traffic, held-out requests, acceptance length before and after (mean over seeds),
-    the change, the noise it is judged against, and whether it held."""
+    """Per group, on its judging requests: share of traffic, how many, acceptance length before and after (the
+    chosen seed), the change, its standard error and one-sided upper bound, and the status (held, fell, not
+    judged)."""
     import pandas as pd
 
-    rows = [{"group": g["name"], "share": g["share"], "requests": g["requests"], "before": g["before"],
-             "after": g["after"], "change": g["change"], "noise": g["noise"], "held": g["passed"]}
-            for g in metrics["gate"]["groups"]]
+    rows = [{"group": g["name"], "share": g["share"], "judged on": g["requests"], "before": g["before"],
+             "after": g["after"], "change": g["change"], "se": g["se"], "upper bound": g["upper"],
+             "status": g["status"]} for g in metrics["gate"]["groups"]]
     return pd.DataFrame(rows).set_index("group").round(3)
 
 
@@ -69,15 +71,16 @@ def weak_table(metrics: dict[str, Any]):
 
 
 def plot_gate(metrics: dict[str, Any]):
-    """Acceptance length per group before and after, the after bar with its noise as an error bar."""
+    """Acceptance length per judged group before and after (the chosen seed, on the judging requests), the after
+    bar with the change's standard error as an error bar."""
     import matplotlib.pyplot as plt
 
-    groups = metrics["gate"]["groups"]
+    groups = [g for g in metrics["gate"]["groups"] if g["status"] != "not judged"]
     x = range(len(groups))
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(groups) + 2), 3.2))
     ax.bar([i - 0.2 for i in x], [g["before"] for g in groups], 0.4, label="current draft")
-    ax.bar([i + 0.2 for i in x], [g["after"] for g in groups], 0.4, yerr=[g["noise"] for g in groups], capsize=3,
-           label="refreshed (mean over seeds, noise)")
+    ax.bar([i + 0.2 for i in x], [g["after"] for g in groups], 0.4, yerr=[g["se"] for g in groups], capsize=3,
+           label="refreshed (chosen seed, standard error)")
     ax.set_xticks(list(x), [f"{g['name']}\n{g['share']:.0%}" for g in groups])
     ax.set_ylabel("acceptance length")
     ax.set_title("held-out traffic by group (share of traffic)")

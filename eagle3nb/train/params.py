@@ -65,7 +65,8 @@ class TrainParams(StageParams):
                                                     "the target's embedding and lm_head rows")
     output_dir: str | None = Field(None, description="checkpoints, metrics and the exported draft; default "
                                                      "outputs/<run_name>/03_train")
-    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length (draft steps trained per position)")
+    ttt_steps: int = Field(7, ge=1, description="EAGLE-3's training-time-test unroll length (draft steps trained per "
+                                                   "position)")
     step_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step i is step_decay**i")
     lr: float = Field(3e-3, gt=0, description="peak AdamW learning rate (the toy draft is tiny; big drafts 1e-4, "
                                               "fine-tuning 5e-5)")

@@ -230,6 +230,14 @@ def heldout_table(metrics: dict[str, Any]):
         acceptance_length=[before["acceptance_length"], after["acceptance_length"]])
 
 
+def title(P: Any) -> str:
+    """The report's heading, naming what this run trains (EAGLE-3, DFlash, DSpark: the registry's title) and
+    whether it fine-tunes a checkpoint."""
+    from eagle3nb.drafts import get
+
+    return f"{'Fine-tune' if P.init_from else 'Train'} the {get(P.method).title} draft"
+
+
 def headline(metrics: dict[str, Any], stage_dir: str | Path) -> tuple[str, str, str]:
     """03's verdict in three lines (what training reached, whether the draft learned and more data would pay,
     what next) from its metrics and its held-out curve."""
