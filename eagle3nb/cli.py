@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from eagle3nb.drafts import METHODS
+from eagle3nb.drafts import PACKAGES
 from eagle3nb.errors import guarded
 
 # command -> module with register_cli(subparsers)
@@ -21,7 +21,7 @@ CLI_MODULES = [
 
 
 DESCRIPTION = f"""\
-Train and judge speculative-decoding draft models ({", ".join(METHODS)}) for a reasoning LLM. The five stages are
+Train and judge speculative-decoding draft models ({", ".join(PACKAGES)}) for a reasoning LLM. The five stages are
 the notebooks notebooks/01_synth.ipynb ... 05_refresh.ipynb (also `python -m
 eagle3nb.synth|hidden|train|accept|refresh params/<run>/`): 01-04 make and judge a draft, 05 refreshes a served one
 from its traffic, on request. These commands run them in order, check a run, serve a model and build the toy

@@ -532,7 +532,7 @@ def test_the_help_and_the_readme_name_every_stage_and_every_draft_method():
     """A user's first reads, eagle3nb --help and the README, count the stages the registry has and name every draft
     method (05 with its params folder, serve --draft included): they said four stages and EAGLE-3."""
     from eagle3nb.cli import build_parser
-    from eagle3nb.drafts import METHODS, get
+    from eagle3nb.drafts import PACKAGES, get
     from eagle3nb.params import STAGE_MODULES
 
     count = {4: "four", 5: "five", 6: "six"}[len(STAGE_MODULES)]
@@ -541,7 +541,7 @@ def test_the_help_and_the_readme_name_every_stage_and_every_draft_method():
     assert f"{count} stages" in top and f"The {count} stages" in readme
     assert "eagle3nb run params/mine/ --stages 05" in top
     draft_help = " ".join(helps["eagle3nb serve"].format_help().split())
-    for name in METHODS:
+    for name in PACKAGES:
         assert name in top and name in draft_help, name
         assert get(name).title in readme.split("## Why")[0], get(name).title
 

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3nb.drafts import METHODS
+from eagle3nb.drafts import PACKAGES
 from eagle3nb.errors import UserError
 from eagle3nb.serve.spec_engine import SpecEngine
 from eagle3nb.toy import resolve_model_path
@@ -43,7 +43,7 @@ def register_cli(subparsers) -> None:
                    help="torch CPU threads (default 1: the toy's matrices are tiny, and more threads spin against "
                         "the clients and each other on a shared machine)")
     p.add_argument("--draft", default=None, metavar="DIR",
-                   help=f"a draft folder of any method ({', '.join(METHODS)}; 03's outputs/<run>/03_train/draft): "
+                   help=f"a draft folder of any method ({', '.join(PACKAGES)}; 03's outputs/<run>/03_train/draft): "
                         "decode speculatively")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="k tokens drafted per step (with --draft)")
     p.add_argument("--hidden-states-dir", default=None, metavar="DIR",
