@@ -87,6 +87,33 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
     assert sum(SpecBatch(dec).counters.per_pos) == 0  # fresh batches start from zero counters
 
 
+@pytest.fixture(scope="module")
+def spread(toy_smoke):
+    """tests/sampling.py's spread prompt of the smoke toy (~15 s)."""
+    from sampling import spread_prompt
+
+    return spread_prompt(toy_smoke)
+
+
+@pytest.mark.parametrize("verification", ["standard", "block"])
+def test_sampled_verification_keeps_the_targets_distribution_g_test(world, spread, verification):
+    """Token-wise and block verification side by side: at T=1 the second generated token (the first one a round
+    verifies) of N seeded rows, decoded together (k=3), fits the target's own distribution of that token
+    (tests/sampling.py's G-test at ALPHA), and every row verified drafts for it. ~5 s each."""
+    from eagle3nb.decoding.verify import Sampling
+    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
+
+    from sampling import ALPHA, N, fits_target
+
+    batch = SpecBatch(SpecDecoder(world["target"], world["draft"], 3))
+    with torch.inference_mode():
+        batch.add([spread.ids] * N, [Sampling(1.0, 1.0, torch.Generator().manual_seed(s), verification)
+                                     for s in range(N)])
+        seconds = [new[0] for new in batch.round()]
+    assert batch.counters.drafts == N and batch.counters.accepted > 0
+    assert fits_target(seconds, spread) > ALPHA, torch.bincount(torch.tensor(seconds)).nonzero().flatten()
+
+
 def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
     """Same data: offline chains (teacher-forced by the target's greedy tokens) and real decoding see the same
     inputs, so the rounds they imply agree exactly, and the acceptance lengths closely."""
