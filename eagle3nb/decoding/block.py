@@ -61,7 +61,8 @@ def verify_block(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
     token after the kept prefix). Drawn on the CPU with the row's generator (k uniforms, then one token)."""
     draft_ids, draft_probs, target_probs = draft_ids.cpu(), draft_probs.cpu(), target_probs.cpu()
     w, h = block_weights(draft_ids, draft_probs, target_probs)
-    eta = torch.rand(draft_ids.shape[0], generator=generator, dtype=torch.float64)  # shape: [k]
-    passed = (eta <= h).nonzero().flatten()
+    eta = torch.rand(draft_ids.shape[0], generator=generator)  # shape: [k]; token-wise's draws (k = 1: its rule)
+    passed = (eta.double() <= h).nonzero().flatten()
     tau = int(passed[-1]) + 1 if len(passed) else 0
-    return tau, int(torch.multinomial(correction(tau, w, draft_probs, target_probs), 1, generator=generator))
+    dist = correction(tau, w, draft_probs, target_probs).to(target_probs.dtype)  # shape: [V]
+    return tau, int(torch.multinomial(dist, 1, generator=generator))
