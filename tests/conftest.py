@@ -30,8 +30,8 @@ SLOW_MODULES = {"test_e2e.py", "test_family_glm.py", "test_refresh.py"}
 # family's real tokenizer, Kimi's trained MLA draft
 SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained", "staged"}
 # single tests of fast modules that alone cost 10-20 s on a quiet machine (a toy rebuilt from its recipe, a torchrun
-# killed and resumed, 02, 03 and the runner killed and resumed, two gloo ranks, a vLLM server of its own): the rest
-# stays in the inner loop
+# killed and resumed, 02, 03 and the runner killed and resumed, two gloo ranks, a vLLM server of its own, the spread
+# prompt's search of the verification G-tests): the rest stays in the inner loop
 SLOW_TESTS = {"test_toy.py::test_a_fresh_rebuild_is_as_good_as_the_shipped_toy",
               "test_scale.py::test_online_under_torchrun_resumes_after_kill9_exactly",
               "test_hidden.py::test_kill_9_and_resume_gives_identical_shards",
@@ -41,7 +41,8 @@ SLOW_TESTS = {"test_toy.py::test_a_fresh_rebuild_is_as_good_as_the_shipped_toy",
               "test_run.py::test_detach_survives_its_terminal_and_refuses_a_second_run",
               "test_family_kimi.py::test_kimi_vllm_serves_a_dflash_block_drafter",
               "test_family_kimi.py::test_kimi_vllm_started_from_another_directory_has_the_fixes",
-              "test_vllm_plugin.py::test_the_wheel_ships_the_plugin_and_the_installed_package_finds_it"}
+              "test_vllm_plugin.py::test_the_wheel_ships_the_plugin_and_the_installed_package_finds_it",
+              "test_accept_spec.py::test_sampled_verification_keeps_the_targets_distribution_g_test"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

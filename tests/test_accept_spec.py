@@ -87,6 +87,33 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
     assert sum(SpecBatch(dec).counters.per_pos) == 0  # fresh batches start from zero counters
 
 
+@pytest.fixture(scope="module")
+def spread(toy_smoke):
+    """tests/sampling.py's spread prompt of the smoke toy (~15 s)."""
+    from sampling import spread_prompt
+
+    return spread_prompt(toy_smoke)
+
+
+@pytest.mark.parametrize("verification", ["standard", "block"])
+def test_sampled_verification_keeps_the_targets_distribution_g_test(world, spread, verification):
+    """Token-wise and block verification side by side: at T=1 the second generated token (the first one a round
+    verifies) of N seeded rows, decoded together (k=3), fits the target's own distribution of that token
+    (tests/sampling.py's G-test at ALPHA), and every row verified drafts for it. ~5 s each."""
+    from eagle3nb.decoding.verify import Sampling
+    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
+
+    from sampling import ALPHA, N, fits_target
+
+    batch = SpecBatch(SpecDecoder(world["target"], world["draft"], 3))
+    with torch.inference_mode():
+        batch.add([spread.ids] * N, [Sampling(1.0, 1.0, torch.Generator().manual_seed(s), verification)
+                                     for s in range(N)])
+        seconds = [new[0] for new in batch.round()]
+    assert batch.counters.drafts == N and batch.counters.accepted > 0
+    assert fits_target(seconds, spread) > ALPHA, torch.bincount(torch.tensor(seconds)).nonzero().flatten()
+
+
 def test_local_acceptance_agrees_with_offline_on_the_same_data(world):
     """Same data: offline chains (teacher-forced by the target's greedy tokens) and real decoding see the same
     inputs, so the rounds they imply agree exactly, and the acceptance lengths closely."""
@@ -237,3 +264,30 @@ def test_benchmark_sets_answer_later_turns_on_policy(world):
         sum(s["drafts"] for s in got["by_category"].values())
     he = decode_set(dec, tpl, load_prompts("humaneval", 2), 12, eos, None)
     assert (he["turns"], list(he["by_turn"])) == (2, ["first turn"]) and he["by_category"] == {}
+
+
+def test_04_compares_token_wise_and_block_verification_per_temperature(world, toy_smoke, tmp_path):
+    """04's verification step: T=1 always, the stage's temperature when it is another positive one; one tau per
+    seed and rule (the same seeds under both rules: at k=1 the two rules are one, so equal taus), the metrics'
+    means and the report's table read from them."""
+    from eagle3nb.accept.verification import compare_verification, summary, temperatures, verification_table
+
+    def P(t: float):
+        return from_dict("04_acceptance", dict(run_name="test", model_path=str(toy_smoke), temperature=t,
+                                               draft_dir=str(world["root"] / "03" / "draft"),
+                                               data_dir=str(world["root"] / "02"), output_dir=str(tmp_path)))
+
+    assert [temperatures(P(t)) for t in (0.0, 1.0, 0.7)] == [[1.0], [1.0], [1.0, 0.7]]
+    prompts = world["prompts"][:3]
+    got = compare_verification(world["target"], world["draft"], prompts, 3, 16, [1.0, 0.7], world["eos"], seeds=2)
+    assert list(got) == ["1", "0.7"] and all(list(rules) == ["standard", "block"] for rules in got.values())
+    assert all(len(taus) == 2 and all(1.0 <= tau <= 4.0 for tau in taus) for rules in got.values()
+               for taus in rules.values())
+    assert got["1"]["standard"] != got["0.7"]["standard"]  # each temperature decoded on its own
+    one = compare_verification(world["target"], world["draft"], prompts, 1, 16, [1.0], world["eos"], seeds=2)["1"]
+    assert one["standard"] == one["block"]  # k = 1: block verification is token-wise, draw for draw
+    means = summary(got)
+    assert means["1"]["block"] == pytest.approx(sum(got["1"]["block"]) / 2)
+    table = verification_table({"verification": means, "verification_seeds": got})
+    assert list(table.index) == ["1", "0.7"]
+    assert table.loc["1", "block - standard"] == pytest.approx(means["1"]["block"] - means["1"]["standard"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -108,8 +109,16 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
     sets = acc["benchmarks"]["datasets"]
     assert list(sets) == P["benchmarks"] and sets["mt-bench"]["turns"] == 2 * P["benchmark_prompts"]
     assert all(d["acceptance_length"] >= 1.0 and len(d["per_position"]) == P["k"] for d in sets.values())
+    # sampled local decoding at T=1 (the smoke params decode greedy): token-wise and block verification, each a
+    # tau per seed; block is never worse in expectation, so its mean sits above standard's less the seeds' spread
+    ver, seeds = acc["verification"], acc["verification_seeds"]
+    assert list(ver) == ["1"] and list(ver["1"]) == ["standard", "block"], ver
+    spread = max(statistics.stdev(taus) for taus in seeds["1"].values())
+    assert all(1.0 < tau <= P["k"] + 1 for tau in ver["1"].values()), ver
+    assert ver["1"]["block"] >= ver["1"]["standard"] - 2 * spread, (ver, seeds)  # the means differ by ~0.7 sd
     html = (out / "04_acceptance.html").read_text()
     assert all(f"<th>{name}</th>" in html for name in P["benchmarks"]), "the per-dataset table is in the report"
+    assert "<th>block - standard</th>" in html, "the verification table is in the report"
     for fig in FIGURES_04:
         assert (out / "04_acceptance" / f"{fig}.png").read_bytes().startswith(b"\x89PNG"), fig
     # executed notebooks keep their plots

@@ -52,3 +52,23 @@ def test_every_file_with_device_code_is_covered_by_a_path():
     assert not missing, f"add a check for the CUDA path in {missing} to tools/gpu_check.py (PATHS)"
     documented = module.__doc__
     assert all(f"``{p.name}``" in documented for p in module.PATHS), "list every path in the script's docstring"
+
+
+def test_start_vllm_runs_block_verification_in_vllms_v2_runner(tmp_path, toy_smoke, monkeypatch):
+    """``vllm_block_verification``'s server (launcher replaced, no server): the speculative config asks for block
+    verification, and the environment pins vLLM's V2 model runner even where the caller's picks V1 (V1's rejection
+    sampler ignores ``block`` and verifies token-wise); a token-wise server keeps the caller's runner."""
+    import json
+
+    import eagle3nb.serve.vllm as serve
+
+    launched = {}
+    monkeypatch.setattr(serve, "unavailable_reason", lambda: None)  # vLLM's environment is not needed
+    monkeypatch.setattr(serve, "launch", lambda cmd, host, port, name, timeout, env: launched.setdefault(
+        json.loads(cmd[cmd.index("--speculative-config") + 1]).get("rejection_sample_method"), env))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    for method in ("block", "standard"):
+        serve.start_vllm(toy_smoke, "eagle3", draft_dir=tmp_path, num_speculative_tokens=3, cpu=False,
+                         speculative={"draft_sample_method": "probabilistic", "rejection_sample_method": method})
+    assert launched["block"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert launched["standard"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"

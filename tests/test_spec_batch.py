@@ -122,21 +122,24 @@ def test_spec_server_batches_concurrent_requests_and_answers_like_the_plain_serv
 def test_the_reference_decoder_decodes_like_the_batched_one(pair, toy_smoke):
     """``eagle3nb.specdec.reference`` (one sequence, no padding, no draft cache) and the batched decoder give the same
     tokens and the same accepted drafts every round: greedy (both the target's own output), and sampled with the
-    same seed (both draw from the generator in the same order: first token, k drafts, verification)."""
+    same seed (both draw from the generator in the same order: first token, k drafts, verification), with
+    token-wise and with block verification (greedy: identical to the target either way)."""
     from eagle3nb.specdec.batch import SpecDecoder
     from eagle3nb.specdec.reference import plain_generate, reference_generate
 
     target, draft, eos = pair
     dec = SpecDecoder(target, draft, K)
-    outputs: dict[float, list[list[int]]] = {}
-    for temperature in (0.0, 0.9):
-        for i, prompt in enumerate(_prompts(toy_smoke, 2)):
+    outputs: dict[tuple[float, str], list[list[int]]] = {}
+    for temperature, verification in ((0.0, "standard"), (0.0, "block"), (0.9, "standard"), (0.9, "block")):
+        for i, prompt in enumerate(_prompts(toy_smoke, 2 if verification == "standard" else 1)):
             ref, rounds = reference_generate(target, draft, prompt, K, 40, temperature, [eos],
-                                             torch.Generator().manual_seed(i))
-            res = dec.generate(prompt, 40, temperature, [eos], torch.Generator().manual_seed(i))
-            assert (ref, rounds) == (res.tokens, res.accepted_per_round), (temperature, i)
+                                             torch.Generator().manual_seed(i), verification=verification)
+            res = dec.generate(prompt, 40, temperature, [eos], torch.Generator().manual_seed(i),
+                               verification=verification)
+            assert (ref, rounds) == (res.tokens, res.accepted_per_round), (temperature, verification, i)
             assert sum(rounds) > 0  # drafts were accepted, so the draft's numbers were compared too
             if temperature == 0.0:
                 assert ref == plain_generate(target, prompt, 40, eos_token_ids=[eos])
-            outputs.setdefault(temperature, []).append(ref)
-    assert outputs[0.9] != outputs[0.0]  # the sampled path ran
+            outputs.setdefault((temperature, verification), []).append(ref)
+    assert outputs[0.9, "standard"] != outputs[0.0, "standard"]  # the sampled path ran
+    assert outputs[0.9, "block"] != outputs[0.9, "standard"][:1]  # the block rule ran: other draws, other tokens

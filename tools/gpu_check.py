@@ -54,6 +54,12 @@ The CUDA paths (where the code picks or follows a device), and what each check c
   ``ExampleHiddenStatesConnector``) read by 02's vllm backend vs the CPU fp32 transformers states (<= 1e-3).
 - ``vllm_eagle3``: ``start_vllm(mode="eagle3", cpu=False)`` serving the draft trained on cuda: vLLM's
   spec-decode counters count accepted tokens, acceptance length within 15% of CPU local decoding.
+- ``vllm_block_verification``: ``start_vllm(mode="eagle3", cpu=False)`` serving the draft trained on cuda with
+  block verification (``speculative``: ``rejection_sample_method: block``, ``draft_sample_method: probabilistic``;
+  vLLM's V2 model runner only, pinned by ``serve.vllm.V2_SPECULATIVE``), sampled at T=1 on ``VERIFY_PROMPTS``
+  held-out prompts: vLLM's acceptance length within 10% of our block verification's
+  (``accept.verification.compare_verification``, CPU fp32, same draft and prompts; 64 prompts keep the two
+  samplers' spread near 3%, as tests/test_vllm.py's T=1 check).
 - ``vllm_recipes``: ``start_vllm(mode="eagle3", cpu=False)`` serving one draft in both recipe layouts vLLM builds
   differently (a 2-layer EAGLE-3.1 draft: ``fc_norm`` + ``norm_output`` and ``num_hidden_layers: 2``, one server
   start instead of two), trained on cuda: acceptance length within 15% of CPU local decoding of that draft.
@@ -97,6 +103,7 @@ VLLM_GPU_VENV = ROOT / ".venv-vllm-gpu"
 BUDGET_S = 600.0  # the 10 minutes a GPU is lent for
 N_SAMPLES, MAX_NEW = 32, 96  # 01: the target's greedy answers to the first toy:train prompts
 N_PROMPTS, MAX_TOKENS, K = 16, 64, 3  # speculative decoding: toy:heldout prompts, tokens each, drafted tokens
+VERIFY_PROMPTS = 64  # vllm_block_verification: sampled T=1 prompts (16 spread our decoder's tau by +-7%)
 SHORT_STEPS, LONG_STEPS = 20, 200  # 03: the device comparison runs; the draft that is served (tau ~4 at 200)
 # Issue 24's recipes, each one factor on the EAGLE-3.0 baseline (whatever 03's defaults are), and the tolerance
 # of its final loss on cuda vs CPU.
@@ -737,6 +744,30 @@ def check_vllm_eagle3(w: World) -> str:
     return w.within_local(row["acceptance_length"], 0.15, "vLLM") + f", {row['output_tokens_per_s']:.0f} tok/s"
 
 
+def check_vllm_block_verification(w: World) -> str:
+    """vLLM's block verification (its V2 runner) against ours, at T=1 on the same draft and prompts."""
+    from eagle3nb.accept.online import bench_endpoint
+    from eagle3nb.accept.verification import compare_verification
+    from eagle3nb.data.prompts import load_prompts
+    from eagle3nb.data.stream import Template
+    from eagle3nb.drafts import load_draft
+
+    rows, tpl = load_prompts("toy:heldout", VERIFY_PROMPTS), Template(w.toy, True)
+    local = compare_verification(w.cpu_target, load_draft(w.draft_dir), [tpl.prompt_ids(r["messages"]) for r in rows],
+                                 K, MAX_TOKENS, [1.0], [tpl.end_id], seeds=1)["1"]
+    ours, standard = local["block"][0], local["standard"][0]
+    spec = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
+    with start_gpu_vllm(w, "eagle3", draft_dir=w.draft_dir, num_speculative_tokens=K, speculative=spec) as h:
+        row = bench_endpoint("vllm-block", h.base_url, rows, [4], MAX_TOKENS, 1.0, warmup=0, k=K)[0]
+    tau = row["acceptance_length"] or 0.0
+    return expect(row["errors"] == 0 and row["metrics_engine"] == "vllm" and abs(tau - ours) <= 0.1 * ours,
+                  f"T=1, {len(rows)} prompts: vLLM block verification acceptance length {tau:.3f} vs ours "
+                  f"{ours:.3f} (within 10%; our token-wise {standard:.3f}), errors {row['errors']}, "
+                  f"{row['output_tokens_per_s']:.0f} tok/s",
+                  "vLLM's block verification accepts differently from eagle3nb/decoding/block.py: compare the two "
+                  "rules on one round's probabilities (vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py)")
+
+
 def check_vllm_recipes(w: World) -> str:
     from eagle3nb.accept.online import bench_endpoint
 
@@ -871,6 +902,9 @@ PATHS: list[CudaPath] = [
              "see eagle3nb/vllm_config.py connector_config", needs="vllm_install"),
     CudaPath("vllm_eagle3", check_vllm_eagle3, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),
              "see eagle3nb/serve/vllm.py vllm_args", needs="vllm_install"),
+    CudaPath("vllm_block_verification", check_vllm_block_verification,
+             ("eagle3nb/serve/vllm.py", "eagle3nb/decoding/block.py", "eagle3nb/accept/verification.py"),
+             "see eagle3nb/serve/vllm.py V2_SPECULATIVE and eagle3nb/decoding/block.py", needs="vllm_install"),
     CudaPath("vllm_recipes", check_vllm_recipes, ("eagle3nb/serve/vllm.py", "eagle3nb/drafts/eagle3/layouts.py"),
              "see eagle3nb/drafts/eagle3/layouts.py save_draft (the layers and fc_norm names)", needs="vllm_install"),
     CudaPath("vllm_block_drafters", check_vllm_block_drafters,

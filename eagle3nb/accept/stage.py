@@ -1,9 +1,9 @@
 """04_acceptance's work, ``run(P) -> metrics``: what the notebook and ``python -m eagle3nb.accept params/<run>/``
 call. It loads the target and the draft, measures acceptance offline on held-out hidden states, decodes locally
-(lossless check and costs), predicts the speedup, benchmarks the endpoints, and writes ``metrics.json`` and
-every figure into the stage folder. Each step's result is reused when a re-run finds it finished
-(``offline.json``, ``local.json``, ``online-<label>.json``; the embedded sweep's ``online-baseline.json`` and
-``online-eagle3-k<k>.json``, one per served k)."""
+(lossless check and costs; sampled, token-wise vs block verification), predicts the speedup, benchmarks the
+endpoints, and writes ``metrics.json`` and every figure into the stage folder. Each step's result is reused when a
+re-run finds it finished (``offline.json``, ``local.json``, ``verification.json``, ``online-<label>.json``; the
+embedded sweep's ``online-baseline.json`` and ``online-eagle3-k<k>.json``, one per served k)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from eagle3nb.accept.online import baseline_label, probe_endpoints, run_online
 from eagle3nb.accept.params import STAGE, AcceptParams
 from eagle3nb.accept.predict import prediction
 from eagle3nb.accept.report import save_figures
+from eagle3nb.accept.verification import run_verification
+from eagle3nb.accept.verification import summary as verification_summary
 from eagle3nb.drafts import one_forward_per_round
 from eagle3nb.progress import write_json_atomic
 
@@ -37,6 +39,7 @@ def run(P: AcceptParams) -> dict[str, Any]:
     print(f"held-out data {P.data_path}; output {P.stage_dir}", flush=True)
     offline = run_offline(P, draft, tokenizer)
     local = run_local(P, target, draft, tokenizer) if P.local_prompts else None
+    per_seed = run_verification(P, target, draft) if P.local_prompts else {}  # sampled: standard vs block
     benchmarks = run_benchmarks(P, target, draft)
     pred = prediction(P, offline, local, parallel=one_forward_per_round(draft))
     method = draft.method
@@ -45,7 +48,8 @@ def run(P: AcceptParams) -> dict[str, Any]:
     online = run_online(P)
     metrics = clean({**assemble(P, offline, local, pred, online), **by_concurrency(P, offline, online, method),
                      "benchmarks": benchmarks})
-    metrics.update(context=context, misses=clean(miss_summary(P.stage_dir)))
+    metrics.update(context=context, misses=clean(miss_summary(P.stage_dir)),
+                   verification=verification_summary(per_seed), verification_seeds=per_seed)
     for source, m in metrics["misses"].items():
         print(f"misses ({source}): {m['worst']}", flush=True)
     save_figures(P.stage_dir, metrics)

@@ -1,7 +1,8 @@
 """Verification: which drafted tokens the target keeps. Greedy: agree = equal to the target's argmax, so the output
 is exactly the target's greedy output. Sampling: standard rejection sampling (accept d with min(1, p(d)/q(d)), else
-draw from the residual max(0, p - q)), so the output distribution is exactly the target's. Also how one sequence
-picks its tokens (``Sampling``) and vLLM's spec-decode counters."""
+draw from the residual max(0, p - q)), so the output distribution is exactly the target's; or block verification
+(``eagle3nb.decoding.block``: the drafts judged as one block, lossless too and never fewer accepted in
+expectation). Also how one sequence picks its tokens (``Sampling``) and vLLM's spec-decode counters."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import torch
 
+from eagle3nb.decoding.block import verify_block
+from eagle3nb.errors import InputError
 from eagle3nb.formulas import summarize_counts
 
 
@@ -85,6 +88,19 @@ def verify_sampling(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_p
     return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
 
 
+# Sampled verification rules by name (vLLM's ``rejection_sample_method`` names); greedy ignores them: at T=0 both
+# keep exactly the target's argmax run.
+VERIFIERS = {"standard": verify_sampling, "block": verify_block}
+
+
+def check_verification(name: str) -> str:
+    """``name`` if it is one of :data:`VERIFIERS`, else a one-line InputError naming them."""
+    if name not in VERIFIERS:
+        raise InputError(f"verification {name!r}: use one of {', '.join(VERIFIERS)} (vLLM's "
+                         "rejection_sample_method names)")
+    return name
+
+
 def is_greedy(temperature: float) -> bool:
     return temperature < 1e-5  # the embedded server's rule
 
@@ -95,15 +111,24 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torc
     return int(torch.multinomial(probs_at(logits, temperature, top_p).cpu(), 1, generator=generator))
 
 
-
 @dataclass
 class Sampling:
     """How one sequence picks its tokens: greedy (temperature 0) or sampled with its own generator, so its
-    tokens do not depend on which other sequences share its batch."""
+    tokens do not depend on which other sequences share its batch, and verified by ``verification`` (one of
+    :data:`VERIFIERS`) when sampled."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    verification: str = "standard"
+
+    def __post_init__(self) -> None:
+        check_verification(self.verification)
+
+    def verify(self, draft_ids: torch.Tensor, draft_probs: torch.Tensor,
+               target_probs: torch.Tensor) -> tuple[int, int]:
+        """Sampled verification of one row by this sequence's rule and generator: (accepted n, next token)."""
+        return VERIFIERS[self.verification](draft_ids, draft_probs, target_probs, self.generator)
 
     @property
     def greedy(self) -> bool:

@@ -43,7 +43,13 @@ TOOL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True
 # Runner V1 does not support: dspark speculative decoding", config/vllm.py). V2 is already its default on a GPU with
 # Triton; pinned so an inherited VLLM_USE_V2_MODEL_RUNNER=0 cannot pick V1, and so the CPU build (no Triton) refuses
 # with the cause: "Model Runner V2 requires Triton". DFlash stays on vLLM's default (the CPU build serves it on V1).
-MODE_ENV: dict[str, dict[str, str]] = {"dspark": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
+V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+MODE_ENV: dict[str, dict[str, str]] = {"dspark": V2_ENV}
+# Speculative-config values only V2 implements. ``rejection_sample_method: block`` (block verification, Sun et al.)
+# lives in V2's rejection sampler (v1/worker/gpu/spec_decode/rejection_sampler_utils.py); V1's
+# (v1/sample/rejection_sampler.py) knows only standard and synthetic, so on V1 "block" is accepted and verification
+# silently stays token-wise. Pinned like DSpark: a GPU runs it, the CPU build refuses with the cause.
+V2_SPECULATIVE = {"rejection_sample_method": "block"}
 # What vLLM's PYTHONPATH gets: the fixes plugin (``eagle3nb_vllm_fixes``, found by vLLM through the entry point of
 # the ``.dist-info`` beside it) and the CPU hidden-states connector. Package data (pyproject.toml), never imported
 # by eagle3nb: vLLM's environment runs it without eagle3nb installed.
@@ -176,8 +182,8 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     ``fixes=False`` starts it without the plugin, through vLLM's own plugin allowlist, to show what they fix.
     ``log_requests``: vLLM's request log (``--enable-log-requests`` at log level DEBUG: each chat request's body as
     one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). The mode's own environment
-    (:data:`MODE_ENV`: DSpark's V2 model runner) overrides the caller's. Raises RuntimeError naming the fix when
-    vLLM's environment is missing."""
+    (:data:`MODE_ENV`: DSpark's V2 model runner; :data:`V2_SPECULATIVE`: block verification's) overrides the
+    caller's. Raises RuntimeError naming the fix when vLLM's environment is missing."""
     reason = unavailable_reason()
     if reason:
         raise InputError(f"the real vLLM cannot start: {reason}")
@@ -191,6 +197,8 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
            "PYTHONPATH": str(VLLM_EXT),
            "VLLM_LOGGING_LEVEL": "DEBUG" if log_requests else "INFO"}
     env.update(MODE_ENV.get(mode, {}))
+    if any((kw.get("speculative") or {}).get(name) == value for name, value in V2_SPECULATIVE.items()):
+        env.update(V2_ENV)
     if kw.get("tools"):
         env.update(TOOL_ENV)
     if not fixes:

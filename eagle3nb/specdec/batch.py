@@ -3,7 +3,8 @@ for one sequence or a continuously batched set of them (``SpecBatch``, what the 
 
 One round: the draft proposes k tokens (its algorithm's ``Drafting`` step); the target scores the last verified
 token plus the k proposals in one forward pass (its KV cache); the longest agreeing prefix is kept plus one token
-from the target (``eagle3nb.decoding.verify``). Rejected drafts leave both caches (``eagle3nb.decoding.padded``).
+from the target (``eagle3nb.decoding.verify``: sampled rows token-wise or by block verification, each row's
+``Sampling.verification``). Rejected drafts leave both caches (``eagle3nb.decoding.padded``).
 The same decoding for one sequence without any padding: ``eagle3nb.specdec.reference``.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from eagle3nb import drafts
 from eagle3nb.decoding.padded import PaddedKV, attention_windows, left_padded
-from eagle3nb.decoding.verify import Sampling, SpecCounters, pick, probs_at, verify_greedy, verify_sampling
+from eagle3nb.decoding.verify import Sampling, SpecCounters, pick, probs_at, verify_greedy
 from eagle3nb.errors import InputError
 from eagle3nb.layers import default_aux_layer_ids
 
@@ -68,11 +69,12 @@ class SpecDecoder:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
-                 top_p: float = 1.0) -> SpecOutput:
-        """Decode one prompt (a batch of one) to ``max_new_tokens`` or an EOS: tokens, counters and seconds."""
+                 top_p: float = 1.0, verification: str = "standard") -> SpecOutput:
+        """Decode one prompt (a batch of one) to ``max_new_tokens`` or an EOS: tokens, counters and seconds.
+        ``verification``: sampled drafts judged token-wise (``standard``) or as one block (``block``)."""
         t0 = time.perf_counter()
         batch = SpecBatch(self)
-        out = batch.add([prompt_ids], [Sampling(temperature, top_p, generator)])
+        out = batch.add([prompt_ids], [Sampling(temperature, top_p, generator, verification)])
         rounds: list[int] = []
         drafted: list[list[int]] = []
         while len(out) < max_new_tokens and out[-1] not in eos_token_ids:
@@ -153,7 +155,7 @@ class SpecBatch:
                 n, tok = verify_greedy(drafts[i], logits[i])
             else:
                 target_p = probs_at(logits[i], s.temperature, s.top_p)
-                n, tok = verify_sampling(drafts[i].cpu(), qs[i].cpu(), target_p.cpu(), s.generator)
+                n, tok = s.verify(drafts[i].cpu(), qs[i].cpu(), target_p.cpu())
             self.counters.record(k, n)
             accepted.append(n)
             nxt.append(tok)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from eagle3nb.decoding.verify import is_greedy, pick, probs_at, verify_greedy, verify_sampling
+from eagle3nb.decoding.verify import Sampling, is_greedy, pick, probs_at, verify_greedy
 from eagle3nb.layers import default_aux_layer_ids
 
 
@@ -39,13 +39,16 @@ def plain_generate(target, prompt_ids: Sequence[int], max_new_tokens: int, tempe
 @torch.inference_mode()
 def reference_generate(target, draft, prompt_ids: Sequence[int], k: int, max_new_tokens: int,
                        temperature: float = 0.0, eos_token_ids: Sequence[int] = (),
-                       generator: torch.Generator | None = None, top_p: float = 1.0) -> tuple[list[int], list[int]]:
-    """Decode one prompt speculatively, ``k`` drafted tokens a round: (tokens, accepted drafts per round)."""
+                       generator: torch.Generator | None = None, top_p: float = 1.0,
+                       verification: str = "standard") -> tuple[list[int], list[int]]:
+    """Decode one prompt speculatively, ``k`` drafted tokens a round: (tokens, accepted drafts per round).
+    ``verification``: how sampled drafts are judged, token-wise (``standard``) or as one block (``block``)."""
     from transformers import DynamicCache
 
     layer_ids = draft.config.aux_layer_ids or default_aux_layer_ids(target.config.num_hidden_layers)
     d2t = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))  # [Vd]
     cache, dev = DynamicCache(), target.device
+    sampling = Sampling(temperature, top_p, generator, verification)
 
     def run_target(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over new tokens after its cache: logits [n, V], aux states [n, 3H_t] at the draft's layers."""
@@ -75,8 +78,7 @@ def reference_generate(target, draft, prompt_ids: Sequence[int], k: int, max_new
         if is_greedy(temperature):
             n, tok = verify_greedy(torch.tensor(drafted, device=dev), logits)
         else:
-            n, tok = verify_sampling(torch.tensor(drafted), torch.stack(qs), probs_at(logits, temperature, top_p),
-                                     generator)
+            n, tok = sampling.verify(torch.tensor(drafted), torch.stack(qs), probs_at(logits, temperature, top_p))
         # 3. The rejected drafts leave the target's cache; the accepted ones and the target's token are output.
         if n < k:
             cache.crop(n - k)  # negative: drop the last k - n positions
