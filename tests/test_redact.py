@@ -55,6 +55,18 @@ def test_ordinary_text_is_left_alone(text: str) -> None:
     assert redact(text) == (text, {})
 
 
+def test_long_runs_of_text_cost_linear_time() -> None:
+    """Dashed, dotted and underscored runs with no space (minified code, base64url blobs) and repeated credential
+    words: unbounded name or scheme patterns took ~150 s on 40 kB of "a-" (quadratic); bounded, well under a
+    second each on two busy cores, so 10 s is a margin, not a measurement."""
+    import time
+
+    for text in ("a-" * 20_000, "x." * 20_000, "key_" * 10_000, "aws " * 10_000, "https://u:" * 4_000):
+        start = time.perf_counter()
+        redact(text)
+        assert time.perf_counter() - start < 10, text[:8]
+
+
 def test_values_under_credential_keys() -> None:
     """A tool call's arguments as an object: a password under its key goes whatever it looks like, another
     credential when it looks secret, a provider's key as the provider's; other keys and plain words stay."""

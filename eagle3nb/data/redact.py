@@ -3,10 +3,10 @@
 
 Best-effort by nature: a pattern catches the shapes it knows. Each caught secret is replaced in place by
 ``[REDACTED:<kind>]`` (the text around it kept, so the request still reads as the user wrote it) and counted by kind;
-the counts say how much reached the log, never what. :data:`PATTERNS` is the whole list, applied in its order (a
-provider's shape before the generic ``name=value`` forms, so a key pasted as ``API_KEY=sk-...`` counts as the
-provider's); a kind in :data:`CHECKS` is redacted only when its candidate passes the check (random-looking), which
-keeps ordinary words after "key" or "token" in prose.
+the counts say how many the requests read held, never what they were. :data:`PATTERNS` is the whole list, applied
+in its order (a provider's shape before the generic ``name=value`` forms, so a key pasted as ``API_KEY=sk-...``
+counts as the provider's); a kind in :data:`CHECKS` is redacted only when its candidate passes the check
+(random-looking), which keeps ordinary words after "key" or "token" in prose.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ from typing import Any, Callable
 _PASSWORD = r"passw(?:or)?d|passphrase|pwd"
 _CREDENTIAL = (r"api[\s_.-]?key|access[\s_.-]?key|secret[\s_.-]?key|private[\s_.-]?key|client[\s_.-]?secret|"
                r"(?:auth|access|refresh|id)[\s_.-]?token|apikey|key|token|secret|credentials?|authorization|auth")
-_NAME = r"\b(?:[A-Za-z0-9]+[_.-])*(?:{core})(?:[_.-][A-Za-z0-9]+)*(?![A-Za-z0-9])"
+
+
+def _name(core: str) -> str:
+    """A whole name around ``core``: up to four parts before and after it joined by ``_``, ``.`` or ``-`` (bounded,
+    so a long dashed run of text costs linear time)."""
+    return rf"\b(?:[A-Za-z0-9]{{1,40}}[_.-]){{0,4}}(?:{core})(?:[_.-][A-Za-z0-9]{{1,40}}){{0,4}}(?![A-Za-z0-9])"
+
+
 # `name = value`: a quoted value (may hold spaces; JSON-escaped quotes too) or a bare one up to a separator; never
 # a secret redacted already.
 _VALUE = (r"[\\\"']*\s*(?::=|=>|[:=])\s*(?:(?P<q>\\?[\"'])(?!\[REDACTED)(?P<secret_q>[^\"'\\\n]{1,256})(?P=q)|"
@@ -36,7 +43,8 @@ PATTERNS: dict[str, str] = {
                    r"(?:-----END[ A-Z0-9]*PRIVATE KEY[ A-Z]*-----|\Z)",
     "jwt": r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*",
     "slack_webhook": r"https://hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]+",
-    "url_password": r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@\[\]\"']*:(?!\[REDACTED)(?P<secret>[^\s/?#@\[\]\"']+)@",
+    "url_password": r"\b[A-Za-z][A-Za-z0-9+.-]{0,30}://[^\s:/?#@\[\]\"']{0,256}:(?!\[REDACTED)"
+                    r"(?P<secret>[^\s/?#@\[\]\"']{1,256})@",
     "anthropic": r"\bsk-ant-[A-Za-z0-9_-]{20,}",
     "openai": r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}",
     "stripe": r"\b(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{16,}",
@@ -56,10 +64,10 @@ PATTERNS: dict[str, str] = {
     "authorization": r"(?i:\b(?:proxy-)?authorization)[\\\"']*\s*[:=]\s*[\\\"']*(?i:(?:bearer|basic|token|digest)\s+)?+"
                      r"(?!\[REDACTED)(?P<secret>[^\s\"'\\,;]+)",
     "bearer": r"(?i:\bbearer)\s+(?!\[REDACTED)(?P<secret>[A-Za-z0-9._~+/-]{16,}=*)",
-    "password": "(?i:" + _NAME.format(core=_PASSWORD) + ")" + _VALUE,
-    "credential": "(?i:" + _NAME.format(core=_CREDENTIAL) + ")" + _VALUE,
+    "password": "(?i:" + _name(_PASSWORD) + ")" + _VALUE,
+    "credential": "(?i:" + _name(_CREDENTIAL) + ")" + _VALUE,
     # the fallback: a long random-looking token within 40 characters after a credential word
-    "high_entropy": r"(?i:\b(?:key|token|secret|passw\w*|credential|auth\w*|bearer|api[\s_-]?key)\w*)[^\n]{0,40}?"
+    "high_entropy": r"(?i:\b(?:key|token|secret|passw|credential|auth|bearer|api[\s_-]?key)\w{0,30})[^\n]{0,40}?"
                     r"(?<![\w+/=.-])(?P<secret>[A-Za-z0-9+/_=.-]{20,})",
 }
 
@@ -88,8 +96,8 @@ def secret_looking(s: str) -> bool:
 CHECKS: dict[str, Callable[[str], bool]] = {"aws_secret_key": random_looking, "bearer": random_looking,
                                             "high_entropy": random_looking, "credential": secret_looking}
 RULES = [(kind, re.compile(p)) for kind, p in PATTERNS.items()]
-PASSWORD_NAME = re.compile(_NAME.format(core=_PASSWORD), re.IGNORECASE)
-CREDENTIAL_NAME = re.compile(_NAME.format(core=_CREDENTIAL), re.IGNORECASE)
+PASSWORD_NAME = re.compile(_name(_PASSWORD), re.IGNORECASE)
+CREDENTIAL_NAME = re.compile(_name(_CREDENTIAL), re.IGNORECASE)
 
 
 def marker(kind: str) -> str:
