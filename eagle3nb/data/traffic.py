@@ -11,8 +11,10 @@ and one counter per group):
 - a folder of such files (``.jsonl``, ``.log``, ``.txt``, each optionally ``.gz``), read in name order.
 
 Each request keeps only what a chat template reads (``messages``, ``tools``, ``tool_choice``): user ids, keys,
-metadata and sampling fields are never kept, and key-like strings inside the messages (``sk-...``, bearer tokens,
-``api_key=...``) are replaced by ``[redacted]`` and counted. Every line that is not kept is counted with its reason.
+metadata and sampling fields are never kept. The secrets inside what is kept (message text, system prompts, tool-call
+arguments, tool results, tool schemas) and in the gateway's tags, before a tag can become a group name, are replaced
+by ``[REDACTED:<kind>]`` and counted by kind (``eagle3nb.data.redact``). Every line that is not kept is counted with
+its reason.
 A request becomes a prompt row in the format of ``eagle3nb.data.prompts`` (``id``, ``messages``, ``conversation``,
 ``tools``, ``tool_choice``, ``category``) plus its ``group`` and ``features`` (:func:`features`), so 01 and 04 read
 it as any prompt set.
@@ -27,15 +29,13 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from eagle3nb.data.prompts import ROLES, PromptsError, openai_message, prompt_id
+from eagle3nb.data.redact import Redactions, redact_value
 
 VLLM_BODY = re.compile(r"Request \S+ JSON body: (\{.*)$")
 LOG_SUFFIXES = (".jsonl", ".log", ".txt", ".json")
-SECRET = re.compile(r"\b(sk-[A-Za-z0-9_\-]{16,}|(?:[Bb]earer)\s+[A-Za-z0-9._\-]{16,}|"
-                    r"(?:api[_-]?key|token|password|secret)\s*[:=]\s*\S+)")
-REDACTED = "[redacted]"
 # The request fields a chat template reads; everything else in a body (user, metadata, keys, sampling) is dropped.
 KEPT = ("messages", "tools", "tool_choice")
 DOMAINS = ("tools", "code", "math", "chat")
@@ -49,13 +49,13 @@ MATH_SIGNS = re.compile(r"\d\s*[-+*/^=]\s*\d|\\frac|\\sum|\$[^$]+\$")
 @dataclass
 class Traffic:
     """What a read kept and counted: the sampled prompt rows, every request's group (its share of traffic),
-    the lines dropped by reason, and how many secrets were redacted."""
+    the lines dropped by reason, and the secrets redacted by kind (in every request read, sampled or not)."""
 
     rows: list[dict]
     requests: int
     groups: Counter = field(default_factory=Counter)
     dropped: Counter = field(default_factory=Counter)
-    redacted: int = 0
+    redacted: Redactions = field(default_factory=Redactions)
 
     def shares(self) -> dict[str, float]:
         """Each group's share of all requests read (not of the sample)."""
@@ -106,19 +106,6 @@ def _body(line: str, jsonl: bool) -> tuple[dict | None, list[str], str | None]:
     return body, [str(t) for t in (tags if isinstance(tags, list) else [tags])], None
 
 
-def _redact(value: Any) -> tuple[Any, int]:
-    """``value`` with key-like strings replaced, and how many were."""
-    if isinstance(value, str):
-        return SECRET.subn(REDACTED, value)
-    if isinstance(value, list):
-        out = [_redact(v) for v in value]
-        return [v for v, _ in out], sum(n for _, n in out)
-    if isinstance(value, dict):
-        out = {k: _redact(v) for k, v in value.items()}
-        return {k: v for k, (v, _) in out.items()}, sum(n for _, n in out.values())
-    return value, 0
-
-
 def features(messages: list[dict], tools: list | None) -> dict[str, str]:
     """A cheap description of one request: its domain (tools > code > math > chat, from the last user turn), the
     script of its text, its user-turn count and its length bucket (characters / 4 as tokens)."""
@@ -152,9 +139,12 @@ def group_of(feats: dict[str, str], tags: list[str], group_by: list[str]) -> str
     return "/".join(parts)
 
 
-def _request(body: dict, tags: list[str], group_by: list[str], where: str) -> tuple[dict | None, int, str | None]:
-    """(the prompt row of one request body, secrets redacted in it, why it is dropped)."""
-    kept, hits = _redact({k: body[k] for k in KEPT if body.get(k) is not None})
+def _request(body: dict, tags: list[str], group_by: list[str], where: str
+             ) -> tuple[dict | None, Redactions, str | None]:
+    """(the prompt row of one request body, the secrets redacted in it and in its tags, why it is dropped)."""
+    kept, hits = redact_value({k: body[k] for k in KEPT if body.get(k) is not None})
+    tags, in_tags = redact_value(tags)
+    hits.update(in_tags)
     raw = kept.get("messages")
     messages = [openai_message(m) for m in raw] if isinstance(raw, list) else []
     if not messages or not all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -186,7 +176,7 @@ def read_traffic(source: str | Path, per_group: int, *, group_by: list[str] | No
             body, tags, why = _body(line, jsonl)
             if body is not None:
                 row, hits, why = _request(body, tags, group_by, f"{path.name}:{n}")
-                out.redacted += hits
+                out.redacted.update(hits)
             if why:
                 out.dropped[why] += 1
             if body is None or row is None:
