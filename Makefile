@@ -11,6 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 RUN ?= demo
 # More pytest arguments for `make test` / `make test-fast`: one tier (-m engine), one module (tests/test_vllm.py)
 PYTEST_ARGS ?=
+# pytest-xdist workers side by side (tests/conftest.py groups them: a module in one worker, the real-vLLM modules
+# sharing one); 0 runs everything in one process
+PYTEST_WORKERS ?= 2
 # The run `make rehearse` plays against the real vLLM: the production recipe on Kimi-K2's own architecture
 # (toy:kimi, served in vLLM's MLA path); REHEARSE=params/vllm-cpu/ plays it on the Llama smoke toy.
 REHEARSE ?= params/vllm-cpu-kimi/
@@ -83,13 +86,13 @@ demo: $(STAMP)
 ## run ends with its budget table (wall time per module and shared fixture, also in .pytest_cache/budget.md).
 test: $(STAMP) $(VLLM_STAMP) tokenizers chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 ## The inner loop (under 5 minutes on two cores): the lint, then every test outside the engine, browser and slow
 ## tiers (tests/conftest.py assigns them; docs/testing.md has the table and the one-tier commands).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -m "not engine and not browser and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not engine and not browser and not slow" $(PYTEST_ARGS)
 
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
 rehearse: $(STAMP) $(VLLM_STAMP)

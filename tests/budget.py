@@ -6,7 +6,8 @@ A shared (module- or session-scoped) fixture's set-up and teardown are timed apa
 to the test that happened to request it first: a vLLM server, a trained run or a toy build is one row of its own.
 A module's time is every phase of its tests (set-up, call, teardown) less the shared fixtures' time inside them.
 Fixtures that request other shared fixtures are charged their own time only (the inner ones are their own rows).
-The file: ``$EAGLE3NB_TEST_BUDGET`` if set, else ``.pytest_cache/budget.md`` under the rootdir.
+The file: ``$EAGLE3NB_TEST_BUDGET`` if set, else ``.pytest_cache/budget.md`` under the rootdir. Under pytest-xdist
+each worker times what it runs and the controller prints the merged table.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Budget:
         self.charged = 0.0  # shared-fixture seconds so far (each test phase subtracts what fell inside it)
         self.seen = 0.0
         self.stack: list[float] = []  # inner shared-fixture seconds of each set-up under way
+        self.workers = 0  # pytest-xdist workers whose times were merged (0: one process ran everything)
 
     @staticmethod
     def key(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> str:
@@ -90,7 +92,39 @@ class Budget:
             module = item.nodeid.split("::")[0]
             self.tiers[module].update(m for m in ("engine", "browser", "slow") if item.get_closest_marker(m))
 
+    @property
+    def controller(self) -> bool:
+        """Under pytest-xdist, the process that runs no test: the workers time, it merges their tables."""
+        return not hasattr(self.config, "workerinput") and bool(getattr(self.config.option, "numprocesses", None))
+
+    def pytest_sessionfinish(self) -> None:
+        if hasattr(self.config, "workerinput"):  # a worker hands its times to the controller
+            self.config.workeroutput["eagle3nb_budget"] = {
+                "modules": dict(self.modules), "fixtures": dict(self.fixtures), "charged": self.charged,
+                "tests": {m: sorted(t) for m, t in self.tests.items()},
+                "tiers": {m: dict(c) for m, c in self.tiers.items()}}
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        """A worker's times joined to the controller's table (modules and fixtures are each timed in the worker
+        that ran them; a session fixture two workers set up is charged twice, as it costs twice)."""
+        got = getattr(node, "workeroutput", {}).get("eagle3nb_budget")
+        if not got:
+            return
+        for m, s in got["modules"].items():
+            self.modules[m] += s
+        for k, s in got["fixtures"].items():
+            self.fixtures[k] += s
+        self.charged += got["charged"]
+        for m, t in got["tests"].items():
+            self.tests[m].update(t)
+        for m, c in got["tiers"].items():
+            self.tiers[m] = Counter(c)
+        self.workers += 1
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.controller:
+            return
         module = report.nodeid.split("::")[0]
         self.modules[module] += report.duration - (self.charged - self.seen)
         self.seen = self.charged
@@ -111,8 +145,10 @@ class Budget:
         rows += [f"| {s:.1f} | {k} |" for k, s in sorted(big.items(), key=lambda kv: -kv[1])]
         rest = [s for k, s in self.fixtures.items() if k not in big]
         rows.append(f"| {sum(rest):.1f} | {len(rest)} more, each under {FIXTURE_MIN_S:.0f} s |")
+        side = (f" in {self.workers} worker processes side by side (their seconds add up past the wall)"
+                if self.workers else " (collection and start-up are the rest)")
         rows += ["", f"modules {sum(self.modules.values()):.0f} s + shared fixtures {self.charged:.0f} s; "
-                     f"wall {wall:.0f} s (collection and start-up are the rest)"]
+                     f"wall {wall:.0f} s{side}"]
         return "\n".join(rows) + "\n"
 
     def path(self) -> Path:

@@ -45,9 +45,29 @@ SLOW_TESTS = {"test_toy.py::test_a_fresh_rebuild_is_as_good_as_the_shipped_toy",
               "test_accept_spec.py::test_sampled_verification_keeps_the_targets_distribution_g_test"}
 
 
+# Run side by side (`make test`: pytest-xdist, two workers, --dist loadgroup), each module stays in one worker (its
+# module-scoped fixtures are built once) and the modules with real-vLLM tests share one worker, whose session holds
+# the engines registry their toy:smoke servers are shared through; the family modules below serve only their own
+# targets, so each is a group of its own that may run beside the others.
+OWN_ENGINE_WORLDS = {"test_family_kimi.py", "test_family_qwen3.py", "test_family_glm.py", "test_family_gptoss.py",
+                     "test_harmony.py"}
+
+
+def module_of(item) -> str:
+    return item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    _assign_tiers(items)
+    engine = {module_of(item) for item in items if item.get_closest_marker("engine")}
     for item in items:
-        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        module = module_of(item)
+        item.add_marker(pytest.mark.xdist_group("engine" if module in engine - OWN_ENGINE_WORLDS else module))
+
+
+def _assign_tiers(items) -> None:
+    for item in items:
+        module = module_of(item)
         if "engines" in item.fixturenames or any(m.kwargs.get("tier") == "engine" for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.engine)
         if module in BROWSER_MODULES:
