@@ -70,6 +70,10 @@ class DraftMethod:
     # what a round's i-th drafted token is called (EAGLE-3's TTT step, a block drafter's block position): the
     # label 03's stats and 04's records and views carry
     unit: str
+    # (model, where) -> None, or DraftMismatchError in one line for a loaded draft that cannot work whatever its
+    # training (a block drafter whose mask slots read a dead row): 03 calls it before fine-tuning, the doctor
+    # before judging
+    check_usable: Callable[[nn.Module, str], None] = lambda model, where: None
 
 
 def lazy_methods(package: str) -> Callable[[str], Any]:
