@@ -554,17 +554,20 @@ def heldout(stage_data: Path) -> tuple[object, list[int]]:
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, stage_data, method):
+def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, stage_data, toy_smoke, method):
     """03 with ``method: dflash | dspark``: the held-out accuracy is per block position (``drafts_per_block`` of
-    them, the report's label says so) and rises over training; ``draft/`` (vLLM's layout) and
-    ``draft-speculators/`` are claimed by the method and load back (with the target's embedding and head) to the
-    best evaluation's weights, giving its logits; the printed vLLM flags name the method."""
+    them, the report's label says so) and rises over training; the draft's rotary base is the target's;
+    ``draft/`` (vLLM's layout) and ``draft-speculators/`` are claimed by the method and load back (with the
+    target's embedding and head, and the trained mask input) to the best evaluation's weights, giving its logits;
+    the printed vLLM flags name the method."""
     from eagle3nb.drafts import fresh_num_layers, load_draft, method_of
     from eagle3nb.drafts.dflash.model import DFlashDraft
     from eagle3nb.train.report import acc_unit, read_metrics
 
     out, metrics, draft = staged(method)
     assert draft.config.num_layers == fresh_num_layers(method) == 2  # num_layers left out: the method's own depth
+    rope = json.loads((toy_smoke / "config.json").read_text())["rope_parameters"]
+    assert draft.config.rope_theta == rope["rope_theta"] and draft.mask_embedding is not None
     k = draft.config.drafts_per_block
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 50, 100] and acc_unit(evals) == "block position"
