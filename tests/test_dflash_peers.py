@@ -60,6 +60,11 @@ def test_speculators_loads_our_export_and_gives_our_logits(toy_smoke, tmp_path, 
     cfg = m.config
     theirs = speculators_model(save_draft(m, tmp_path / layout, layout, verifier=str(toy_smoke)), layout, toy_smoke,
                                tmp_path)
+    # speculators reads no mask_embedding.pt: its mask slots read its table's row, the target's (docs: "Held against
+    # speculators"); given our trained row there, the rest must agree
+    assert not torch.equal(theirs.embed_tokens.weight[cfg.mask_token_id], m.mask_embedding)
+    with torch.no_grad():
+        theirs.embed_tokens.weight[cfg.mask_token_id] = m.mask_embedding
     assert type(theirs).__name__ == {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[method]
     assert theirs.config.aux_hidden_state_layer_ids == cfg.aux_layer_ids  # the layer-id convention, both layouts
     assert theirs.config.sample_from_anchor == cfg.sample_from_anchor

@@ -27,7 +27,9 @@ when 03's ``num_layers`` is null (:func:`fresh_num_layers`), ``RULES``, each met
   ``target_argmax``, ``target_probs``);
 - ``drafting(model, k, device) -> Drafting`` (``prefill``, ``propose``, ``step_timer``: ``eagle3nb.drafts.base``);
 - ``chain_acceptance(model, item, target_argmax, target_probs, steps, temperature) -> dict`` (``greedy`` /
-  ``sampled`` / ``valid`` [steps, T-1], ``guess`` / ``target`` [T-1]) for one held-out sample.
+  ``sampled`` / ``valid`` [steps, T-1], ``guess`` / ``target`` [T-1]) for one held-out sample;
+- ``check_usable(model, where)``: a one-line ``DraftMismatchError`` for a loaded draft that cannot work whatever its
+  training (a block drafter whose mask slots read a dead row), called by 03 before fine-tuning and the doctor.
 
 Every model has a ``method`` attribute (its name here) and a ``config`` with ``vocab_size``, ``draft_vocab_size``,
 ``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the

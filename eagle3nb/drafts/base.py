@@ -74,6 +74,10 @@ class DraftMethod:
     # calibration of the draft's own heads after training, folded into the exported weights (DSpark's confidence
     # head); None: the method has nothing to calibrate
     calibrate: Callable[..., dict[str, Any]] | None = None
+    # (model, where) -> None, or DraftMismatchError in one line for a loaded draft that cannot work whatever its
+    # training (a block drafter whose mask slots read a dead row): 03 calls it before fine-tuning, the doctor
+    # before judging
+    check_usable: Callable[[nn.Module, str], None] = lambda model, where: None
 
 
 @dataclass(frozen=True)

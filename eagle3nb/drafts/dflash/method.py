@@ -12,7 +12,7 @@ def _method(name: str, title: str, markov_rank_of, calibrate=None) -> DraftMetho
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
                                                    markov_rank=markov_rank_of(P)),
-        unit=objective.BlockObjective.unit, calibrate=calibrate)
+        unit=objective.BlockObjective.unit, calibrate=calibrate, check_usable=model.check_mask_input)
 
 
 METHODS = {

@@ -6,10 +6,12 @@ Read top to bottom like the paper:
 
 1. ``fc`` fuses the target's states at ``aux_layer_ids`` (concatenated low..high) and ``hidden_norm`` normalises
    the result: the *context* features, one per target position [B, T, H].
-2. A block is the anchor token (the last token the target verified) then ``block_size - 1`` copies of
-   ``mask_token_id``, at the rotary positions after the context. It runs through ``num_layers`` Qwen3 decoder
-   layers (per-head ``q_norm``/``k_norm``, SwiGLU). In every layer the block's queries attend to the context's
-   keys/values (that layer's own ``k_proj``/``v_proj``/``k_norm`` applied to the context features: no
+2. A block is the anchor token (the last token the target verified) then ``block_size - 1`` copies of ``mask_token_id``,
+   at the rotary positions after the context. A mask slot enters as ``mask_embedding``, a trained vector (vLLM's
+   ``mask_embedding.pt``) that stands in for the target's row of ``mask_token_id``: that row is often dead (the toys'
+   pad row is all zeros), and a zero input leaves every mask slot identical in layer 1. It runs through ``num_layers``
+   Qwen3 decoder layers (per-head ``q_norm``/``k_norm``, SwiGLU). In every layer the block's queries attend to the
+   context's keys/values (that layer's own ``k_proj``/``v_proj``/``k_norm`` applied to the context features: no
    ``input_layernorm`` on them) ahead of the block's own keys; the block attends within itself non-causally
    (``causal=False``, the default) and sees only the context *before* its anchor.
 3. ``norm`` then the target's ``lm_head`` (frozen, like the target's ``embed_tokens``) give the logits.
@@ -88,7 +90,7 @@ class DFlashConfig:
         return to_sglang(self.aux_layer_ids)
 
 
-def default_aux_layer_ids(num_target_layers: int, count: int) -> list[int]:
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """The peers' spread (z-lab's DFlash, SpecForge, speculators' DFlash scripts): ``count`` target layers evenly
     from 1 to L-3 in DFlash's output-of-layer numbering (the middle layer alone for one), returned in ours (+1)."""
     if count == 1:
@@ -172,14 +174,36 @@ def block_mask(anchor_pos: torch.Tensor, ctx_valid: torch.Tensor, block_size: in
     return torch.cat([ctx, own[None].expand(B, -1, -1)], 2)  # shape: [B, N*S, T+N*S]
 
 
+def row_norms(embed_tokens: torch.Tensor) -> torch.Tensor:
+    """[V, H] -> [V] the L2 norm of every embedding row, in float32."""
+    return embed_tokens.detach().float().norm(dim=-1)
+
+
+def live_mean(embed_tokens: torch.Tensor) -> torch.Tensor:
+    """[V, H] -> [H] the mean of the rows whose norm is not ~0 (under 1e-3 of the median: padding and never-trained
+    rows), where a fresh ``mask_embedding`` starts: a typical input, so every slot's layer 1 differs by position."""
+    norms = row_norms(embed_tokens)  # shape: [V]
+    return embed_tokens.detach().float()[norms > 1e-3 * norms.median()].mean(0)  # shape: [H]
+
+
+def dead_mask_row(embed_tokens: torch.Tensor, mask_token_id: int) -> bool:
+    """Whether the target's row of ``mask_token_id`` is too weak to be a block's mask input: its norm under half
+    the median row norm."""
+    norms = row_norms(embed_tokens)  # shape: [V]
+    return bool(norms[mask_token_id] < 0.5 * norms.median())
+
+
 class DFlashDraft(nn.Module):
     """The block drafter: ``context(aux)`` once per sequence, then ``forward`` any number of blocks in one pass."""
 
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, mask_embedding: bool = True):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        # the mask slots' trained input (vLLM's mask_embedding.pt); None: the target's mask row, as a checkpoint
+        # without the file is served
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if mask_embedding else None  # shape: [H]
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_layers))
@@ -208,10 +232,22 @@ class DFlashDraft(nn.Module):
         return ids
 
     def set_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Copy the target's embedding [V, H] and lm_head [V, H] (the draft trains neither)."""
+        """Copy the target's embedding [V, H] and lm_head [V, H] (the draft trains neither), and start
+        ``mask_embedding`` at the mean of the embedding's live rows."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed_tokens)
             self.lm_head.weight.copy_(lm_head)
+            if self.mask_embedding is not None:
+                self.mask_embedding.copy_(live_mean(embed_tokens))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[...] token ids -> [..., H] inputs: the target's rows, ``mask_embedding`` wherever the id is
+        ``mask_token_id`` (as vLLM's ``embed_input_ids`` substitutes it)."""
+        rows = self.embed_tokens(ids)  # shape: [..., H]
+        if self.mask_embedding is None:
+            return rows
+        is_mask = (ids == self.config.mask_token_id)[..., None]  # shape: [..., 1]
+        return torch.where(is_mask, self.mask_embedding.to(rows.dtype), rows)
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """[B, T, n*H_t] the target's aux states (low..high) -> the context features [B, T, H]."""
@@ -237,7 +273,7 @@ class DFlashDraft(nn.Module):
         B, T, _ = ctx.shape
         N, S = anchors.shape[1], cfg.block_size
         valid = torch.ones(B, T, dtype=torch.bool, device=dev) if ctx_valid is None else ctx_valid.bool()
-        h = self.embed_tokens(self.block_ids(anchors)).view(B, N * S, -1).to(ctx.dtype)  # shape: [B, N*S, H]
+        h = self.embed(self.block_ids(anchors)).view(B, N * S, -1).to(ctx.dtype)  # shape: [B, N*S, H]
         pos_q = (anchor_pos[..., None] + torch.arange(S, device=dev)).view(B, N * S)  # shape: [B, N*S]
         rot_q = rope(pos_q, cfg.head_dim, cfg.rope_theta)  # shape: 2 x [B, N*S, d]
         rot_ctx = rope(torch.arange(T, device=dev).expand(B, T), cfg.head_dim, cfg.rope_theta)  # shape: 2 x [B, T, d]
@@ -276,21 +312,24 @@ def from_target(target_config: dict[str, Any], *, num_layers: int = 1, block_siz
                 mask_token_id: int | None = None, aux_layer_ids: list[int] | None = None,
                 markov_rank: int = 0, **over: Any) -> DFlashConfig:
     """A draft shaped like the target's layers (``target_config``: its config.json, a ``text_config`` read
-    through): hidden size, heads, MLP width and eps the target's; ``aux_layer_ids`` the peers' spread over as
-    many target layers as draft layers; ``mask_token_id`` when not given the target's pad token, else its last id
-    (a reserved or padding row in the big vocabularies: rows ordinary text never uses)."""
+    through): hidden size, heads, MLP width, eps and rotary base (``rope_theta``, as the peers' drafts copy it) the
+    target's; ``aux_layer_ids`` the peers' spread over as many target layers as draft layers; ``mask_token_id`` when
+    not given the target's pad token, else its last id (a reserved or padding row in the big vocabularies: rows
+    ordinary text never uses)."""
     tc = target_config.get("text_config") or target_config
     L = tc["num_hidden_layers"]
     pad = tc.get("pad_token_id")
     mask = mask_token_id if mask_token_id is not None else \
         pad if isinstance(pad, int) and 0 <= pad < tc["vocab_size"] else tc["vocab_size"] - 1
     heads = tc["num_attention_heads"]
+    theta = (tc.get("rope_parameters") or {}).get("rope_theta", tc.get("rope_theta"))
+    over = {"rope_theta": float(theta), **over} if theta is not None else over
     return DFlashConfig(
         hidden_size=tc["hidden_size"], intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
         num_key_value_heads=tc.get("num_key_value_heads", heads),
         head_dim=tc.get("head_dim") or tc["hidden_size"] // heads, num_layers=num_layers,
         vocab_size=tc["vocab_size"], target_hidden_size=tc["hidden_size"],
-        aux_layer_ids=aux_layer_ids or default_aux_layer_ids(L, max(num_layers, 1)), mask_token_id=int(mask),
+        aux_layer_ids=aux_layer_ids or spread_layer_ids(L, max(num_layers, 1)), mask_token_id=int(mask),
         block_size=block_size, rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
         max_position_embeddings=tc.get("max_position_embeddings", 4096), markov_rank=markov_rank, **over)
 
@@ -307,3 +346,17 @@ def fresh_draft(P: Any, meta: dict[str, Any], target_config: dict[str, Any], emb
                                     aux_layer_ids=list(meta["layer_ids"]), markov_rank=markov_rank))
     model.set_target(embed_tokens, lm_head)
     return model
+
+
+def check_mask_input(model: DFlashDraft, where: str = "the draft") -> None:
+    """Refuse (one line) a draft whose mask slots would enter as a dead vector: no trained ``mask_embedding`` and
+    the target's row of ``mask_token_id`` under half the median row norm. Every mask slot is then the same
+    near-zero input (RMSNorm(0) = 0: uniform attention in layer 1), and such a draft accepts little whatever its
+    training (the smoke toy's one-layer DFlash: first-position acceptance 0.24, docs/block-drafters.md)."""
+    mask = model.config.mask_token_id
+    if model.mask_embedding is None and dead_mask_row(model.embed_tokens.weight, mask):
+        norms = row_norms(model.embed_tokens.weight)
+        raise DraftMismatchError(
+            f"{where}: its mask slots read the target's row of mask_token_id {mask} (norm {float(norms[mask]):.3g}, "
+            f"median row {float(norms.median()):.3g}), a dead input, and it has no trained mask_embedding.pt: train "
+            "a fresh draft (init_from: null), which learns one")
