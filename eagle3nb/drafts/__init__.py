@@ -57,6 +57,7 @@ PACKAGES = {
     "eagle3": "eagle3nb.drafts.eagle3",
     "dflash": "eagle3nb.drafts.dflash",
     "dspark": "eagle3nb.drafts.dflash",
+    "dflash2": "eagle3nb.drafts.dflash",
 }
 DEFAULT = "eagle3"  # 03's method when none is set, and every 03 run's before the choice existed
 

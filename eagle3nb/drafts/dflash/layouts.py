@@ -42,7 +42,8 @@ from eagle3nb.layers import from_sglang
 from eagle3nb.progress import write_json_atomic
 
 LAYOUTS = ("vllm", "speculators")
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel", "dflash2": "DFlash2DraftModel"}
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # vLLM's dflash_config
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written as such
 MASK_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
 NOT_IN_WEIGHTS = (*TARGET_TENSORS, "mask_embedding")  # mask_embedding goes to MASK_FILE
@@ -76,14 +77,16 @@ def layout_config(cfg: DFlashConfig, layout: str = "vllm", verifier: str | None 
     dspark = cfg.markov_rank > 0
     heads = {"markov_rank": cfg.markov_rank, "enable_confidence_head": True,
              "confidence_head_with_markov": True} if dspark else {}
+    dflash2 = {k: getattr(cfg, k) for k in DFLASH2_KEYS} if cfg.method == "dflash2" else {}
     if layout == "vllm":
         return {"architectures": [ARCHITECTURES[cfg.method]], **qwen3_dict(cfg), "draft_vocab_size": cfg.vocab_size,
                 "target_hidden_size": cfg.target_hidden_size, "block_size": cfg.block_size, **heads,
                 **({"sample_from_anchor": True} if dspark else {}),
                 "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
-                                  "block_size": cfg.block_size, "causal": cfg.causal}}
+                                  "block_size": cfg.block_size, "causal": cfg.causal, **dflash2}}
     if layout == "speculators":
-        return {"architectures": ["DSparkSpeculator" if dspark else "DFlashSpeculator"],
+        return {"architectures": [{"dspark": "DSparkSpeculator", "dflash2": "DFlash2DraftModel"}.get(
+                    cfg.method, "DFlashSpeculator")], **dflash2,
                 "speculators_model_type": cfg.method, "speculators_version": "0.9.0",
                 "transformer_layer_config": qwen3_dict(cfg), "draft_vocab_size": cfg.vocab_size,
                 "block_size": cfg.block_size, "target_hidden_size": cfg.target_hidden_size,
@@ -102,11 +105,11 @@ def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFl
     if "speculators_model_type" in d:
         q, ids, causal = d["transformer_layer_config"], list(d["aux_hidden_state_layer_ids"]), \
             not d.get("sliding_window_non_causal", True)
-        mask, block = d["mask_token_id"], d["block_size"]
+        mask, block, extra = d["mask_token_id"], d["block_size"], d
     elif "dflash_config" in d:
         q, dc = d, d["dflash_config"]
         ids, causal = from_sglang(dc["target_layer_ids"]), bool(dc.get("causal", False))
-        mask, block = dc["mask_token_id"], d.get("block_size", dc.get("block_size"))
+        mask, block, extra = dc["mask_token_id"], d.get("block_size", dc.get("block_size")), dc
     else:
         raise DraftMismatchError(f"{path}: neither a vLLM DFlash/DSpark config (dflash_config) nor a speculators one")
     theta = (q.get("rope_parameters") or {}).get("rope_theta", q.get("rope_theta", 1_000_000.0))
@@ -117,7 +120,7 @@ def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFl
         target_hidden_size=d.get("target_hidden_size") or q["hidden_size"], aux_layer_ids=ids,
         mask_token_id=int(mask), block_size=int(block), causal=causal, rope_theta=float(theta),
         rms_norm_eps=q["rms_norm_eps"], max_position_embeddings=q["max_position_embeddings"],
-        markov_rank=int(d.get("markov_rank", 0)))
+        markov_rank=int(d.get("markov_rank", 0)), **{k: int(extra[k]) for k in DFLASH2_KEYS if k in extra})
 
 
 def draft_config_json(model: DFlashDraft, format: str = "vllm", dtype: torch.dtype | None = None,

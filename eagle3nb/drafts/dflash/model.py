@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3nb.drafts.base import DraftMismatchError
+from eagle3nb.drafts.dflash.dflash2 import CandidateSelector, GroupedConv, shape_problem
 from eagle3nb.drafts.nn import MLP, RMSNorm, rotate_half
 from eagle3nb.layers import to_sglang
 
@@ -62,11 +63,18 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     markov_rank: int = 0  # > 0: DSpark (the Markov head of this rank, and the confidence head)
+    # > 0: DFlash2 (``dflash2``): each layer's grouped dynamic convolutions of this many taps over channel groups of
+    # ``conv_group_size``, and the candidate selector of rank ``selector_rank`` over the top ``selector_top_k``
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     @property
     def method(self) -> str:
-        """vLLM's ``--speculative-config`` method: ``dspark`` with a Markov head, else ``dflash``."""
-        return "dspark" if self.markov_rank > 0 else "dflash"
+        """The method in the registry: ``dspark`` with a Markov head, ``dflash2`` with the convolutions and the
+        selector (vLLM serves it as ``dflash``: its architecture tells them apart), else ``dflash``."""
+        return "dspark" if self.markov_rank > 0 else "dflash2" if self.selector_rank > 0 else "dflash"
 
     @property
     def draft_vocab_size(self) -> int:
@@ -145,7 +153,8 @@ class BlockAttention(nn.Module):
 
 
 class BlockLayer(nn.Module):
-    """One Qwen3 decoder layer over the block: pre-norm attention (context ahead), pre-norm SwiGLU."""
+    """One Qwen3 decoder layer over the block: pre-norm attention (context ahead), pre-norm SwiGLU; DFlash2 wraps
+    each sublayer in its grouped dynamic convolutions (``dflash2.GroupedConv``)."""
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -153,10 +162,18 @@ class BlockLayer(nn.Module):
         self.self_attn = BlockAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.conv_kernel_size > 0:
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv, self.mlp_conv = GroupedConv(*conv), GroupedConv(*conv)
 
     def forward(self, h, ctx, rot_q, rot_ctx, mask):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rot_q, rot_ctx, mask)  # shape: [B, Q, H]
-        return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, Q, H]
+        if not hasattr(self, "attention_conv"):
+            h = h + self.self_attn(self.input_layernorm(h), ctx, rot_q, rot_ctx, mask)  # shape: [B, Q, H]
+            return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, Q, H]
+        x, delta = self.attention_conv.prepare(self.input_layernorm(h))  # shape: [B, Q, H], [B, Q, taps, G]
+        h = h + self.attention_conv.finish(self.self_attn(x, ctx, rot_q, rot_ctx, mask), delta)
+        x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), delta)  # shape: [B, Q, H]
 
 
 def block_mask(anchor_pos: torch.Tensor, ctx_valid: torch.Tensor, block_size: int, causal: bool) -> torch.Tensor:
@@ -218,6 +235,9 @@ class DFlashDraft(nn.Module):
             nn.init.zeros_(self.markov_head.markov_w2.weight)  # starts as plain DFlash
             self.confidence_head = nn.Module()
             self.confidence_head.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+        if cfg.selector_rank > 0:  # DFlash2 (vLLM's candidate_selector.*)
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         # the identity vocabulary map every draft offers (eagle3nb.drafts): not saved, nothing to load
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
@@ -288,14 +308,31 @@ class DFlashDraft(nn.Module):
 
     def slot_logits(self, ctx: torch.Tensor, ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
         """Teacher-forced block logits [A, S, V] for one sequence: blocks anchored at anchor_pos [A] of its
-        tokens ids [T] over its context features ctx [1, T, H]; DSpark's slot j biased by the data's token at
-        anchor + j (what a block accepted up to slot j has drafted)."""
-        T = ids.shape[0]
+        tokens ids [T] over its context features ctx [1, T, H]; a slot that reads the token before it (DSpark's
+        Markov bias, DFlash2's selector) reads the data's (what a block accepted up to that slot has drafted)."""
+        T, S = ids.shape[0], self.config.block_size
         pos = anchor_pos[None]  # shape: [1, A]
-        logits = self.logits(self(ctx, ids[pos], pos))[0]  # shape: [A, S, V]
+        hidden = self(ctx, ids[pos], pos)[0]  # shape: [A, S, H]
+        if not self.reads_prev:
+            return self.logits(hidden)  # shape: [A, S, V]
+        shift = 0 if self.config.sample_from_anchor else 1  # slot j drafts the token at anchor + j + 1 - shift
+        at = torch.maximum(anchor_pos[:, None] + torch.arange(S, device=ids.device) - shift, anchor_pos[:, None])
+        return self.step_logits(hidden, ids[at.clamp_max(T - 1)])  # shape: [A, S, V]
+
+    @property
+    def reads_prev(self) -> bool:
+        """Whether a slot's logits depend on the token drafted before it (DSpark, DFlash2): drafted left to right."""
+        return self.config.markov_rank > 0 or self.config.selector_rank > 0
+
+    def step_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """A drafting slot's logits [..., V] from its state hidden [..., H] given the token before it prev [...] (the
+        one drafted at the slot before, the anchor for the first): the target's head, plus DSpark's Markov bias, or
+        DFlash2's candidate selection (its top-k candidates' path scores, -inf elsewhere)."""
+        logits = self.logits(hidden)  # shape: [..., V]
         if self.config.markov_rank > 0:
-            at = (anchor_pos[:, None] + torch.arange(self.config.block_size, device=ids.device)).clamp_max(T - 1)
-            logits = logits + self.markov_bias(ids[at])
+            logits = logits + self.markov_bias(prev)
+        if self.config.selector_rank > 0:
+            logits = self.candidate_selector.logits(logits, hidden, prev)
         return logits
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
@@ -336,14 +373,20 @@ def from_target(target_config: dict[str, Any], *, num_layers: int = 1, block_siz
 
 
 def fresh_draft(P: Any, meta: dict[str, Any], target_config: dict[str, Any], embed_tokens: torch.Tensor,
-                lm_head: torch.Tensor, markov_rank: int = 0) -> DFlashDraft:
+                lm_head: torch.Tensor, **heads: int) -> DFlashDraft:
     """03's fresh drafter (``P``: its ``num_layers``, ``block_size``, ``seed``) on the data 02 stored (``meta``: the
-    target's sizes and the aux layers it extracted) and the target's embedding and head [V, H]."""
+    target's sizes and the aux layers it extracted) and the target's embedding and head [V, H]; ``heads``: the
+    method's additions (``markov_rank``; DFlash2's ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``,
+    ``selector_top_k``), checked to fit the draft's shape in one line."""
     torch.manual_seed(P.seed)
     tc = {**(target_config.get("text_config") or target_config), "vocab_size": meta["vocab_size"],
           "hidden_size": meta["hidden_size"]}
-    model = DFlashDraft(from_target(tc, num_layers=P.num_layers, block_size=P.block_size,
-                                    aux_layer_ids=list(meta["layer_ids"]), markov_rank=markov_rank))
+    cfg = from_target(tc, num_layers=P.num_layers, block_size=P.block_size, aux_layer_ids=list(meta["layer_ids"]),
+                      **heads)
+    if problem := shape_problem(cfg.hidden_size, cfg.vocab_size, cfg.block_size, cfg.conv_kernel_size,
+                                cfg.conv_group_size, cfg.selector_top_k if cfg.selector_rank else 0):
+        raise DraftMismatchError(problem)
+    model = DFlashDraft(cfg)
     model.set_target(embed_tokens, lm_head)
     return model
 
