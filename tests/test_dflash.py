@@ -21,6 +21,8 @@ from worlds import requires_vllm
 
 BLOCK = 4
 NEW_TOKENS = 40
+# DFlash2's additions at a shape the toy fits (hidden 64: groups of 16 channels; two taps; 8 of 546 candidates)
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 8}
 STEPS = 60  # measured: held-out tau DFlash (decay) 1.00 -> 1.84, DSpark (dpace) 1.07 -> 2.73; ~10 s each, 1 thread
 
 
@@ -248,29 +250,37 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
     reads back our aux layer ids, and every layer attends bidirectionally."""
     from safetensors.torch import load_file
 
+    from eagle3nb.drafts import served_as
     from eagle3nb.drafts.dflash.layouts import save_draft
     from eagle3nb.serve.vllm import vllm_python
 
-    models = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8)}
+    models = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8),
+              "dflash2": drafter(target, target_config, **DFLASH2)}
     for m in models.values():
         with torch.no_grad():
             m.mask_embedding.normal_()  # a trained value, unlike any row of the target's
-    drafts = {f"{method}-{layout}": [method, str(save_draft(m, tmp_path / f"{method}-{layout}", layout))]
+            if m.method == "dflash2":  # away from the identity convolutions, so each tensor's place shows
+                for name, p in m.named_parameters():
+                    if "conv" in name or "selector" in name:
+                        p.normal_(0.0, 0.3)
+    # label -> [vLLM's method for it (DFlash2 is served as dflash), the folder]
+    drafts = {f"{method}-{layout}": [served_as(method), str(save_draft(m, tmp_path / f"{method}-{layout}", layout))]
               for method, m in models.items() for layout in ("vllm", "speculators")}
     done = subprocess.run([str(vllm_python()), "-c", VLLM_LOAD, str(toy_smoke), str(tmp_path), json.dumps(drafts)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.split("REPORT", 1)[1])
-    cls = {"dflash": "DFlashQwen3ForCausalLM", "dspark": "Qwen3DSparkForCausalLM"}
-    assert {k: v["class"] for k, v in report.items()} == {k: cls[m] for k, (m, _) in drafts.items()}
-    for label, (method, folder) in drafts.items():
+    cls = {"dflash": "DFlashQwen3ForCausalLM", "dspark": "Qwen3DSparkForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}
+    assert {k: v["class"] for k, v in report.items()} == {k: cls[k.split("-")[0]] for k in drafts}
+    for label, (_, folder) in drafts.items():
+        method = label.split("-")[0]
         m = models[method]
         assert report[label]["aux"] == m.config.aux_layer_ids
         assert report[label]["causal"] == [False] * m.config.num_layers
         unused = "model.mask_embedding" if method == "dspark" else "model.embed_tokens.weight"
         assert report[label]["unset"] == sorted(["lm_head.weight", unused]), label
         ours = load_file(Path(folder) / "model.safetensors")
-        if method == "dflash":
+        if method != "dspark":
             ours["mask_embedding"] = m.mask_embedding.detach()
         want: dict[str, list[torch.Tensor]] = {}
         for k in m.state_dict():  # module order: q, k, v and gate, up stack in vLLM's order
@@ -281,7 +291,7 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
         for name, parts in want.items():
             full = torch.cat(parts)
             assert torch.equal(theirs[name][:full.shape[0]], full), name  # vocab-sized rows padded to 64
-        mask_input = theirs["model.mask_embedding"] if method == "dflash" else \
+        mask_input = theirs["model.mask_embedding"] if method != "dspark" else \
             theirs["model.embed_tokens.weight"][m.config.mask_token_id]
         assert torch.equal(mask_input, m.mask_embedding.detach()), label
 

@@ -50,7 +50,7 @@ from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, MethodRules, c
 
 __all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "block_methods", "check_fits",
            "fresh_num_layers", "get", "load_draft", "method_of", "of", "one_forward_per_round", "params_readers",
-           "rules"]
+           "rules", "served_as"]
 
 # method name -> the package whose METHODS holds it; the first claims a config.json before the others.
 PACKAGES = {
@@ -78,6 +78,12 @@ def fresh_num_layers(name: str) -> int:
 def rules(name: str) -> MethodRules:
     """What callers read of method ``name`` before any torch import: its package's ``RULES`` entry."""
     return importlib.import_module(PACKAGES[name]).RULES[name]
+
+
+def served_as(name: str) -> str:
+    """The ``method`` of vLLM's ``--speculative-config`` that serves a ``name`` draft (its own name but where its
+    rules say otherwise: DFlash2 is served as ``dflash``)."""
+    return rules(name).served_as or name
 
 
 def block_methods() -> tuple[str, ...]:

@@ -94,6 +94,9 @@ class MethodRules:
     # 03's settings it reads that EAGLE-3, the first method, does not (their help names the methods reading them;
     # another method's are left out of its runs' resume check)
     params: tuple[str, ...] = ()
+    # the speculative-config method vLLM serves it as, when not its own name (DFlash2: dflash, vLLM choosing the
+    # model by the draft's architecture)
+    served_as: str = ""
 
     def drafts_per_block(self, block_size: int) -> int:
         """Tokens one block of a block drafter proposes (vLLM's num_speculative_tokens): the anchor slot drafts

@@ -23,7 +23,8 @@ RULES = {
     "dspark": MethodRules(summary="DFlash with a Markov and a confidence head", block=True, samples_from_anchor=True,
                           params=(*BLOCK, "markov_rank", "confidence_weight")),
     "dflash2": MethodRules(summary="DFlash with grouped dynamic convolutions and a candidate selector", block=True,
-                           params=(*BLOCK, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+                           params=(*BLOCK, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+                           served_as="dflash"),
 }
 
 __getattr__ = lazy_methods(__name__)
