@@ -212,8 +212,9 @@ from vllm.model_executor.models.registry import ModelRegistry
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
-# The CPU build's V1 runner refuses dspark at config time; the loader under test does not depend on the runner.
-VllmConfig._validate_v1_model_runner = lambda self: None
+# The CPU build's V1 runner refuses dspark and DFlash2 at config time (what it says is reported as "v1"); the loader
+# under test does not depend on the runner.
+v1_check, VllmConfig._validate_v1_model_runner = VllmConfig._validate_v1_model_runner, lambda self: None
 target, out, drafts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 report, ready = {}, False
 for label, (method, draft) in drafts.items():
@@ -232,7 +233,13 @@ for label, (method, draft) in drafts.items():
             p.data.fill_(float("nan"))
         model.load_weights(load_file(f"{draft}/model.safetensors").items())
     save_file({n: p.detach().contiguous() for n, p in params.items()}, f"{out}/{label}.safetensors")
-    report[label] = {"class": cls.__name__, "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
+    try:
+        v1_check(cfg)
+        v1 = None
+    except ValueError as e:
+        v1 = str(e)
+    report[label] = {"class": cls.__name__, "v1": v1,
+                     "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
                      "causal": [layer.self_attn.causal for layer in model.model.layers],
                      "unset": sorted(n for n, p in params.items() if torch.isnan(p).any())}
 print("REPORT" + json.dumps(report))
@@ -241,7 +248,8 @@ print("REPORT" + json.dumps(report))
 
 @requires_vllm()
 def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target_config, toy_smoke):
-    """vLLM 0.32's ``DFlashQwen3ForCausalLM`` and ``Qwen3DSparkForCausalLM``, built from the configs of both layouts
+    """vLLM 0.32's ``DFlashQwen3ForCausalLM``, ``Qwen3DSparkForCausalLM`` and ``DFlash2Qwen3ForCausalLM`` (served as
+    ``method: dflash``, its V1 runner refusing it as it refuses DSpark), built from the configs of both layouts
     (its speculators parser for ours) and loading our exports with their own ``load_weights`` (its environment, no
     server): every parameter holds our values (q/k/v, gate/up stacked; vocab-sized tables padded by vLLM), the
     trained mask input included: DFlash's ``mask_embedding`` read from our ``mask_embedding.pt`` by vLLM's own
@@ -272,6 +280,11 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
     report = json.loads(done.stdout.split("REPORT", 1)[1])
     cls = {"dflash": "DFlashQwen3ForCausalLM", "dspark": "Qwen3DSparkForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}
     assert {k: v["class"] for k, v in report.items()} == {k: cls[k.split("-")[0]] for k in drafts}
+    # the CPU build's V1 runner serves DFlash only: DSpark's speculator and DFlash2's candidate walk are V2's
+    refused = {"dflash": None, "dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}
+    for label, r in report.items():
+        want = refused[label.split("-")[0]]
+        assert (r["v1"] is None) if want is None else (want in r["v1"]), (label, r["v1"])
     for label, (_, folder) in drafts.items():
         method = label.split("-")[0]
         m = models[method]
@@ -511,8 +524,10 @@ STAGE = dict(run_name="test", block_size=BLOCK, anchors_per_seq=64, max_length=2
 
 
 def stage_method(method: str) -> dict:
-    """03's method and the vLLM k its block drafts (DFlash: the block less its anchor; DSpark: the block)."""
-    return {"method": method, "num_speculative_tokens": BLOCK - (method == "dflash")}
+    """03's method and the vLLM k its block drafts (DFlash, DFlash2: the block less its anchor; DSpark: the block)."""
+    from eagle3nb.drafts import rules
+
+    return {"method": method, "num_speculative_tokens": rules(method).drafts_per_block(BLOCK)}
 
 
 @pytest.fixture(scope="module")
@@ -563,14 +578,14 @@ def heldout(stage_data: Path) -> tuple[object, list[int]]:
     return data, split_holdout([s["id"] for s in data.meta["samples"]], STAGE["holdout_fraction"])[1]
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
 def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, stage_data, toy_smoke, method):
-    """03 with ``method: dflash | dspark``: the held-out accuracy is per block position (``drafts_per_block`` of
-    them, the report's label says so) and rises over training; the draft's rotary base is the target's;
-    ``draft/`` (vLLM's layout) and ``draft-speculators/`` are claimed by the method and load back (with the
-    target's embedding and head, and the trained mask input) to the best evaluation's weights, giving its logits;
-    the printed vLLM flags name the method."""
-    from eagle3nb.drafts import fresh_num_layers, load_draft, method_of
+    """03 with ``method: dflash | dspark | dflash2``: the held-out accuracy is per block position
+    (``drafts_per_block`` of them, the report's label says so) and rises over training; the draft's rotary base is
+    the target's; ``draft/`` (vLLM's layout) and ``draft-speculators/`` are claimed by the method and load back
+    (with the target's embedding and head, and the trained mask input) to the best evaluation's weights, giving its
+    logits; the printed vLLM flags name the method vLLM serves it as."""
+    from eagle3nb.drafts import fresh_num_layers, load_draft, method_of, served_as
     from eagle3nb.drafts.dflash.model import DFlashDraft
     from eagle3nb.train.report import acc_unit, read_metrics
 
@@ -581,10 +596,10 @@ def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, sta
     k = draft.config.drafts_per_block
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 50, 100] and acc_unit(evals) == "block position"
-    assert all(len(r["acc"]) == k for r in evals) and k == BLOCK - (method == "dflash")
+    assert all(len(r["acc"]) == k for r in evals) and k == stage_method(method)["num_speculative_tokens"]
     first, best = metrics["initial_heldout"], metrics["best"]
     assert best["acc"][0] > first["acc"][0] + 0.2, (first["acc"], best["acc"])
-    assert f'"method": "{method}"' in metrics["serve"]["vllm"] and "sglang_draft_dir" not in metrics
+    assert f'"method": "{served_as(method)}"' in metrics["serve"]["vllm"] and "sglang_draft_dir" not in metrics
     data, held = heldout(stage_data)
     ref = DFlashDraft(draft.config)
     ref.load_state_dict({**best_weights(out), "embed_tokens.weight": data.embed_tokens()})
@@ -665,7 +680,7 @@ def test_a_killed_block_drafter_run_resumes_exactly(staged, stage_data, tmp_path
     assert all(torch.equal(want[n], got[n]) for n in want)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
 def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_its_rounds(staged, stage_data,
                                                                                         target, method):
     """``SpecDecoder`` with the trained block drafter (k = its block's drafts): greedy output equal to the target's

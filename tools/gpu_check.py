@@ -57,10 +57,10 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``vllm_recipes``: ``start_vllm(mode="eagle3", cpu=False)`` serving one draft in both recipe layouts vLLM builds
   differently (a 2-layer EAGLE-3.1 draft: ``fc_norm`` + ``norm_output`` and ``num_hidden_layers: 2``, one server
   start instead of two), trained on cuda: acceptance length within 15% of CPU local decoding of that draft.
-- ``vllm_block_drafters``: each registered block drafter, DFlash and DSpark (``BLOCK_DRAFTERS``: block 4, 2
-  layers; 03 on cuda under autocast for the served draft's steps, on 02's reference data with the whole vocabulary)
-  served by
-  ``start_vllm(mode="dspark" | "dflash", cpu=False)`` (DSpark in vLLM's V2 model runner: ``serve.vllm.MODE_ENV``),
+- ``vllm_block_drafters``: each registered block drafter, DFlash, DSpark and DFlash2 (``BLOCK_DRAFTERS``: block 4,
+  2 layers; 03 on cuda under autocast for the served draft's steps, on 02's reference data with the whole
+  vocabulary) served by ``start_vllm(mode=<the method vLLM serves it as>, cpu=False)`` (DSpark and DFlash2 in vLLM's
+  V2 model runner, the only one with DSpark's speculator and DFlash2's candidate walk: the CPU build has neither),
   greedy on the held-out prompts' ids (``MAX_TOKENS`` each, ``ignore_eos``), one line per method: >= 90% of the
   completions equal our CPU decoding of the same draft (``SpecDecoder``, itself checked equal to the CPU target's
   greedy output; 90% as ``embedded_server``: GPU kernels may break near-ties otherwise), vLLM's spec-decode counters
@@ -86,7 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from eagle3nb.drafts import block_methods, rules
+from eagle3nb.drafts import block_methods, rules, served_as
 
 if TYPE_CHECKING:
     import torch
@@ -780,7 +780,7 @@ def block_drafter_served(w: World, name: str) -> str:
     expect(local["identical_to_target"], f"{name}: our CPU block decoding differs from the target's greedy output "
            f"on prompts {local['mismatched_prompts']}", "our block decoding is not lossless: see "
            "eagle3nb/drafts/dflash/drafting.py (BlockDrafting) and eagle3nb/specdec/batch.py")
-    served, acc, tps = serve_greedy(w, name, draft, local["k"])
+    served, acc, tps = serve_greedy(w, served_as(name), draft, local["k"])  # DFlash2 is vLLM's dflash
     same = sum(a == b for a, b in zip(served, local["outputs"]))
     tau, ref = acc.get("acceptance_length") or 0.0, local["acceptance_length"]
     measured = (f"{name} (k={local['k']}): {same}/{len(served)} greedy completions the target's (>= 90%), acceptance "
