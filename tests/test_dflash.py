@@ -21,6 +21,8 @@ from worlds import requires_vllm
 
 BLOCK = 4
 NEW_TOKENS = 40
+# DFlash2's additions at a shape the toy fits (hidden 64: groups of 16 channels; two taps; 8 of 546 candidates)
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 8}
 STEPS = 60  # measured: held-out tau DFlash (decay) 1.00 -> 1.84, DSpark (dpace) 1.07 -> 2.73; ~10 s each, 1 thread
 
 
@@ -92,11 +94,11 @@ def test_layer_ids_are_the_peers_spread_and_vllms_convention():
     """The default ids spread 1..L-3 in DFlash's numbering (z-lab's Qwen3-8B drafts, 36 layers, 5 draft layers:
     [1, 9, 17, 25, 33]), are ours minus one in ``dflash_config.target_layer_ids``, and read back as ours."""
     from eagle3nb.drafts.dflash.layouts import config_from_json, layout_config
-    from eagle3nb.drafts.dflash.model import DFlashConfig, default_aux_layer_ids
+    from eagle3nb.drafts.dflash.model import DFlashConfig, spread_layer_ids
 
-    ours = default_aux_layer_ids(36, 5)
+    ours = spread_layer_ids(36, 5)
     assert [i - 1 for i in ours] == [1, 9, 17, 25, 33]
-    assert default_aux_layer_ids(8, 3) == [2, 4, 6] and default_aux_layer_ids(8, 1) == [5]
+    assert spread_layer_ids(8, 3) == [2, 4, 6] and spread_layer_ids(8, 1) == [5]
     cfg = DFlashConfig(64, 128, 2, 1, 32, 2, 100, 64, ours, mask_token_id=0)
     assert cfg.target_layer_ids == [i - 1 for i in ours]
     vllm = layout_config(cfg, "vllm")
@@ -125,12 +127,12 @@ def test_a_block_sees_the_context_before_its_anchor_and_its_own_block(target, ta
         earlier = ctx.clone()
         earlier[:, 3] += 1.0
         assert not torch.allclose(m(earlier, anchors, pos)[:, 0], base[:, 0])
-        one, mask_id = (anchors[:, :1], pos[:, :1]), m.config.mask_token_id
-        m.config.mask_token_id = mask_id + 3  # other tokens in the block's later slots
+        one, mask_input = (anchors[:, :1], pos[:, :1]), m.mask_embedding.detach().clone()
+        m.mask_embedding.add_(1.0)  # other inputs in the block's later slots
         assert not torch.allclose(m(ctx, *one)[0, 0, 0], base[0, 0, 0])  # bidirectional: the anchor slot sees them
         m.config.causal = True
         causal = m(ctx, *one)
-        m.config.mask_token_id = mask_id
+        m.mask_embedding.copy_(mask_input)
         assert torch.equal(m(ctx, *one)[0, 0, 0], causal[0, 0, 0])
         assert not torch.allclose(m(ctx, *one)[0, 0, 1:], causal[0, 0, 1:])
 
@@ -164,14 +166,24 @@ def test_exports_load_back_exactly_in_both_layouts(tmp_path, target, target_conf
     from safetensors.torch import load_file
 
     from eagle3nb.drafts import PACKAGES, get
-    from eagle3nb.drafts.dflash.layouts import TARGET_TENSORS, load_draft, save_draft
+    from eagle3nb.drafts.dflash.layouts import MASK_FILE, TARGET_TENSORS, load_draft, save_draft
 
     m = drafter(target, target_config, markov_rank)
+    with torch.no_grad():
+        m.mask_embedding.normal_()  # a trained value, unlike any row of the target's
     ctx_aux = torch.randn(1, 10, m.fc.in_features)
     for layout in ("vllm", "speculators"):
         save_draft(m, tmp_path / layout, layout)
-        names = set(load_file(tmp_path / layout / "model.safetensors"))
-        assert names == set(m.state_dict()) - set(TARGET_TENSORS)
+        tensors = load_file(tmp_path / layout / "model.safetensors")
+        table = markov_rank > 0  # vLLM's DSpark reads the mask row of its own table
+        assert set(tensors) == set(m.state_dict()) - {*TARGET_TENSORS, "mask_embedding"} | (
+            {"embed_tokens.weight"} if table else set())
+        if table:
+            rows = target.model.embed_tokens.weight.detach().clone()
+            rows[m.config.mask_token_id] = m.mask_embedding.detach()
+            assert torch.equal(tensors["embed_tokens.weight"], rows)
+        mask = torch.load(tmp_path / layout / MASK_FILE, weights_only=True)  # vLLM's format
+        assert mask["mask_token_id"] == m.config.mask_token_id and torch.equal(mask["embedding"], m.mask_embedding)
         back = load_draft(tmp_path / layout, embed_tokens=target.model.embed_tokens.weight,
                           lm_head=target.lm_head.weight)
         assert back.config == m.config
@@ -200,8 +212,9 @@ from vllm.model_executor.models.registry import ModelRegistry
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
-# The CPU build's V1 runner refuses dspark at config time; the loader under test does not depend on the runner.
-VllmConfig._validate_v1_model_runner = lambda self: None
+# The CPU build's V1 runner refuses dspark and DFlash2 at config time (what it says is reported as "v1"); the loader
+# under test does not depend on the runner.
+v1_check, VllmConfig._validate_v1_model_runner = VllmConfig._validate_v1_model_runner, lambda self: None
 target, out, drafts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 report, ready = {}, False
 for label, (method, draft) in drafts.items():
@@ -220,7 +233,13 @@ for label, (method, draft) in drafts.items():
             p.data.fill_(float("nan"))
         model.load_weights(load_file(f"{draft}/model.safetensors").items())
     save_file({n: p.detach().contiguous() for n, p in params.items()}, f"{out}/{label}.safetensors")
-    report[label] = {"class": cls.__name__, "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
+    try:
+        v1_check(cfg)
+        v1 = None
+    except ValueError as e:
+        v1 = str(e)
+    report[label] = {"class": cls.__name__, "v1": v1,
+                     "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
                      "causal": [layer.self_attn.causal for layer in model.model.layers],
                      "unset": sorted(n for n, p in params.items() if torch.isnan(p).any())}
 print("REPORT" + json.dumps(report))
@@ -229,31 +248,53 @@ print("REPORT" + json.dumps(report))
 
 @requires_vllm()
 def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target_config, toy_smoke):
-    """vLLM 0.32's ``DFlashQwen3ForCausalLM`` and ``Qwen3DSparkForCausalLM``, built from the configs of both layouts
+    """vLLM 0.32's ``DFlashQwen3ForCausalLM``, ``Qwen3DSparkForCausalLM`` and ``DFlash2Qwen3ForCausalLM`` (served as
+    ``method: dflash``, its V1 runner refusing it as it refuses DSpark), built from the configs of both layouts
     (its speculators parser for ours) and loading our exports with their own ``load_weights`` (its environment, no
     server): every parameter holds our values (q/k/v, gate/up stacked; vocab-sized tables padded by vLLM), the
-    only ones left unset are the target's embedding and head (shared from the target at serve time) and the
-    unused ``mask_embedding``, vLLM reads back our aux layer ids, and every layer attends bidirectionally."""
+    trained mask input included: DFlash's ``mask_embedding`` read from our ``mask_embedding.pt`` by vLLM's own
+    ``_read_mask_embedding``, DSpark's in the mask row of the table it keeps. The only ones left unset are the
+    target's embedding and head (shared from the target at serve time) and DSpark's unused ``mask_embedding``; vLLM
+    reads back our aux layer ids, and every layer attends bidirectionally."""
     from safetensors.torch import load_file
 
+    from eagle3nb.drafts import served_as
     from eagle3nb.drafts.dflash.layouts import save_draft
     from eagle3nb.serve.vllm import vllm_python
 
-    models = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8)}
-    drafts = {f"{method}-{layout}": [method, str(save_draft(m, tmp_path / f"{method}-{layout}", layout))]
+    models = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8),
+              "dflash2": drafter(target, target_config, **DFLASH2)}
+    for m in models.values():
+        with torch.no_grad():
+            m.mask_embedding.normal_()  # a trained value, unlike any row of the target's
+            if m.method == "dflash2":  # away from the identity convolutions, so each tensor's place shows
+                for name, p in m.named_parameters():
+                    if "conv" in name or "selector" in name:
+                        p.normal_(0.0, 0.3)
+    # label -> [vLLM's method for it (DFlash2 is served as dflash), the folder]
+    drafts = {f"{method}-{layout}": [served_as(method), str(save_draft(m, tmp_path / f"{method}-{layout}", layout))]
               for method, m in models.items() for layout in ("vllm", "speculators")}
     done = subprocess.run([str(vllm_python()), "-c", VLLM_LOAD, str(toy_smoke), str(tmp_path), json.dumps(drafts)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.split("REPORT", 1)[1])
-    cls = {"dflash": "DFlashQwen3ForCausalLM", "dspark": "Qwen3DSparkForCausalLM"}
-    assert {k: v["class"] for k, v in report.items()} == {k: cls[m] for k, (m, _) in drafts.items()}
-    for label, (method, folder) in drafts.items():
+    cls = {"dflash": "DFlashQwen3ForCausalLM", "dspark": "Qwen3DSparkForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}
+    assert {k: v["class"] for k, v in report.items()} == {k: cls[k.split("-")[0]] for k in drafts}
+    # the CPU build's V1 runner serves DFlash only: DSpark's speculator and DFlash2's candidate walk are V2's
+    refused = {"dflash": None, "dspark": "dspark speculative decoding", "dflash2": "DFlash candidate-head drafts"}
+    for label, r in report.items():
+        want = refused[label.split("-")[0]]
+        assert (r["v1"] is None) if want is None else (want in r["v1"]), (label, r["v1"])
+    for label, (_, folder) in drafts.items():
+        method = label.split("-")[0]
         m = models[method]
         assert report[label]["aux"] == m.config.aux_layer_ids
         assert report[label]["causal"] == [False] * m.config.num_layers
-        assert report[label]["unset"] == ["lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"]
+        unused = "model.mask_embedding" if method == "dspark" else "model.embed_tokens.weight"
+        assert report[label]["unset"] == sorted(["lm_head.weight", unused]), label
         ours = load_file(Path(folder) / "model.safetensors")
+        if method != "dspark":
+            ours["mask_embedding"] = m.mask_embedding.detach()
         want: dict[str, list[torch.Tensor]] = {}
         for k in m.state_dict():  # module order: q, k, v and gate, up stack in vLLM's order
             if k in ours:
@@ -263,6 +304,9 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
         for name, parts in want.items():
             full = torch.cat(parts)
             assert torch.equal(theirs[name][:full.shape[0]], full), name  # vocab-sized rows padded to 64
+        mask_input = theirs["model.mask_embedding"] if method != "dspark" else \
+            theirs["model.embed_tokens.weight"][m.config.mask_token_id]
+        assert torch.equal(mask_input, m.mask_embedding.detach()), label
 
 
 def test_start_vllm_runs_dspark_in_vllms_v2_runner_on_a_gpu(tmp_path, toy_smoke, monkeypatch):
@@ -380,10 +424,36 @@ def test_training_lifts_offline_acceptance_and_decoding_stays_lossless(trained, 
     assert simulated and simulated == decoded.accepted[:len(simulated)]
 
 
+def test_the_mask_input_starts_at_the_live_rows_mean_and_is_trained(trained, target, target_config, data):
+    """A fresh drafter's mask slots enter as ``mask_embedding``, the mean of the target's rows that are not zero (the
+    toy's pad row, its mask id, is); the loss reaches it, training moves it, and a block's mask slots read it (and
+    not the target's row), while the anchor slot reads the anchor's row."""
+    from eagle3nb.drafts.dflash.objective import block_loss
+
+    rows = target.model.embed_tokens.weight.detach()
+    fresh = drafter(target, target_config)
+    mask = fresh.config.mask_token_id
+    assert float(rows[mask].norm()) == 0.0  # the smoke toy's pad row: the dead input this replaces
+    torch.testing.assert_close(fresh.mask_embedding.detach(), rows[rows.norm(dim=-1) > 0].mean(0))
+    it = items(data["train"][:1], fresh.config.aux_layer_ids)[0]
+    r = data["train"][0]
+    out = block_loss(fresh, it["aux"][None], it["input_ids"][None], it["loss_mask"][None],
+                     r["logits"].softmax(-1)[None], r["logits"].argmax(-1)[None], anchors_per_seq=8)
+    out["loss"].backward()
+    assert fresh.mask_embedding.grad is not None and float(fresh.mask_embedding.grad.abs().max()) > 0
+    m = trained(0, "decay")[0]
+    moved = float((m.mask_embedding.detach() - fresh.mask_embedding.detach()).norm())
+    assert moved > 0.5 * float(fresh.mask_embedding.norm()), moved
+    ids = torch.tensor([[5, mask, mask]])
+    embedded = m.embed(ids)[0]
+    assert torch.equal(embedded[0], rows[5]) and torch.equal(embedded[1], m.mask_embedding.detach())
+
+
 @requires_vllm()
 def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, tmp_path):
     """vLLM 0.32's CPU build serves the trained DFlash export (``method: dflash``, block - 1 speculative tokens):
-    its greedy completions are the target's own; greedy, its spec-decode counters count exactly the drafts and
+    its log says it loaded our trained ``mask_embedding.pt``; its greedy completions are the target's own; greedy,
+    its spec-decode counters count exactly the drafts and
     accepted tokens of local block decoding on the same prompts (the grouped-norm fix of the plugin in place:
     stock vLLM's CPU build normalises every layer's context keys with layer 0's ``k_norm``, so a 2-layer draft
     proposed other blocks, 143 drafts / 98 accepted against our 141 / 100), and at T=1 the same acceptance length
@@ -427,11 +497,13 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
                 "return_token_ids": True}).json()
             served.append(reply["choices"][0]["token_ids"])
         acc = spec_delta(before, spec_counters(scrape(murl)))
+        log = handle.log()  # vLLM's own lines (its mask-embedding loader's), not the fixes plugin's
         row_t1 = bench_endpoint("dflash", handle.base_url, sampled, [4], max_tokens=NEW_TOKENS, temperature=1.0,
                                 warmup=0, k=k)[0]
     print(f"vLLM dflash: acceptance length {acc['acceptance_length']:.3f} ({acc['accepted']:.0f} of "
           f"{acc['draft_tokens']:.0f} drafted, {acc['drafts']:.0f} drafts), local {local_tau:.3f}; at T=1 vLLM "
           f"{row_t1['acceptance_length']:.3f}, local {local_t1['acceptance_length']:.3f}")
+    assert f"Loaded DFlash mask embedding for mask_token_id {m.config.mask_token_id}" in log, log[-2000:]
     assert served == [plain_generate(target, p, NEW_TOKENS) for p in prompts]
     assert [d.tokens for d in local] == served
     assert acc["engine"] == "vllm" and acc["drafts"] > 0, acc
@@ -451,8 +523,10 @@ STAGE = dict(run_name="test", block_size=BLOCK, anchors_per_seq=64, max_length=2
 
 
 def stage_method(method: str) -> dict:
-    """03's method and the vLLM k its block drafts (DFlash: the block less its anchor; DSpark: the block)."""
-    return {"method": method, "num_speculative_tokens": BLOCK - (method == "dflash")}
+    """03's method and the vLLM k its block drafts (DFlash, DFlash2: the block less its anchor; DSpark: the block)."""
+    from eagle3nb.drafts import rules
+
+    return {"method": method, "num_speculative_tokens": rules(method).drafts_per_block(BLOCK)}
 
 
 @pytest.fixture(scope="module")
@@ -503,25 +577,28 @@ def heldout(stage_data: Path) -> tuple[object, list[int]]:
     return data, split_holdout([s["id"] for s in data.meta["samples"]], STAGE["holdout_fraction"])[1]
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, stage_data, method):
-    """03 with ``method: dflash | dspark``: the held-out accuracy is per block position (``drafts_per_block`` of
-    them, the report's label says so) and rises over training; ``draft/`` (vLLM's layout) and
-    ``draft-speculators/`` are claimed by the method and load back (with the target's embedding and head) to the
-    best evaluation's weights, giving its logits; the printed vLLM flags name the method."""
-    from eagle3nb.drafts import fresh_num_layers, load_draft, method_of
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
+def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, stage_data, toy_smoke, method):
+    """03 with ``method: dflash | dspark | dflash2``: the held-out accuracy is per block position
+    (``drafts_per_block`` of them, the report's label says so) and rises over training; the draft's rotary base is
+    the target's; ``draft/`` (vLLM's layout) and ``draft-speculators/`` are claimed by the method and load back
+    (with the target's embedding and head, and the trained mask input) to the best evaluation's weights, giving its
+    logits; the printed vLLM flags name the method vLLM serves it as."""
+    from eagle3nb.drafts import fresh_num_layers, load_draft, method_of, served_as
     from eagle3nb.drafts.dflash.model import DFlashDraft
     from eagle3nb.train.report import acc_unit, read_metrics
 
     out, metrics, draft = staged(method)
     assert draft.config.num_layers == fresh_num_layers(method) == 2  # num_layers left out: the method's own depth
+    rope = json.loads((toy_smoke / "config.json").read_text())["rope_parameters"]
+    assert draft.config.rope_theta == rope["rope_theta"] and draft.mask_embedding is not None
     k = draft.config.drafts_per_block
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 50, 100] and acc_unit(evals) == "block position"
-    assert all(len(r["acc"]) == k for r in evals) and k == BLOCK - (method == "dflash")
+    assert all(len(r["acc"]) == k for r in evals) and k == stage_method(method)["num_speculative_tokens"]
     first, best = metrics["initial_heldout"], metrics["best"]
     assert best["acc"][0] > first["acc"][0] + 0.2, (first["acc"], best["acc"])
-    assert f'"method": "{method}"' in metrics["serve"]["vllm"] and "sglang_draft_dir" not in metrics
+    assert f'"method": "{served_as(method)}"' in metrics["serve"]["vllm"] and "sglang_draft_dir" not in metrics
     data, held = heldout(stage_data)
     ref = DFlashDraft(draft.config)
     ref.load_state_dict({**best_weights(out), "embed_tokens.weight": data.embed_tokens()})
@@ -536,6 +613,44 @@ def test_03_trains_a_block_drafter_and_exports_what_load_draft_reads(staged, sta
         assert method_of(config).name == method
     again = load_draft(out / "draft-speculators", embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
     assert all(torch.equal(v, again.state_dict()[n]) for n, v in draft.state_dict().items())
+
+
+def dead_row_draft(staged, folder: Path, mask_token_id: int | None = None) -> Path:
+    """03's trained DFlash export without its ``mask_embedding.pt`` (a draft from before it, or a peer's), its
+    ``mask_token_id`` changed when given."""
+    import shutil
+
+    shutil.copytree(staged("dflash")[0] / "draft", folder)
+    (folder / "mask_embedding.pt").unlink()
+    if mask_token_id is not None:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["dflash_config"]["mask_token_id"] = mask_token_id
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_a_dead_mask_row_is_refused_by_03_in_one_line(staged, stage_data, tmp_path):
+    """A block drafter without a trained mask input whose mask id reads a dead row (the toy's pad row, all zeros)
+    is refused by 03 before it trains, in one line naming the row and the fix; the same draft on a live mask row
+    (one of median norm) is not, and neither is one with its ``mask_embedding.pt``."""
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.drafts import DraftMismatchError, load_draft, of
+    from eagle3nb.params import from_dict
+    from eagle3nb.train.stage import run
+
+    data = HiddenStates(stage_data)
+    norms = data.embed_tokens().float().norm(dim=-1)
+    dead = dead_row_draft(staged, tmp_path / "dead")
+    assert float(norms[staged("dflash")[2].config.mask_token_id]) < 0.5 * float(norms.median())
+    values = {**STAGE, **stage_method("dflash"), "data_dir": str(stage_data), "init_from": str(dead)}
+    with pytest.raises(DraftMismatchError) as refused:
+        run(from_dict("03_train", {**values, "output_dir": str(tmp_path / "out")}))
+    assert "\n" not in str(refused.value) and "mask_token_id" in str(refused.value), refused.value
+    assert "init_from: null" in str(refused.value) and not (tmp_path / "out" / "checkpoints").exists()
+    live = int((norms - norms.median()).abs().argmin())
+    for ok in (dead_row_draft(staged, tmp_path / "live", live), staged("dflash")[0] / "draft"):
+        draft = load_draft(ok, embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
+        of(draft).check_usable(draft, str(ok))
 
 
 def test_a_killed_block_drafter_run_resumes_exactly(staged, stage_data, tmp_path):
@@ -564,7 +679,7 @@ def test_a_killed_block_drafter_run_resumes_exactly(staged, stage_data, tmp_path
     assert all(torch.equal(want[n], got[n]) for n in want)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
 def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_its_rounds(staged, stage_data,
                                                                                         target, method):
     """``SpecDecoder`` with the trained block drafter (k = its block's drafts): greedy output equal to the target's

@@ -345,6 +345,29 @@ def test_random_weight_draft_fails_with_ranked_causes(healthy, tmp_path):
     assert r2.status == FAIL and r2.details["likely_causes"][0].startswith("aux layer ids"), r2
 
 
+def test_block_drafter_on_a_dead_mask_row_fails_in_one_line(healthy, toy_smoke, tmp_path):
+    """A DFlash draft without a trained ``mask_embedding.pt`` whose mask id reads the toy's pad row (all zeros)
+    fails draft_sanity in one line naming the row, before any acceptance is measured; with its file it does not."""
+    from safetensors.torch import load_file
+
+    from eagle3nb.drafts.dflash.layouts import MASK_FILE, save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+
+    eagle = json.loads((healthy["out"] / "03_train" / "draft" / "config.json").read_text())
+    draft = DFlashDraft(from_target(json.loads((toy_smoke / "config.json").read_text()), block_size=4,
+                                    aux_layer_ids=eagle["eagle_aux_hidden_state_layer_ids"]))
+    target = load_file(toy_smoke / "model.safetensors")
+    draft.set_target(target["model.embed_tokens.weight"], target["lm_head.weight"])
+    folder = save_draft(draft, tmp_path / "dflash")
+    (folder / MASK_FILE).unlink()
+    run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"draft_dir": folder}})
+    r = by_name(run_checks(run, "04"))["draft_sanity"]
+    assert r.status == FAIL and "\n" not in r.measured and "per_position" not in r.details, r
+    assert f"mask_token_id {draft.config.mask_token_id}" in r.measured and "dead input" in r.measured, r
+    save_draft(draft, folder)  # with its trained mask input: judged as any draft
+    assert "per_position" in by_name(run_checks(run, "04"))["draft_sanity"].details
+
+
 def test_server_check_names_the_engine_and_warns_on_an_untested_vllm(healthy):
     from eagle3nb import __version__
     from eagle3nb.doctor.checks.server import _engine_problems

@@ -62,11 +62,11 @@ def test_03s_num_layers_null_is_the_methods_own_depth_resolved_once_without_torc
     in its own process (~0.6 s, a subprocess)."""
     code = """if True:
         import json, sys
-        from eagle3nb.drafts import PACKAGES, fresh_num_layers
+        from eagle3nb.drafts import PACKAGES, fresh_num_layers, rules
         from eagle3nb.params import from_dict
         from eagle3nb.params_notebook import changed_table
-        block = {"dflash": {"block_size": 4, "num_speculative_tokens": 3},
-                 "dspark": {"block_size": 4, "num_speculative_tokens": 4}}
+        block = {m: {"block_size": 4, "num_speculative_tokens": rules(m).drafts_per_block(4)} for m in PACKAGES
+                 if rules(m).block}
         out = {}
         for m in PACKAGES:
             over = {"method": m, **block.get(m, {})}
@@ -81,7 +81,7 @@ def test_03s_num_layers_null_is_the_methods_own_depth_resolved_once_without_torc
                                     check=True).stdout)
     assert got["torch"] is False
     depths = {m: row[0] for m, row in got["methods"].items()}
-    assert depths == {"eagle3": 1, "dflash": 2, "dspark": 2}  # EAGLE-3's depth; the block drafters' measured one
+    assert depths == {"eagle3": 1, "dflash": 2, "dspark": 2, "dflash2": 2}  # EAGLE-3's; the block drafters' measured
     for m, (depth, left_out, null, given, changed, given_row) in got["methods"].items():
         assert left_out == null == depth and given == 5
         assert "num_layers" not in changed and given_row == [["5", repr(depth)]]
@@ -204,8 +204,8 @@ def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
     assert got["torch"] is False
     assert (got["method"], got["num_layers"]) == ("fake", 3)
     assert "a block of 5 drafts 4 tokens" in got["k_refused"] and "must be 4" in got["k_refused"]
-    assert "Input should be 'eagle3', 'dflash', 'dspark' or 'fake'" in got["unknown"]
-    assert "dspark (DFlash with a Markov and a confidence head) or fake (a test's block drafter); " in got["help"]
+    assert "Input should be 'eagle3', 'dflash', 'dspark', 'dflash2' or 'fake'" in got["unknown"]
+    assert "candidate selector) or fake (a test's block drafter); " in got["help"]
     assert got["markov_help"].startswith("dspark / fake: rank r of the Markov head")
     assert got["method_keys"].count("markov_rank") == 1 and "block_size" in got["method_keys"]
     assert got["gpu_check"] == {"method": "fake", "block_size": 4, "num_layers": 2, "num_speculative_tokens": 3}

@@ -46,7 +46,7 @@ The CUDA paths (where the code picks or follows a device), and what each check c
   server ids == template ids.
 - ``embedded_spec_server``: ``serve.spec_engine`` (draft on the target's device and dtype): 04's
   ``bench_endpoint`` greedy and at temperature 0.8 without errors, acceptance length within 15% of CPU local.
-- ``block_drafter``: a seeded DFlash draft (``drafts.dflash``) on cuda vs the same weights on CPU fp32: one
+- ``block_drafter``: seeded DFlash and DFlash2 drafts (``drafts.dflash``) on cuda vs the same weights on CPU fp32: one
   micro-batch's block loss within 1e-4 (relative), and greedy block decoding on cuda equal to the target's greedy
   output. (Its offline simulation, ``dflash/offline.py``, moves tensors the same way as the loss.)
 - ``vllm_install``: vLLM's GPU build in ``.venv-vllm-gpu/`` (installed with ``--vllm``; bounded by the budget).
@@ -63,10 +63,10 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``vllm_recipes``: ``start_vllm(mode="eagle3", cpu=False)`` serving one draft in both recipe layouts vLLM builds
   differently (a 2-layer EAGLE-3.1 draft: ``fc_norm`` + ``norm_output`` and ``num_hidden_layers: 2``, one server
   start instead of two), trained on cuda: acceptance length within 15% of CPU local decoding of that draft.
-- ``vllm_block_drafters``: each registered block drafter, DFlash and DSpark (``BLOCK_DRAFTERS``: block 4, 2
-  layers; 03 on cuda under autocast for the served draft's steps, on 02's reference data with the whole vocabulary)
-  served by
-  ``start_vllm(mode="dspark" | "dflash", cpu=False)`` (DSpark in vLLM's V2 model runner: ``serve.vllm.MODE_ENV``),
+- ``vllm_block_drafters``: each registered block drafter, DFlash, DSpark and DFlash2 (``BLOCK_DRAFTERS``: block 4,
+  2 layers; 03 on cuda under autocast for the served draft's steps, on 02's reference data with the whole
+  vocabulary) served by ``start_vllm(mode=<the method vLLM serves it as>, cpu=False)`` (DSpark and DFlash2 in vLLM's
+  V2 model runner, the only one with DSpark's speculator and DFlash2's candidate walk: the CPU build has neither),
   greedy on the held-out prompts' ids (``MAX_TOKENS`` each, ``ignore_eos``), one line per method: >= 90% of the
   completions equal our CPU decoding of the same draft (``SpecDecoder``, itself checked equal to the CPU target's
   greedy output; 90% as ``embedded_server``: GPU kernels may break near-ties otherwise), vLLM's spec-decode counters
@@ -92,7 +92,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from eagle3nb.drafts import block_methods, rules
+from eagle3nb.drafts import block_methods, rules, served_as
 
 if TYPE_CHECKING:
     import torch
@@ -626,9 +626,10 @@ def check_embedded_spec_server(w: World) -> str:
 
 
 def check_block_drafter(w: World) -> str:
-    """The block drafters on cuda vs CPU fp32 with the same weights (a seeded, untrained DFlash draft: the numbers
-    compared do not need it trained): one micro-batch's block loss, and greedy block decoding on cuda, which must be
-    the target's own greedy output."""
+    """The block drafters on cuda vs CPU fp32 with the same weights (seeded, untrained DFlash and DFlash2 drafts, the
+    latter's convolutions and selector drawn away from their identity start: the numbers compared do not need them
+    trained): one micro-batch's block loss each, and greedy block decoding on cuda, which must be the target's own
+    greedy output."""
     import copy
     import tempfile
 
@@ -644,29 +645,39 @@ def check_block_drafter(w: World) -> str:
     _, ids, eos = w.prompts
     targets = {GPU: load_target(w.toy, trust_remote_code=False, use=DECODER).to(GPU)}
     targets["cpu"] = copy.deepcopy(targets[GPU]).to("cpu")
-    torch.manual_seed(0)
-    cpu = DFlashDraft(from_target(json.loads((w.toy / "config.json").read_text()), num_layers=2, block_size=4))
-    cpu.set_target(targets["cpu"].model.embed_tokens.weight, targets["cpu"].lm_head.weight)
-    with tempfile.TemporaryDirectory() as tmp:  # the GPU's copy through the export and its loader's device move
-        drafts = {"cpu": cpu, GPU: load_draft(save_draft(cpu, tmp), targets[GPU].model.embed_tokens.weight,
-                                              device=GPU, lm_head=targets[GPU].lm_head.weight)}
     answer = plain_generate(targets["cpu"], ids[0], MAX_TOKENS, 0.0, eos)
     seq, mask = ids[0] + answer, [0] * len(ids[0]) + [1] * len(answer)
-    loss = {}
-    with torch.no_grad():
-        for dev, m in drafts.items():
-            out = targets[dev](input_ids=torch.tensor([seq], device=dev), output_hidden_states=True)
-            aux = torch.cat([out.hidden_states[i][0] for i in m.config.aux_layer_ids], -1)[None]
-            loss[dev] = float(block_loss(m, aux, torch.tensor([seq], device=dev), torch.tensor([mask], device=dev),
-                                         out.logits.softmax(-1), out.logits.argmax(-1), anchors_per_seq=16,
-                                         generator=torch.Generator().manual_seed(0))["loss"])
-    gap = abs(loss[GPU] - loss["cpu"]) / max(abs(loss["cpu"]), 1e-9)
-    expect(gap <= 1e-4, within("block loss relative gap", gap, 1e-4),
-           "DFlash's loss on GPU differs from CPU: check the .to(device) moves in eagle3nb/drafts/dflash/objective.py")
-    decoded = generate(targets[GPU], drafts[GPU], ids[0], MAX_TOKENS, eos).tokens
-    return expect(decoded == plain_generate(targets["cpu"], ids[0], MAX_TOKENS, 0.0, eos),
-                  f"{within('block loss relative gap', gap, 1e-4)}; greedy block decoding on cuda is the target's",
-                  "block decoding on GPU is not lossless: check eagle3nb/drafts/dflash/drafting.py and model.py")
+    lines = []
+    for heads in ({}, {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}):
+        torch.manual_seed(0)
+        cpu = DFlashDraft(from_target(json.loads((w.toy / "config.json").read_text()), num_layers=2, block_size=4,
+                                      **heads))
+        cpu.set_target(targets["cpu"].model.embed_tokens.weight, targets["cpu"].lm_head.weight)
+        with torch.no_grad():
+            for name, p in cpu.named_parameters():
+                if "conv" in name or "selector" in name:
+                    p.normal_(0.0, 0.1)
+        with tempfile.TemporaryDirectory() as tmp:  # the GPU's copy through the export and its loader's device move
+            drafts = {"cpu": cpu, GPU: load_draft(save_draft(cpu, tmp), targets[GPU].model.embed_tokens.weight,
+                                                  device=GPU, lm_head=targets[GPU].lm_head.weight)}
+        loss = {}
+        with torch.no_grad():
+            for dev, m in drafts.items():
+                out = targets[dev](input_ids=torch.tensor([seq], device=dev), output_hidden_states=True)
+                aux = torch.cat([out.hidden_states[i][0] for i in m.config.aux_layer_ids], -1)[None]
+                loss[dev] = float(block_loss(m, aux, torch.tensor([seq], device=dev), torch.tensor([mask], device=dev),
+                                             out.logits.softmax(-1), out.logits.argmax(-1), anchors_per_seq=16,
+                                             generator=torch.Generator().manual_seed(0))["loss"])
+        gap = abs(loss[GPU] - loss["cpu"]) / max(abs(loss["cpu"]), 1e-9)
+        expect(gap <= 1e-4, f"{cpu.method}: {within('block loss relative gap', gap, 1e-4)}",
+               f"{cpu.method}'s loss on GPU differs from CPU: check the .to(device) moves in "
+               "eagle3nb/drafts/dflash/objective.py and dflash2.py")
+        decoded = generate(targets[GPU], drafts[GPU], ids[0], MAX_TOKENS, eos).tokens
+        expect(decoded == answer, f"{cpu.method}: greedy block decoding on cuda differs from the CPU target's",
+               "block decoding on GPU is not lossless: check eagle3nb/drafts/dflash/drafting.py and model.py")
+        lines.append(f"{cpu.method}: {within('block loss relative gap', gap, 1e-4)}; greedy block decoding on cuda is "
+                     "the target's")
+    return "; ".join(lines)
 
 
 def check_vllm_install(w: World) -> str:
@@ -811,7 +822,7 @@ def block_drafter_served(w: World, name: str) -> str:
     expect(local["identical_to_target"], f"{name}: our CPU block decoding differs from the target's greedy output "
            f"on prompts {local['mismatched_prompts']}", "our block decoding is not lossless: see "
            "eagle3nb/drafts/dflash/drafting.py (BlockDrafting) and eagle3nb/specdec/batch.py")
-    served, acc, tps = serve_greedy(w, name, draft, local["k"])
+    served, acc, tps = serve_greedy(w, served_as(name), draft, local["k"])  # DFlash2 is vLLM's dflash
     same = sum(a == b for a, b in zip(served, local["outputs"]))
     tau, ref = acc.get("acceptance_length") or 0.0, local["acceptance_length"]
     measured = (f"{name} (k={local['k']}): {same}/{len(served)} greedy completions the target's (>= 90%), acceptance "
@@ -893,9 +904,9 @@ PATHS: list[CudaPath] = [
              ("eagle3nb/serve/spec_engine.py", "eagle3nb/specdec/batch.py"),
              "see eagle3nb/serve/spec_engine.py and eagle3nb/specdec/batch.py"),
     CudaPath("block_drafter", check_block_drafter,
-             ("eagle3nb/drafts/dflash/model.py", "eagle3nb/drafts/dflash/objective.py",
-              "eagle3nb/drafts/dflash/layouts.py", "eagle3nb/drafts/dflash/drafting.py",
-              "eagle3nb/drafts/dflash/offline.py"),
+             ("eagle3nb/drafts/dflash/model.py", "eagle3nb/drafts/dflash/dflash2.py",
+              "eagle3nb/drafts/dflash/objective.py", "eagle3nb/drafts/dflash/layouts.py",
+              "eagle3nb/drafts/dflash/drafting.py", "eagle3nb/drafts/dflash/offline.py"),
              "see eagle3nb/drafts/dflash/"),
     CudaPath("vllm_install", check_vllm_install, (), "install vLLM's GPU build into .venv-vllm-gpu"),
     CudaPath("vllm_hidden_states", check_vllm_hidden_states, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),

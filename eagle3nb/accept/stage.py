@@ -25,7 +25,7 @@ from eagle3nb.accept.predict import prediction
 from eagle3nb.accept.report import save_figures
 from eagle3nb.accept.verification import run_verification
 from eagle3nb.accept.verification import summary as verification_summary
-from eagle3nb.drafts import one_forward_per_round
+from eagle3nb.drafts import one_forward_per_round, served_as
 from eagle3nb.progress import write_json_atomic
 
 
@@ -97,7 +97,7 @@ def by_concurrency(P: AcceptParams, offline: dict[str, Any], online: list[dict[s
     best = best_k_by_concurrency(online, baseline_label(P))
     return {"best_k_by_concurrency": best,
             "concurrency": {**concurrency_verdict(online, baseline_label(P), offline.get("acceptance_length")),
-                            "serve_flags": serve_flags(best, method, str(P.draft_path))}}
+                            "serve_flags": serve_flags(best, served_as(method), str(P.draft_path))}}
 
 
 def clean(x):

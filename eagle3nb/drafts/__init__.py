@@ -27,7 +27,9 @@ when 03's ``num_layers`` is null (:func:`fresh_num_layers`), ``RULES``, each met
   ``target_argmax``, ``target_probs``);
 - ``drafting(model, k, device) -> Drafting`` (``prefill``, ``propose``, ``step_timer``: ``eagle3nb.drafts.base``);
 - ``chain_acceptance(model, item, target_argmax, target_probs, steps, temperature) -> dict`` (``greedy`` /
-  ``sampled`` / ``valid`` [steps, T-1], ``guess`` / ``target`` [T-1]) for one held-out sample.
+  ``sampled`` / ``valid`` [steps, T-1], ``guess`` / ``target`` [T-1]) for one held-out sample;
+- ``check_usable(model, where)``: a one-line ``DraftMismatchError`` for a loaded draft that cannot work whatever its
+  training (a block drafter whose mask slots read a dead row), called by 03 before fine-tuning and the doctor.
 
 Every model has a ``method`` attribute (its name here) and a ``config`` with ``vocab_size``, ``draft_vocab_size``,
 ``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the
@@ -48,13 +50,14 @@ from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, MethodRules, c
 
 __all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "block_methods", "check_fits",
            "fresh_num_layers", "get", "load_draft", "method_of", "of", "one_forward_per_round", "params_readers",
-           "rules"]
+           "rules", "served_as"]
 
 # method name -> the package whose METHODS holds it; the first claims a config.json before the others.
 PACKAGES = {
     "eagle3": "eagle3nb.drafts.eagle3",
     "dflash": "eagle3nb.drafts.dflash",
     "dspark": "eagle3nb.drafts.dflash",
+    "dflash2": "eagle3nb.drafts.dflash",
 }
 DEFAULT = "eagle3"  # 03's method when none is set, and every 03 run's before the choice existed
 
@@ -75,6 +78,12 @@ def fresh_num_layers(name: str) -> int:
 def rules(name: str) -> MethodRules:
     """What callers read of method ``name`` before any torch import: its package's ``RULES`` entry."""
     return importlib.import_module(PACKAGES[name]).RULES[name]
+
+
+def served_as(name: str) -> str:
+    """The ``method`` of vLLM's ``--speculative-config`` that serves a ``name`` draft (its own name but where its
+    rules say otherwise: DFlash2 is served as ``dflash``)."""
+    return rules(name).served_as or name
 
 
 def block_methods() -> tuple[str, ...]:

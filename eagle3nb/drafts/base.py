@@ -74,6 +74,10 @@ class DraftMethod:
     # calibration of the draft's own heads after training, folded into the exported weights (DSpark's confidence
     # head); None: the method has nothing to calibrate
     calibrate: Callable[..., dict[str, Any]] | None = None
+    # (model, where) -> None, or DraftMismatchError in one line for a loaded draft that cannot work whatever its
+    # training (a block drafter whose mask slots read a dead row): 03 calls it before fine-tuning, the doctor
+    # before judging
+    check_usable: Callable[[nn.Module, str], None] = lambda model, where: None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class MethodRules:
     # 03's settings it reads that EAGLE-3, the first method, does not (their help names the methods reading them;
     # another method's are left out of its runs' resume check)
     params: tuple[str, ...] = ()
+    # the speculative-config method vLLM serves it as, when not its own name (DFlash2: dflash, vLLM choosing the
+    # model by the draft's architecture)
+    served_as: str = ""
 
     def drafts_per_block(self, block_size: int) -> int:
         """Tokens one block of a block drafter proposes (vLLM's num_speculative_tokens): the anchor slot drafts

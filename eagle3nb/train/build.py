@@ -74,6 +74,7 @@ def build_draft(P, data) -> tuple[Any, dict[str, Any]]:
     check_fits(model.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
                layer_ids=meta["layer_ids"], num_layers=meta.get("num_layers"),
                draft=f"checkpoint {init}", data=f"hidden states {P.data_path}")
+    drafts.of(model).check_usable(model, f"init_from: checkpoint {init}")
     model.config.aux_layer_ids = list(meta["layer_ids"])
     asked = [k for k in EAGLE31_KEYS if getattr(P, k) and not getattr(model.config, k)]
     if asked:

@@ -82,6 +82,10 @@ def load_checkpoint(path: Path, draft, optimizer, scheduler, config: dict[str, A
         lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
         raise ResumeMismatch(f"{path} was made with other settings ({lines}). Restore them to resume, or set "
                              "resume: false / another output_dir to start a new run")
+    missing = sorted(set(draft.state_dict()) - set(blob["model"]) - {"embed_tokens.weight"})
+    if missing:  # a draft that has gained a trained tensor since (a block drafter's mask_embedding)
+        raise ResumeMismatch(f"{path} has no {', '.join(missing)}: it was made before the draft trained them; set "
+                             "resume: false / another output_dir to start a new run")
     draft.load_state_dict({**blob["model"], "embed_tokens.weight": draft.embed_tokens.weight}, strict=True)
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])

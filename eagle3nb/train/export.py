@@ -42,7 +42,7 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
         paths["speculators_dir"] = str(method.save(draft, out / "draft-speculators", format="speculators",
                                                    dtype=dtype, include_embed=P.export_embed_tokens,
                                                    verifier=verifier, num_speculative_tokens=k))
-    paths["serve"] = serve_commands(paths, k, method.name,
+    paths["serve"] = serve_commands(paths, k, drafts.served_as(method.name),
                                     eagle31=[key for key in EAGLE31_KEYS if getattr(draft.config, key, False)])
     for line in paths["serve"].values():
         print(line, flush=True)
@@ -50,8 +50,8 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
 
 
 def serve_commands(paths: dict[str, Any], k: int, method: str, eagle31: list[str]) -> dict[str, str]:
-    """The flags that serve the exported draft (of ``method``) beside its target; for an EAGLE-3.1 draft
-    (``eagle31``: its keys that are on) what an SGLang without them would do with it."""
+    """The flags that serve the exported draft (``method``: vLLM's name for it) beside its target; for an EAGLE-3.1
+    draft (``eagle31``: its keys that are on) what an SGLang without them would do with it."""
     cmds = {}
     vllm_dir = paths.get("draft_dir") or paths.get("speculators_dir")
     spec = json.dumps(draft_spec(vllm_dir, k, method))  # a parallel-drafting draft's with parallel_drafting on

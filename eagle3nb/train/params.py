@@ -149,6 +149,15 @@ class TrainParams(StageParams):
                                                    "r x V)")
     confidence_weight: float = Field(1.0, ge=0, description=f"{readers('confidence_weight')}: weight of the "
                                                             "confidence head's loss")
+    conv_kernel_size: int = Field(2, ge=1, description=f"{readers('conv_kernel_size')}: taps of each layer's "
+                                                       "grouped dynamic convolutions within the block (at most "
+                                                       "block_size)")
+    conv_group_size: int = Field(16, ge=1, description=f"{readers('conv_group_size')}: hidden channels sharing one "
+                                                       "dynamic kernel (must divide the draft's hidden size)")
+    selector_rank: int = Field(256, ge=1, description=f"{readers('selector_rank')}: rank of the candidate "
+                                                      "selector's codebooks (2 x V x r)")
+    selector_top_k: int = Field(16, ge=1, description=f"{readers('selector_top_k')}: unary candidates the selector "
+                                                      "rescores per slot")
     optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw, or muon (torch.optim.Muon) on the "
                                                                      "hidden 2-D weight matrices with AdamW on the "
                                                                      "rest (norms, lm_head); one lr for both "

@@ -230,7 +230,8 @@ def chance_acceptance(data) -> float:
 
 def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     from eagle3nb.accept.offline import offline_acceptance
-    from eagle3nb.drafts import load_draft, one_forward_per_round
+    from eagle3nb.drafts import DraftMismatchError, load_draft, one_forward_per_round
+    from eagle3nb.drafts import of as drafts_of
     from eagle3nb.hf import compute_device
 
     drafts = [d for label, d in ctx.drafts if label == "draft"]
@@ -243,6 +244,11 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     embed = None if "embed_tokens.weight" in shapes else data.embed_tokens()
     head = None if "lm_head.weight" in shapes else data.lm_head()
     model = load_draft(drafts[0], embed_tokens=embed, lm_head=head, device=compute_device())
+    try:
+        drafts_of(model).check_usable(model, str(drafts[0]))
+    except DraftMismatchError as e:
+        return CheckResult("draft_sanity", FAIL, str(e), "train a fresh draft (03_train init_from: null)",
+                           {"draft": str(drafts[0])})
     res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.specials.segments)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])

@@ -1,6 +1,7 @@
-"""Block drafters: DFlash (arXiv 2602.06036) and, on its backbone with a Markov and a confidence head, DSpark
-(arXiv 2607.05147; ``markov_rank > 0``). One package serves both methods, as EAGLE-3's serves its options: the same
-model, objective, layouts, drafting and offline simulation, with the heads on or off.
+"""Block drafters: DFlash (arXiv 2602.06036) and, on its backbone, DSpark with a Markov and a confidence head
+(arXiv 2607.05147; ``markov_rank > 0``) and DFlash2 with grouped dynamic convolutions and a candidate selector
+(``selector_rank > 0``: ``dflash2.py``). One package serves the three methods, as EAGLE-3's serves its options: the
+same model, objective, layouts, drafting and offline simulation, with the additions on or off.
 
 ``model`` the network (no I/O), ``objective`` its training loss, ``layouts`` its checkpoints (vLLM's and
 speculators'), ``drafting`` a block's drafting step and greedy local decoding, ``offline`` acceptance by block
@@ -21,6 +22,9 @@ RULES = {
                                   "docs/block-drafters.md", block=True, params=BLOCK),
     "dspark": MethodRules(summary="DFlash with a Markov and a confidence head", block=True, samples_from_anchor=True,
                           params=(*BLOCK, "markov_rank", "confidence_weight")),
+    "dflash2": MethodRules(summary="DFlash with grouped dynamic convolutions and a candidate selector", block=True,
+                           params=(*BLOCK, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+                           served_as="dflash"),
 }
 
 __getattr__ = lazy_methods(__name__)

@@ -41,7 +41,7 @@ class BlockDrafting:
     """A block drafter's step for rows sharing one ``PaddedKV`` of context features (``eagle3nb.drafts.base.
     Drafting``): each round the row's pending target states join its context, then one forward drafts a block
     from its anchor (the last verified token) and the round proposes its ``k`` drafts (the block's
-    ``drafts_per_block``: vLLM sizes the block it runs by k). DSpark draws left to right, each slot biased by the
+    ``drafts_per_block``: vLLM sizes the block it runs by k). DSpark and DFlash2 draw left to right, each slot given the
     token drawn before it."""
 
     def __init__(self, draft: DFlashDraft, k: int, device: torch.device):
@@ -76,14 +76,11 @@ class BlockDrafting:
         valid = torch.arange(L, device=length.device)[None] < length[:, None]  # shape: [B, L]
         anchors = pend_ids.gather(1, (pend_n - 1)[:, None])  # shape: [B, 1]
         # 2. One forward drafts every row's block.
-        logits = model.logits(model(ctx, anchors, length[:, None], ctx_valid=valid))[:, 0]  # shape: [B, S, V]
-        logits = logits[:, self.first:].float()  # shape: [B, k, V]
+        hidden = model(ctx, anchors, length[:, None], ctx_valid=valid)[:, 0, self.first:]  # shape: [B, k, H]
         toks, qs = [], [[] for _ in rows]
         prev = anchors[:, 0]  # shape: [B]
-        for j in range(self.k):
-            lg = logits[:, j]  # shape: [B, V]
-            if model.config.markov_rank > 0:
-                lg = lg + model.markov_bias(prev).float()
+        for j in range(self.k):  # left to right: DSpark's bias and DFlash2's selector read the token drawn before
+            lg = model.step_logits(hidden[:, j], prev).float()  # shape: [B, V]
             tok = lg.argmax(-1)
             for i, s in enumerate(rows):
                 if not s.greedy:
@@ -111,18 +108,18 @@ class BlockDrafting:
 @torch.no_grad()
 def draft_block(model: DFlashDraft, aux: torch.Tensor, anchor: int) -> list[int]:
     """The block's greedy drafts (``drafts_per_block`` target ids) after ``anchor``, the token at position T,
-    given the target's aux states aux [T, n*H_t] at positions 0..T-1. DSpark picks left to right, each slot's
-    logits biased by the Markov head from the token picked before it (the anchor for the first)."""
+    given the target's aux states aux [T, n*H_t] at positions 0..T-1. DSpark and DFlash2 pick left to right, each
+    slot's logits given the token picked before it (the anchor for the first): the Markov bias, the selector."""
     dev = model.fc.weight.device
     T = aux.shape[0]
     hidden = model(model.context(aux[None].to(dev)), torch.tensor([[anchor]], device=dev),
                    torch.tensor([[T]], device=dev))[0, 0]  # shape: [S, H]
-    logits = model.logits(hidden)  # shape: [S, V]
-    if model.config.markov_rank == 0:
-        return logits[1:].argmax(-1).tolist()  # DFlash: slot j >= 1 drafts the token at T + j
+    first = 0 if model.config.sample_from_anchor else 1  # DSpark: slot j drafts the token at T + j + 1, else T + j
+    if not model.reads_prev:
+        return model.logits(hidden[first:]).argmax(-1).tolist()
     out, prev = [], anchor
-    for j in range(model.config.block_size):  # DSpark: slot j drafts the token at T + j + 1
-        prev = int((logits[j] + model.markov_bias(torch.tensor(prev, device=dev))).argmax())
+    for h in hidden[first:]:  # DSpark, DFlash2: left to right, each slot given the token picked before it
+        prev = int(model.step_logits(h, torch.tensor(prev, device=dev)).argmax())
         out.append(prev)
     return out
 

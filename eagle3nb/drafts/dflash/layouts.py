@@ -6,6 +6,14 @@ down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``, ``fc``, ``hidden_
 ``embed_tokens`` or ``lm_head``: vLLM shares the target's when they are absent, speculators reloads them from the
 verifier, and ``load_draft`` takes them from the caller.
 
+The trained mask input (``DFlashDraft.mask_embedding``) is ``mask_embedding.pt`` beside them in both layouts, in
+vLLM 0.32's format (``qwen3_dflash.py``'s ``_read_mask_embedding``): ``{"mask_token_id", "embedding" [H]}``, the id
+checked against ``dflash_config.mask_token_id``; vLLM substitutes it for the target's row wherever a slot holds that
+id, as ``DFlashDraft.embed`` does. vLLM's DSpark model ignores the file ("DSpark masks via the vocab row"), so a
+DSpark export also carries ``embed_tokens.weight``: the target's table with that one row replaced, which vLLM keeps
+as the draft's own (V x H more on disk). speculators 0.9.0 reads neither: its model reloads the target's table
+from the verifier, so it runs (and fine-tunes) the draft on the target's mask row.
+
 The configs differ:
 
 - ``vllm`` (vLLM 0.32's native layout): a Qwen3 config of the draft (``num_hidden_layers`` its layers) with
@@ -34,8 +42,11 @@ from eagle3nb.layers import from_sglang
 from eagle3nb.progress import write_json_atomic
 
 LAYOUTS = ("vllm", "speculators")
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
-TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel", "dflash2": "DFlash2DraftModel"}
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # vLLM's dflash_config
+TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written as such
+MASK_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
+NOT_IN_WEIGHTS = (*TARGET_TENSORS, "mask_embedding")  # mask_embedding goes to MASK_FILE
 
 
 def qwen3_dict(cfg: DFlashConfig) -> dict[str, Any]:
@@ -66,14 +77,16 @@ def layout_config(cfg: DFlashConfig, layout: str = "vllm", verifier: str | None 
     dspark = cfg.markov_rank > 0
     heads = {"markov_rank": cfg.markov_rank, "enable_confidence_head": True,
              "confidence_head_with_markov": True} if dspark else {}
+    dflash2 = {k: getattr(cfg, k) for k in DFLASH2_KEYS} if cfg.method == "dflash2" else {}
     if layout == "vllm":
         return {"architectures": [ARCHITECTURES[cfg.method]], **qwen3_dict(cfg), "draft_vocab_size": cfg.vocab_size,
                 "target_hidden_size": cfg.target_hidden_size, "block_size": cfg.block_size, **heads,
                 **({"sample_from_anchor": True} if dspark else {}),
                 "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
-                                  "block_size": cfg.block_size, "causal": cfg.causal}}
+                                  "block_size": cfg.block_size, "causal": cfg.causal, **dflash2}}
     if layout == "speculators":
-        return {"architectures": ["DSparkSpeculator" if dspark else "DFlashSpeculator"],
+        return {"architectures": [{"dspark": "DSparkSpeculator", "dflash2": "DFlash2DraftModel"}.get(
+                    cfg.method, "DFlashSpeculator")], **dflash2,
                 "speculators_model_type": cfg.method, "speculators_version": "0.9.0",
                 "transformer_layer_config": qwen3_dict(cfg), "draft_vocab_size": cfg.vocab_size,
                 "block_size": cfg.block_size, "target_hidden_size": cfg.target_hidden_size,
@@ -92,11 +105,11 @@ def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFl
     if "speculators_model_type" in d:
         q, ids, causal = d["transformer_layer_config"], list(d["aux_hidden_state_layer_ids"]), \
             not d.get("sliding_window_non_causal", True)
-        mask, block = d["mask_token_id"], d["block_size"]
+        mask, block, extra = d["mask_token_id"], d["block_size"], d
     elif "dflash_config" in d:
         q, dc = d, d["dflash_config"]
         ids, causal = from_sglang(dc["target_layer_ids"]), bool(dc.get("causal", False))
-        mask, block = dc["mask_token_id"], d.get("block_size", dc.get("block_size"))
+        mask, block, extra = dc["mask_token_id"], d.get("block_size", dc.get("block_size")), dc
     else:
         raise DraftMismatchError(f"{path}: neither a vLLM DFlash/DSpark config (dflash_config) nor a speculators one")
     theta = (q.get("rope_parameters") or {}).get("rope_theta", q.get("rope_theta", 1_000_000.0))
@@ -107,7 +120,7 @@ def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFl
         target_hidden_size=d.get("target_hidden_size") or q["hidden_size"], aux_layer_ids=ids,
         mask_token_id=int(mask), block_size=int(block), causal=causal, rope_theta=float(theta),
         rms_norm_eps=q["rms_norm_eps"], max_position_embeddings=q["max_position_embeddings"],
-        markov_rank=int(d.get("markov_rank", 0)))
+        markov_rank=int(d.get("markov_rank", 0)), **{k: int(extra[k]) for k in DFLASH2_KEYS if k in extra})
 
 
 def draft_config_json(model: DFlashDraft, format: str = "vllm", dtype: torch.dtype | None = None,
@@ -121,16 +134,30 @@ def draft_config_json(model: DFlashDraft, format: str = "vllm", dtype: torch.dty
 def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype: torch.dtype | None = None,
                include_embed: bool = False, verifier: str | None = None,
                num_speculative_tokens: int | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in ``format``. The target's embedding and head are never
-    written (``include_embed`` changes nothing): vLLM shares the target's, ``load_draft`` takes them, and
-    speculators reloads them from ``verifier`` (the target's path or hub id): without it, it leaves both NaN."""
+    """Write ``config.json`` + ``model.safetensors`` (+ ``mask_embedding.pt``) in ``format``. The target's embedding and
+    head are not written (``include_embed`` changes nothing; DSpark's table for vLLM aside): vLLM shares the target's,
+    ``load_draft`` takes them, and speculators reloads them from ``verifier`` (the target's path or hub id): without it,
+    it leaves both NaN."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = draft_config_json(model, format, dtype, verifier)
-    tensors = {name: (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous()
-               for name, t in model.state_dict().items() if name not in TARGET_TENSORS}
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous()
+
+    tensors = {name: cast(t) for name, t in model.state_dict().items() if name not in NOT_IN_WEIGHTS}
+    mask = path / MASK_FILE
+    if model.mask_embedding is not None:
+        if model.config.markov_rank > 0:  # vLLM's DSpark reads only its own table's row
+            rows = model.embed_tokens.weight.detach().clone()  # shape: [V, H]
+            rows[model.config.mask_token_id] = model.mask_embedding.detach()
+            tensors["embed_tokens.weight"] = cast(rows)
+        tmp = path / f".{MASK_FILE}.tmp"
+        torch.save({"mask_token_id": model.config.mask_token_id, "embedding": cast(model.mask_embedding)}, tmp)
+        tmp.replace(mask)
+    else:
+        mask.unlink(missing_ok=True)  # an earlier export's, which no longer belongs to these weights
     tmp = path / f".{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(path / WEIGHTS_FILE)
@@ -138,25 +165,49 @@ def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype
     return path
 
 
+def read_mask_embedding(path: Path, cfg: DFlashConfig) -> torch.Tensor | None:
+    """The trained mask input [H] in ``path``'s ``mask_embedding.pt`` (a tensor, or vLLM's dict whose id must be
+    the config's), None without the file."""
+    file = path / MASK_FILE
+    if not file.exists():
+        return None
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    if isinstance(state, dict):
+        if state.get("mask_token_id", cfg.mask_token_id) != cfg.mask_token_id:
+            raise DraftMismatchError(f"{file}: mask_token_id {state['mask_token_id']} is not config.json's "
+                                     f"{cfg.mask_token_id}; re-export the draft")
+        state = state["embedding"]
+    if state.numel() != cfg.hidden_size:
+        raise DraftMismatchError(f"{file}: {state.numel()} values, the draft's hidden size is {cfg.hidden_size}")
+    return state.reshape(-1)
+
+
 def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = torch.float32, lm_head: torch.Tensor | None = None) -> DFlashDraft:
     """A drafter from either layout, on the target's ``embed_tokens`` and ``lm_head`` [V, H] (the files hold
-    neither); every tensor the config implies must be in the file, with its shape."""
+    neither, but a DSpark export's table for vLLM stands in for ``embed_tokens``: it differs only in the mask row,
+    which the draft reads from ``mask_embedding.pt``); every tensor the config implies must be in the file, with its
+    shape."""
     path = Path(path)
+    cfg = config_from_json(json.loads((path / "config.json").read_text()), path / "config.json")
+    mask = read_mask_embedding(path, cfg)
+    model = DFlashDraft(cfg, mask_embedding=mask is not None)
+    tensors = read_tensors(path)
+    if mask is not None and cfg.markov_rank > 0 and "embed_tokens.weight" in tensors:
+        table = tensors.pop("embed_tokens.weight")
+        embed_tokens = table if embed_tokens is None else embed_tokens
     if embed_tokens is None or lm_head is None:
         raise DraftMismatchError(f"{path} is a block drafter, which reads the target's embedding and LM head: pass "
                                  "both (load_draft(dir, embed_tokens=data.embed_tokens(), lm_head=data.lm_head()))")
-    cfg = config_from_json(json.loads((path / "config.json").read_text()), path / "config.json")
-    model = DFlashDraft(cfg)
-    tensors = read_tensors(path)
-    want = {k: v.shape for k, v in model.state_dict().items() if k not in TARGET_TENSORS}
+    want = {k: v.shape for k, v in model.state_dict().items() if k not in NOT_IN_WEIGHTS}
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     bad = [f"{k} {tuple(tensors[k].shape)} != {tuple(s)}" for k, s in want.items()
            if k in tensors and tensors[k].shape != s]
     if missing or extra or bad:
         raise DraftMismatchError(f"{path}: tensors do not fit config.json: missing {missing}, unexpected {extra}, "
                                  f"shapes {bad}")
-    model.load_state_dict({**tensors, "embed_tokens.weight": embed_tokens, "lm_head.weight": lm_head})
+    own = {"mask_embedding": mask} if mask is not None else {}
+    model.load_state_dict({**tensors, **own, "embed_tokens.weight": embed_tokens, "lm_head.weight": lm_head})
     if dtype is not None:
         model.to(dtype)
     return model.to(device).eval()

@@ -1,21 +1,25 @@
-"""DFlash's and DSpark's ``DraftMethod``s (the package's ``METHODS``): built here, apart from the package's light
-``__init__``, because their modules load torch."""
+"""DFlash's, DSpark's and DFlash2's ``DraftMethod``s (the package's ``METHODS``): built here, apart from the
+package's light ``__init__``, because their modules load torch."""
 
 from eagle3nb.drafts.base import DraftMethod
 from eagle3nb.drafts.dflash import calibration, drafting, layouts, model, objective, offline
 
 
-def _method(name: str, title: str, markov_rank_of, calibrate=None) -> DraftMethod:
+def _method(name: str, title: str, heads_of, calibrate=None) -> DraftMethod:
+    """``heads_of(P)``: the shape of the method's additions to the backbone from 03's params (``DFlashConfig``
+    fields: DSpark's ``markov_rank``, DFlash2's convolutions and selector)."""
     return DraftMethod(
         name=name, title=title, claims=layouts.claimer(name), load=layouts.load_draft, save=layouts.save_draft,
         config_json=layouts.draft_config_json, objective=objective.BlockObjective.from_params,
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
-                                                   markov_rank=markov_rank_of(P)),
-        unit=objective.BlockObjective.unit, calibrate=calibrate)
+                                                   **heads_of(P)),
+        unit=objective.BlockObjective.unit, calibrate=calibrate, check_usable=model.check_mask_input)
 
 
 METHODS = {
-    "dflash": _method("dflash", "DFlash", lambda P: 0),
-    "dspark": _method("dspark", "DSpark", lambda P: P.markov_rank, calibration.calibrate),  # its confidence head
+    "dflash": _method("dflash", "DFlash", lambda P: {}),
+    "dspark": _method("dspark", "DSpark", lambda P: {"markov_rank": P.markov_rank},
+                      calibration.calibrate),  # its confidence head
+    "dflash2": _method("dflash2", "DFlash2", lambda P: {k: getattr(P, k) for k in layouts.DFLASH2_KEYS}),
 }

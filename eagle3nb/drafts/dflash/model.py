@@ -6,10 +6,12 @@ Read top to bottom like the paper:
 
 1. ``fc`` fuses the target's states at ``aux_layer_ids`` (concatenated low..high) and ``hidden_norm`` normalises
    the result: the *context* features, one per target position [B, T, H].
-2. A block is the anchor token (the last token the target verified) then ``block_size - 1`` copies of
-   ``mask_token_id``, at the rotary positions after the context. It runs through ``num_layers`` Qwen3 decoder
-   layers (per-head ``q_norm``/``k_norm``, SwiGLU). In every layer the block's queries attend to the context's
-   keys/values (that layer's own ``k_proj``/``v_proj``/``k_norm`` applied to the context features: no
+2. A block is the anchor token (the last token the target verified) then ``block_size - 1`` copies of ``mask_token_id``,
+   at the rotary positions after the context. A mask slot enters as ``mask_embedding``, a trained vector (vLLM's
+   ``mask_embedding.pt``) that stands in for the target's row of ``mask_token_id``: that row is often dead (the toys'
+   pad row is all zeros), and a zero input leaves every mask slot identical in layer 1. It runs through ``num_layers``
+   Qwen3 decoder layers (per-head ``q_norm``/``k_norm``, SwiGLU). In every layer the block's queries attend to the
+   context's keys/values (that layer's own ``k_proj``/``v_proj``/``k_norm`` applied to the context features: no
    ``input_layernorm`` on them) ahead of the block's own keys; the block attends within itself non-causally
    (``causal=False``, the default) and sees only the context *before* its anchor.
 3. ``norm`` then the target's ``lm_head`` (frozen, like the target's ``embed_tokens``) give the logits.
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3nb.drafts.base import DraftMismatchError
+from eagle3nb.drafts.dflash.dflash2 import CandidateSelector, GroupedConv, shape_problem
 from eagle3nb.drafts.nn import MLP, RMSNorm, rotate_half
 from eagle3nb.layers import to_sglang
 
@@ -60,11 +63,18 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     markov_rank: int = 0  # > 0: DSpark (the Markov head of this rank, and the confidence head)
+    # > 0: DFlash2 (``dflash2``): each layer's grouped dynamic convolutions of this many taps over channel groups of
+    # ``conv_group_size``, and the candidate selector of rank ``selector_rank`` over the top ``selector_top_k``
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     @property
     def method(self) -> str:
-        """vLLM's ``--speculative-config`` method: ``dspark`` with a Markov head, else ``dflash``."""
-        return "dspark" if self.markov_rank > 0 else "dflash"
+        """The method in the registry: ``dspark`` with a Markov head, ``dflash2`` with the convolutions and the
+        selector (vLLM serves it as ``dflash``: its architecture tells them apart), else ``dflash``."""
+        return "dspark" if self.markov_rank > 0 else "dflash2" if self.selector_rank > 0 else "dflash"
 
     @property
     def draft_vocab_size(self) -> int:
@@ -88,7 +98,7 @@ class DFlashConfig:
         return to_sglang(self.aux_layer_ids)
 
 
-def default_aux_layer_ids(num_target_layers: int, count: int) -> list[int]:
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """The peers' spread (z-lab's DFlash, SpecForge, speculators' DFlash scripts): ``count`` target layers evenly
     from 1 to L-3 in DFlash's output-of-layer numbering (the middle layer alone for one), returned in ours (+1)."""
     if count == 1:
@@ -143,7 +153,8 @@ class BlockAttention(nn.Module):
 
 
 class BlockLayer(nn.Module):
-    """One Qwen3 decoder layer over the block: pre-norm attention (context ahead), pre-norm SwiGLU."""
+    """One Qwen3 decoder layer over the block: pre-norm attention (context ahead), pre-norm SwiGLU; DFlash2 wraps
+    each sublayer in its grouped dynamic convolutions (``dflash2.GroupedConv``)."""
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -151,10 +162,18 @@ class BlockLayer(nn.Module):
         self.self_attn = BlockAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.conv_kernel_size > 0:
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv, self.mlp_conv = GroupedConv(*conv), GroupedConv(*conv)
 
     def forward(self, h, ctx, rot_q, rot_ctx, mask):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rot_q, rot_ctx, mask)  # shape: [B, Q, H]
-        return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, Q, H]
+        if not hasattr(self, "attention_conv"):
+            h = h + self.self_attn(self.input_layernorm(h), ctx, rot_q, rot_ctx, mask)  # shape: [B, Q, H]
+            return h + self.mlp(self.post_attention_layernorm(h))  # shape: [B, Q, H]
+        x, delta = self.attention_conv.prepare(self.input_layernorm(h))  # shape: [B, Q, H], [B, Q, taps, G]
+        h = h + self.attention_conv.finish(self.self_attn(x, ctx, rot_q, rot_ctx, mask), delta)
+        x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), delta)  # shape: [B, Q, H]
 
 
 def block_mask(anchor_pos: torch.Tensor, ctx_valid: torch.Tensor, block_size: int, causal: bool) -> torch.Tensor:
@@ -172,14 +191,36 @@ def block_mask(anchor_pos: torch.Tensor, ctx_valid: torch.Tensor, block_size: in
     return torch.cat([ctx, own[None].expand(B, -1, -1)], 2)  # shape: [B, N*S, T+N*S]
 
 
+def row_norms(embed_tokens: torch.Tensor) -> torch.Tensor:
+    """[V, H] -> [V] the L2 norm of every embedding row, in float32."""
+    return embed_tokens.detach().float().norm(dim=-1)
+
+
+def live_mean(embed_tokens: torch.Tensor) -> torch.Tensor:
+    """[V, H] -> [H] the mean of the rows whose norm is not ~0 (under 1e-3 of the median: padding and never-trained
+    rows), where a fresh ``mask_embedding`` starts: a typical input, so every slot's layer 1 differs by position."""
+    norms = row_norms(embed_tokens)  # shape: [V]
+    return embed_tokens.detach().float()[norms > 1e-3 * norms.median()].mean(0)  # shape: [H]
+
+
+def dead_mask_row(embed_tokens: torch.Tensor, mask_token_id: int) -> bool:
+    """Whether the target's row of ``mask_token_id`` is too weak to be a block's mask input: its norm under half
+    the median row norm."""
+    norms = row_norms(embed_tokens)  # shape: [V]
+    return bool(norms[mask_token_id] < 0.5 * norms.median())
+
+
 class DFlashDraft(nn.Module):
     """The block drafter: ``context(aux)`` once per sequence, then ``forward`` any number of blocks in one pass."""
 
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, mask_embedding: bool = True):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        # the mask slots' trained input (vLLM's mask_embedding.pt); None: the target's mask row, as a checkpoint
+        # without the file is served
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if mask_embedding else None  # shape: [H]
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_layers))
@@ -194,6 +235,9 @@ class DFlashDraft(nn.Module):
             nn.init.zeros_(self.markov_head.markov_w2.weight)  # starts as plain DFlash
             self.confidence_head = nn.Module()
             self.confidence_head.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+        if cfg.selector_rank > 0:  # DFlash2 (vLLM's candidate_selector.*)
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         # the identity vocabulary map every draft offers (eagle3nb.drafts): not saved, nothing to load
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
@@ -208,10 +252,22 @@ class DFlashDraft(nn.Module):
         return ids
 
     def set_target(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Copy the target's embedding [V, H] and lm_head [V, H] (the draft trains neither)."""
+        """Copy the target's embedding [V, H] and lm_head [V, H] (the draft trains neither), and start
+        ``mask_embedding`` at the mean of the embedding's live rows."""
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed_tokens)
             self.lm_head.weight.copy_(lm_head)
+            if self.mask_embedding is not None:
+                self.mask_embedding.copy_(live_mean(embed_tokens))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[...] token ids -> [..., H] inputs: the target's rows, ``mask_embedding`` wherever the id is
+        ``mask_token_id`` (as vLLM's ``embed_input_ids`` substitutes it)."""
+        rows = self.embed_tokens(ids)  # shape: [..., H]
+        if self.mask_embedding is None:
+            return rows
+        is_mask = (ids == self.config.mask_token_id)[..., None]  # shape: [..., 1]
+        return torch.where(is_mask, self.mask_embedding.to(rows.dtype), rows)
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """[B, T, n*H_t] the target's aux states (low..high) -> the context features [B, T, H]."""
@@ -237,7 +293,7 @@ class DFlashDraft(nn.Module):
         B, T, _ = ctx.shape
         N, S = anchors.shape[1], cfg.block_size
         valid = torch.ones(B, T, dtype=torch.bool, device=dev) if ctx_valid is None else ctx_valid.bool()
-        h = self.embed_tokens(self.block_ids(anchors)).view(B, N * S, -1).to(ctx.dtype)  # shape: [B, N*S, H]
+        h = self.embed(self.block_ids(anchors)).view(B, N * S, -1).to(ctx.dtype)  # shape: [B, N*S, H]
         pos_q = (anchor_pos[..., None] + torch.arange(S, device=dev)).view(B, N * S)  # shape: [B, N*S]
         rot_q = rope(pos_q, cfg.head_dim, cfg.rope_theta)  # shape: 2 x [B, N*S, d]
         rot_ctx = rope(torch.arange(T, device=dev).expand(B, T), cfg.head_dim, cfg.rope_theta)  # shape: 2 x [B, T, d]
@@ -252,14 +308,31 @@ class DFlashDraft(nn.Module):
 
     def slot_logits(self, ctx: torch.Tensor, ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
         """Teacher-forced block logits [A, S, V] for one sequence: blocks anchored at anchor_pos [A] of its
-        tokens ids [T] over its context features ctx [1, T, H]; DSpark's slot j biased by the data's token at
-        anchor + j (what a block accepted up to slot j has drafted)."""
-        T = ids.shape[0]
+        tokens ids [T] over its context features ctx [1, T, H]; a slot that reads the token before it (DSpark's
+        Markov bias, DFlash2's selector) reads the data's (what a block accepted up to that slot has drafted)."""
+        T, S = ids.shape[0], self.config.block_size
         pos = anchor_pos[None]  # shape: [1, A]
-        logits = self.logits(self(ctx, ids[pos], pos))[0]  # shape: [A, S, V]
+        hidden = self(ctx, ids[pos], pos)[0]  # shape: [A, S, H]
+        if not self.reads_prev:
+            return self.logits(hidden)  # shape: [A, S, V]
+        shift = 0 if self.config.sample_from_anchor else 1  # slot j drafts the token at anchor + j + 1 - shift
+        at = torch.maximum(anchor_pos[:, None] + torch.arange(S, device=ids.device) - shift, anchor_pos[:, None])
+        return self.step_logits(hidden, ids[at.clamp_max(T - 1)])  # shape: [A, S, V]
+
+    @property
+    def reads_prev(self) -> bool:
+        """Whether a slot's logits depend on the token drafted before it (DSpark, DFlash2): drafted left to right."""
+        return self.config.markov_rank > 0 or self.config.selector_rank > 0
+
+    def step_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """A drafting slot's logits [..., V] from its state hidden [..., H] given the token before it prev [...] (the
+        one drafted at the slot before, the anchor for the first): the target's head, plus DSpark's Markov bias, or
+        DFlash2's candidate selection (its top-k candidates' path scores, -inf elsewhere)."""
+        logits = self.logits(hidden)  # shape: [..., V]
         if self.config.markov_rank > 0:
-            at = (anchor_pos[:, None] + torch.arange(self.config.block_size, device=ids.device)).clamp_max(T - 1)
-            logits = logits + self.markov_bias(ids[at])
+            logits = logits + self.markov_bias(prev)
+        if self.config.selector_rank > 0:
+            logits = self.candidate_selector.logits(logits, hidden, prev)
         return logits
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
@@ -276,34 +349,57 @@ def from_target(target_config: dict[str, Any], *, num_layers: int = 1, block_siz
                 mask_token_id: int | None = None, aux_layer_ids: list[int] | None = None,
                 markov_rank: int = 0, **over: Any) -> DFlashConfig:
     """A draft shaped like the target's layers (``target_config``: its config.json, a ``text_config`` read
-    through): hidden size, heads, MLP width and eps the target's; ``aux_layer_ids`` the peers' spread over as
-    many target layers as draft layers; ``mask_token_id`` when not given the target's pad token, else its last id
-    (a reserved or padding row in the big vocabularies: rows ordinary text never uses)."""
+    through): hidden size, heads, MLP width, eps and rotary base (``rope_theta``, as the peers' drafts copy it) the
+    target's; ``aux_layer_ids`` the peers' spread over as many target layers as draft layers; ``mask_token_id`` when
+    not given the target's pad token, else its last id (a reserved or padding row in the big vocabularies: rows
+    ordinary text never uses)."""
     tc = target_config.get("text_config") or target_config
     L = tc["num_hidden_layers"]
     pad = tc.get("pad_token_id")
     mask = mask_token_id if mask_token_id is not None else \
         pad if isinstance(pad, int) and 0 <= pad < tc["vocab_size"] else tc["vocab_size"] - 1
     heads = tc["num_attention_heads"]
+    theta = (tc.get("rope_parameters") or {}).get("rope_theta", tc.get("rope_theta"))
+    over = {"rope_theta": float(theta), **over} if theta is not None else over
     return DFlashConfig(
         hidden_size=tc["hidden_size"], intermediate_size=tc["intermediate_size"], num_attention_heads=heads,
         num_key_value_heads=tc.get("num_key_value_heads", heads),
         head_dim=tc.get("head_dim") or tc["hidden_size"] // heads, num_layers=num_layers,
         vocab_size=tc["vocab_size"], target_hidden_size=tc["hidden_size"],
-        aux_layer_ids=aux_layer_ids or default_aux_layer_ids(L, max(num_layers, 1)), mask_token_id=int(mask),
+        aux_layer_ids=aux_layer_ids or spread_layer_ids(L, max(num_layers, 1)), mask_token_id=int(mask),
         block_size=block_size, rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
         max_position_embeddings=tc.get("max_position_embeddings", 4096), markov_rank=markov_rank, **over)
 
 
 
 def fresh_draft(P: Any, meta: dict[str, Any], target_config: dict[str, Any], embed_tokens: torch.Tensor,
-                lm_head: torch.Tensor, markov_rank: int = 0) -> DFlashDraft:
+                lm_head: torch.Tensor, **heads: int) -> DFlashDraft:
     """03's fresh drafter (``P``: its ``num_layers``, ``block_size``, ``seed``) on the data 02 stored (``meta``: the
-    target's sizes and the aux layers it extracted) and the target's embedding and head [V, H]."""
+    target's sizes and the aux layers it extracted) and the target's embedding and head [V, H]; ``heads``: the
+    method's additions (``markov_rank``; DFlash2's ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``,
+    ``selector_top_k``), checked to fit the draft's shape in one line."""
     torch.manual_seed(P.seed)
     tc = {**(target_config.get("text_config") or target_config), "vocab_size": meta["vocab_size"],
           "hidden_size": meta["hidden_size"]}
-    model = DFlashDraft(from_target(tc, num_layers=P.num_layers, block_size=P.block_size,
-                                    aux_layer_ids=list(meta["layer_ids"]), markov_rank=markov_rank))
+    cfg = from_target(tc, num_layers=P.num_layers, block_size=P.block_size, aux_layer_ids=list(meta["layer_ids"]),
+                      **heads)
+    if problem := shape_problem(cfg.hidden_size, cfg.vocab_size, cfg.block_size, cfg.conv_kernel_size,
+                                cfg.conv_group_size, cfg.selector_top_k if cfg.selector_rank else 0):
+        raise DraftMismatchError(problem)
+    model = DFlashDraft(cfg)
     model.set_target(embed_tokens, lm_head)
     return model
+
+
+def check_mask_input(model: DFlashDraft, where: str = "the draft") -> None:
+    """Refuse (one line) a draft whose mask slots would enter as a dead vector: no trained ``mask_embedding`` and
+    the target's row of ``mask_token_id`` under half the median row norm. Every mask slot is then the same
+    near-zero input (RMSNorm(0) = 0: uniform attention in layer 1), and such a draft accepts little whatever its
+    training (the smoke toy's one-layer DFlash: first-position acceptance 0.24, docs/block-drafters.md)."""
+    mask = model.config.mask_token_id
+    if model.mask_embedding is None and dead_mask_row(model.embed_tokens.weight, mask):
+        norms = row_norms(model.embed_tokens.weight)
+        raise DraftMismatchError(
+            f"{where}: its mask slots read the target's row of mask_token_id {mask} (norm {float(norms[mask]):.3g}, "
+            f"median row {float(norms.median()):.3g}), a dead input, and it has no trained mask_embedding.pt: train "
+            "a fresh draft (init_from: null), which learns one")

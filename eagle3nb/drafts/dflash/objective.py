@@ -11,6 +11,8 @@ block position:
 
 DSpark adds its Markov bias to every slot's logits (teacher-forced: the previous token of the data), and a
 binary cross-entropy teaching the confidence head the slot's acceptance probability ``sum_v min(p_v, q_v)``.
+DFlash2 adds a cross-entropy teaching its candidate selector to pick the target's token among the unary top-k,
+given the data's previous token, weighted as the unary loss (``selector_loss``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from eagle3nb.drafts.dflash.model import DFlashDraft
 
 LOSSES = ("kl", "ce")
 WEIGHTINGS = ("decay", "dpace")
+SELECTOR_WEIGHT = 1.0  # DFlash2's selector loss beside the unary one (speculators' selector_loss_alpha default)
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -107,8 +110,8 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
     top = target_argmax.gather(1, flat).view_as(at)  # shape: [B, N, S]
     generated = loss_mask.gather(1, (flat + 1).clamp_max(T - 1)).view_as(at).bool()  # the drafted token's mask
     mask = drafts & generated & used[..., None]  # shape: [B, N, S]
+    prev = input_ids.gather(1, flat).view_as(at)  # shape: [B, N, S], the data's token before each drafted one
     if cfg.markov_rank > 0:  # DSpark: slot j's bias from the data's token before it (the anchor for slot 0)
-        prev = input_ids.gather(1, at.view(B, -1)).view_as(at)  # shape: [B, N, S], token at anchor + j
         logits = logits + model.markov_bias(prev).float()
     logp = F.log_softmax(logits, -1)  # shape: [B, N, S, V]
     own = logp.gather(-1, top[..., None]).squeeze(-1)  # shape: [B, N, S], log q(target's token)
@@ -129,9 +132,31 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
         out["confidence_loss"] = out["confidence_loss"].detach()
         out["confidence"] = (conf[mask].detach(), accept[mask])  # shape: [M] each, the scored slots
     hit = (logits.argmax(-1) == top) & mask
+    if cfg.selector_rank > 0:  # DFlash2: the selector learns to pick the target's token among the unary top-k
+        ce, hit = selector_loss(model, logits, hidden, prev, top, mask)
+        out["selector_loss"] = (ce * weights).sum() / counted
+        total = total + SELECTOR_WEIGHT * out["selector_loss"]
+        out["selector_loss"] = out["selector_loss"].detach()
     out.update(loss=total, loss_sum=(per_slot * mask).sum((0, 1)).detach(), correct=hit.sum((0, 1)).detach(),
                counted=mask.sum((0, 1)).detach())
     return out
+
+
+def selector_loss(model: DFlashDraft, logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor,
+                  top: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash2's teacher-forced selector objective (speculators' ``compute_selector_loss``): per slot the unary
+    logits' top-k candidates [B, N, S, K], the target's token put in the last place where it is missing (so every
+    slot has a K-way label), and the cross-entropy of the selector's scores given the data's previous token. Returns
+    the per-slot cross-entropy [B, N, S] and the slots whose selected candidate is the target's token within the
+    serving candidates (the target not injected) [B, N, S]."""
+    cand = logits.detach().topk(model.config.selector_top_k, dim=-1).indices  # shape: [B, N, S, K]
+    present = (cand == top[..., None]).any(-1)  # shape: [B, N, S]
+    cand[..., -1] = torch.where(present, cand[..., -1], top)
+    label = (cand == top[..., None]).long().argmax(-1)  # shape: [B, N, S]
+    scores = model.candidate_selector.scores(logits, hidden, prev, cand).float()  # shape: [B, N, S, K]
+    ce = F.cross_entropy(scores.flatten(0, -2), label.flatten(), reduction="none").view_as(label)
+    picked = cand.gather(-1, scores.detach().argmax(-1, keepdim=True)).squeeze(-1)  # shape: [B, N, S]
+    return ce, (picked == top) & present & mask
 
 
 class BlockObjective(nn.Module):
