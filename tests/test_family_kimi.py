@@ -392,7 +392,8 @@ def test_kimi_vllm_eagle3(kimi_vllm, kimi, kimi_trained):
 def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
     """vLLM serves a DFlash block drafter (Qwen3 attention) beside Kimi's MLA target: stock vLLM's CPU build cannot
     start it ("No common block size for 16": its MLA kernel takes KV blocks of 16, its other attention declared
-    multiples of 32), the plugin's block-size fix says in the log that it declared 16; greedy chat replies are
+    multiples of 32), the plugin's block-size fix says in the log that it declared 16, and vLLM that it loaded the
+    draft's ``mask_embedding.pt``; greedy chat replies are
     transformers' greedy tokens and vLLM's spec-decode counters count the drafts (k per draft). Random weights: the
     target's verification makes any draft lossless. ~35 s (its own server; the slow tier)."""
     from eagle3nb.accept.online import metrics_url, scrape
@@ -419,6 +420,7 @@ def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
     assert min(map(len, answers)) > 4, list(map(len, answers))
     assert acc["engine"] == "vllm" and acc["drafts"] > 0 and acc["draft_tokens"] == k * acc["drafts"], acc
     assert "eagle3nb_vllm_fixes.blocksize: vLLM's CPU attention declared KV blocks of 32 only" in log, log[-2000:]
+    assert f"Loaded DFlash mask embedding for mask_token_id {draft.config.mask_token_id}" in log, log[-2000:]
 
 
 @requires_vllm()
