@@ -23,7 +23,7 @@ BLOCK = 4
 NEW_TOKENS = 40
 # DFlash2's additions at a shape the toy fits (hidden 64: groups of 16 channels; two taps; 8 of 546 candidates)
 DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 8}
-STEPS = 60  # measured: held-out tau DFlash (decay) 1.00 -> 1.84, DSpark (dpace) 1.07 -> 2.73; ~10 s each, 1 thread
+STEPS = 60  # measured: held-out tau DFlash (decay) 1.00 -> 2.02, DSpark (dpace) 1.09 -> 2.68; ~10 s each, 1 thread
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +443,7 @@ def test_the_mask_input_starts_at_the_live_rows_mean_and_is_trained(trained, tar
     assert fresh.mask_embedding.grad is not None and float(fresh.mask_embedding.grad.abs().max()) > 0
     m = trained(0, "decay")[0]
     moved = float((m.mask_embedding.detach() - fresh.mask_embedding.detach()).norm())
-    assert moved > 0.5 * float(fresh.mask_embedding.norm()), moved
+    assert moved > 0.5 * float(fresh.mask_embedding.detach().norm()), moved
     ids = torch.tensor([[5, mask, mask]])
     embedded = m.embed(ids)[0]
     assert torch.equal(embedded[0], rows[5]) and torch.equal(embedded[1], m.mask_embedding.detach())
@@ -646,7 +646,7 @@ def test_a_dead_mask_row_is_refused_by_03_in_one_line(staged, stage_data, tmp_pa
     with pytest.raises(DraftMismatchError) as refused:
         run(from_dict("03_train", {**values, "output_dir": str(tmp_path / "out")}))
     assert "\n" not in str(refused.value) and "mask_token_id" in str(refused.value), refused.value
-    assert "init_from: null" in str(refused.value) and not (tmp_path / "out" / "checkpoints").exists()
+    assert "init_from: null" in str(refused.value) and not list((tmp_path / "out").rglob("step-*.pt"))
     live = int((norms - norms.median()).abs().argmin())
     for ok in (dead_row_draft(staged, tmp_path / "live", live), staged("dflash")[0] / "draft"):
         draft = load_draft(ok, embed_tokens=data.embed_tokens(), lm_head=data.lm_head())

@@ -418,7 +418,8 @@ def test_kimi_vllm_eagle3(kimi_vllm, kimi, kimi_trained):
 def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
     """vLLM serves a DFlash block drafter (Qwen3 attention) beside Kimi's MLA target: stock vLLM's CPU build cannot
     start it ("No common block size for 16": its MLA kernel takes KV blocks of 16, its other attention declared
-    multiples of 32): with the plugin's block-size fix it starts; greedy chat replies are
+    multiples of 32): with the plugin's block-size fix it starts, and vLLM says it loaded the draft's
+    ``mask_embedding.pt``; greedy chat replies are
     transformers' greedy tokens and vLLM's spec-decode counters count the drafts (k per draft). Random weights: the
     target's verification makes any draft lossless. ~35 s (its own server; the slow tier)."""
     from eagle3nb.accept.online import metrics_url, scrape
@@ -438,11 +439,13 @@ def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
         before = spec_counters(scrape(murl))
         answers = greedy_replies_are_transformers(kimi, handle.base_url, 2, 32)
         acc = spec_delta(before, spec_counters(scrape(murl)))
+        log = handle.log()  # vLLM's own lines (its mask-embedding loader's)
     finally:
         servers.stop()
     print(f"vLLM dflash beside toy:kimi: {acc['drafts']:.0f} drafts, acceptance length {acc['acceptance_length']:.3f}")
     assert min(map(len, answers)) > 4, list(map(len, answers))
     assert acc["engine"] == "vllm" and acc["drafts"] > 0 and acc["draft_tokens"] == k * acc["drafts"], acc
+    assert f"Loaded DFlash mask embedding for mask_token_id {draft.config.mask_token_id}" in log, log[-2000:]
 
 
 @requires_vllm()

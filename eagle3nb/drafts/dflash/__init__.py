@@ -12,8 +12,8 @@ docs/block-drafters.md explains the model, the layouts and the layer-id conventi
 from eagle3nb.drafts.base import MethodRules, lazy_methods
 
 # A fresh draft's decoder layers when 03's num_layers is null: on the smoke toy (60 steps, 3 seeds) one layer
-# accepted 1.38 (DFlash) / 2.46 (DSpark), two 2.52 / 3.17 (docs/recipes.md); the peers' published DFlash drafts
-# use 5 at 8B scale.
+# accepted 2.31 (DFlash) / 2.97 (DSpark), two 2.71 / 3.35 (docs/recipes.md; 1.38 / 2.46 and 2.52 / 3.17 on the dead
+# mask row, which chose 2); the peers' published DFlash drafts use 5 at 8B scale.
 NUM_LAYERS = 2
 # 03's block settings both read (model.fresh_draft, objective.BlockObjective.from_params); DSpark's heads add two.
 BLOCK = ("block_size", "anchors_per_seq", "block_loss", "block_weighting", "block_gamma", "dpace_alpha")

@@ -134,10 +134,10 @@ def draft_config_json(model: DFlashDraft, format: str = "vllm", dtype: torch.dty
 def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype: torch.dtype | None = None,
                include_embed: bool = False, verifier: str | None = None,
                num_speculative_tokens: int | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (+ ``mask_embedding.pt``) in ``format``. The target's embedding and
-    head are not written (``include_embed`` changes nothing; DSpark's table for vLLM aside): vLLM shares the target's,
-    ``load_draft`` takes them, and speculators reloads them from ``verifier`` (the target's path or hub id): without it,
-    it leaves both NaN."""
+    """Write ``config.json`` + ``model.safetensors`` (+ ``mask_embedding.pt``) in ``format``. The target's
+    embedding and head are not written (``include_embed`` changes nothing; DSpark's table with the trained mask row
+    aside): vLLM shares the target's, ``load_draft`` takes them, and speculators reloads them from ``verifier`` (the
+    target's path or hub id): without it, it leaves both NaN."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -185,9 +185,9 @@ def read_mask_embedding(path: Path, cfg: DFlashConfig) -> torch.Tensor | None:
 def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = torch.float32, lm_head: torch.Tensor | None = None) -> DFlashDraft:
     """A drafter from either layout, on the target's ``embed_tokens`` and ``lm_head`` [V, H] (the files hold
-    neither, but a DSpark export's table for vLLM stands in for ``embed_tokens``: it differs only in the mask row,
-    which the draft reads from ``mask_embedding.pt``); every tensor the config implies must be in the file, with its
-    shape."""
+    neither, but a DSpark export's table, written for vLLM, stands in for ``embed_tokens``: it differs only in the
+    mask row, which the draft reads from ``mask_embedding.pt``); every tensor the config implies must be in the
+    file, with its shape."""
     path = Path(path)
     cfg = config_from_json(json.loads((path / "config.json").read_text()), path / "config.json")
     mask = read_mask_embedding(path, cfg)

@@ -197,8 +197,9 @@ def row_norms(embed_tokens: torch.Tensor) -> torch.Tensor:
 
 
 def live_mean(embed_tokens: torch.Tensor) -> torch.Tensor:
-    """[V, H] -> [H] the mean of the rows whose norm is not ~0 (under 1e-3 of the median: padding and never-trained
-    rows), where a fresh ``mask_embedding`` starts: a typical input, so every slot's layer 1 differs by position."""
+    """[V, H] -> [H] the mean of the live rows, leaving out those whose norm is ~0 (under 1e-3 of the median:
+    padding and never-trained rows): where a fresh ``mask_embedding`` starts, a typical input, so every mask slot's
+    layer 1 differs by position."""
     norms = row_norms(embed_tokens)  # shape: [V]
     return embed_tokens.detach().float()[norms > 1e-3 * norms.median()].mean(0)  # shape: [H]
 
