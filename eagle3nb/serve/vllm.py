@@ -20,6 +20,8 @@ import subprocess
 from pathlib import Path
 
 from eagle3nb import paths
+from eagle3nb.data.head import served_target
+from eagle3nb.drafts import METHODS, Serving, check_serving
 from eagle3nb.errors import InputError
 from eagle3nb.families import AUTO, MLA_ARCHS, VLLM_EAGLE3_RELEASE, detect, is_mla, read_config, vllm_cpu_dtype
 from eagle3nb.launch import ServerHandle, free_port, launch
@@ -39,6 +41,7 @@ TOOL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True
 # Triton; pinned so an inherited VLLM_USE_V2_MODEL_RUNNER=0 cannot pick V1, and so the CPU build (no Triton) refuses
 # with the cause: "Model Runner V2 requires Triton". DFlash stays on vLLM's default (the CPU build serves it on V1).
 MODE_ENV: dict[str, dict[str, str]] = {"dspark": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
+NUM_SPECULATIVE_TOKENS = 3  # a draft's k when the caller names none
 
 
 def vllm_python() -> Path:
@@ -58,7 +61,7 @@ def unavailable_reason() -> str | None:
 
 def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model_name: str | None = None,
               layer_ids: list[int] | None = None, storage_dir: str | os.PathLike | None = None,
-              draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
+              draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
               max_model_len: int = 1024, cpu: bool = True, family: str = AUTO,
               cpu_flags: set[str] | None = None, tools: bool = False,
               speculative: dict | None = None, fixes: bool = True) -> list[str]:
@@ -131,7 +134,8 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     ``log_requests``: vLLM's request log (``--enable-log-requests`` at log level DEBUG: each chat request's body as
     one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). The mode's own environment
     (:data:`MODE_ENV`: DSpark's V2 model runner) overrides the caller's. Raises RuntimeError naming the fix when
-    vLLM's environment is missing."""
+    vLLM's environment is missing, and ServingError naming the flag or field when vLLM would serve the draft wrong
+    (:func:`check_draft`), before any process starts."""
     reason = unavailable_reason()
     if reason:
         raise InputError(f"the real vLLM cannot start: {reason}")
@@ -139,6 +143,7 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     if model.startswith("toy:"):
         kw.setdefault("served_model_name", model)
         model = str(resolve_model_path(model))
+    check_draft(model, mode, kw.get("draft_dir"), kw.get("num_speculative_tokens", NUM_SPECULATIVE_TOKENS))
     port = port or free_port(host)
     args = vllm_args(model, mode, fixes=fixes, **kw) + (["--enable-log-requests"] if log_requests else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -157,6 +162,16 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
            *args]
     return launch(cmd, host, port, f"vllm-{mode}", timeout, env=env)
+
+
+def check_draft(model_dir: str | os.PathLike, mode: str, draft_dir: str | os.PathLike | None, k: int) -> None:
+    """Refuse a draft vLLM would serve wrong as ``mode`` with ``k`` beside ``model_dir`` (another method than its
+    checkpoint's, another k than its block, a block layout, layer ids or vocabulary that do not fit: the rules of
+    ``eagle3nb.drafts.check_serving``), in one line naming the flag or field that fixes it."""
+    if mode in METHODS and draft_dir is not None:
+        check_serving(draft_dir, Serving(mode, k, served_target(Path(model_dir)),
+                                         method_field="the mode (vLLM's --speculative-config method)",
+                                         k_field="num_speculative_tokens"))
 
 
 def vllm_version() -> str:

@@ -1,4 +1,5 @@
-"""The checks of the draft against its target and data: 4. layer ids, 5. shapes and vocab, 8. draft sanity."""
+"""The checks of the draft against its target and data: 4. layer ids, 5. shapes and vocab, 5b. serving (the draft
+as the run serves it on vLLM), 8. draft sanity."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.data.head import served_target
 from eagle3nb.doctor.checks.causes import rank_causes
 from eagle3nb.doctor.checks.common import ENGINES, worst_of
 from eagle3nb.doctor.context import Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, WARN, CheckResult
+from eagle3nb.drafts import Serving, method_of, serving_problems
 from eagle3nb.formulas import speedup
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
@@ -215,6 +218,33 @@ def _argmax_coverage(ctx: Context, t2d) -> tuple[float, int]:
         if total >= COVERAGE_TOKENS:
             break
     return (inside / total if total else 1.0), total
+
+
+# -- 5b. serving ----------------------------------------------------------------------------------------------------
+
+def check_serving(ctx: Context) -> CheckResult:
+    """The trained draft as the run serves it on vLLM: as 03's method, with 03's printed k and each k 04 serves
+    (``eagle3nb.drafts.serving_problems``: what vLLM would read wrong from it without an error)."""
+    if ctx.serving_engine != "vllm":
+        raise Unavailable("the serving check reads the draft as vLLM does (run it with --serving-engine vllm)")
+    drafts = [d for label, d in ctx.drafts if label == "draft"]
+    if not drafts:
+        raise Unavailable("no trained draft yet (run 03_train)")
+    draft, P3, P4 = drafts[0], ctx.params.get("03_train"), ctx.params.get("04_acceptance")
+    method, method_field = (P3.method, "03_train method") if P3 is not None else \
+        (method_of(json.loads((draft / "config.json").read_text()), str(draft)).name, "the draft's own method")
+    ks = ([(P3.num_speculative_tokens, "03_train num_speculative_tokens")] if P3 is not None else []) + \
+        ([(k, "04_acceptance k" if P4.ks is None else "04_acceptance ks") for k in P4.sweep_ks] if P4 is not None
+         else [])
+    if not ks:
+        raise Unavailable("no valid 03_train / 04_acceptance params: the k it is served with is unknown")
+    target = served_target(ctx.model_dir)
+    problems = []
+    for k, k_field in ks:
+        problems += [(FAIL, what, fix) for what, fix in serving_problems(draft, Serving(
+            method, k, target, method_field=method_field, k_field=k_field)) if (FAIL, what, fix) not in problems]
+    said = f"{draft} served as {method} with k {sorted({k for k, _ in ks})} beside the {target.num_layers}-layer target"
+    return worst_of("serving", problems, said, {"draft": str(draft), "method": method, "ks": [k for k, _ in ks]})
 
 
 # -- 8. draft sanity -------------------------------------------------------------------------------------------------

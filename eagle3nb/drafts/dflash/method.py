@@ -2,7 +2,7 @@
 ``__init__``, because their modules load torch."""
 
 from eagle3nb.drafts.base import DraftMethod
-from eagle3nb.drafts.dflash import drafting, layouts, model, objective, offline
+from eagle3nb.drafts.dflash import drafting, layouts, model, objective, offline, serving
 
 
 def _method(name: str, title: str, markov_rank_of) -> DraftMethod:
@@ -12,7 +12,7 @@ def _method(name: str, title: str, markov_rank_of) -> DraftMethod:
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
                                                    markov_rank=markov_rank_of(P)),
-        unit=objective.BlockObjective.unit)
+        unit=objective.BlockObjective.unit, serving_problems=serving.serving_problems)
 
 
 METHODS = {
