@@ -222,29 +222,41 @@ def _argmax_coverage(ctx: Context, t2d) -> tuple[float, int]:
 
 # -- 5b. serving ----------------------------------------------------------------------------------------------------
 
+def _served_as(ctx: Context, draft: Path) -> tuple[tuple[str, str], list[tuple[int, str]]]:
+    """(method, the parameter naming it) and each (k, the parameter naming it) the run serves ``draft`` with:
+    03's method (else the draft's own) and printed k, 04's k (or its ks sweep)."""
+    P3, P4 = ctx.params.get("03_train"), ctx.params.get("04_acceptance")
+    if P3 is not None:
+        method = (P3.method, "03_train method")
+    else:
+        method = (method_of(json.loads((draft / "config.json").read_text()), str(draft)).name, "the draft's method")
+    ks = [(P3.num_speculative_tokens, "03_train num_speculative_tokens")] if P3 is not None else []
+    if P4 is not None:
+        ks += [(k, "04_acceptance k" if P4.ks is None else "04_acceptance ks") for k in P4.sweep_ks]
+    return method, ks
+
+
 def check_serving(ctx: Context) -> CheckResult:
-    """The trained draft as the run serves it on vLLM: as 03's method, with 03's printed k and each k 04 serves
-    (``eagle3nb.drafts.serving_problems``: what vLLM would read wrong from it without an error)."""
+    """The trained draft as the run serves it on vLLM (``eagle3nb.drafts.serving_problems``: what vLLM would read
+    wrong from it without an error), with each k the run serves it with."""
     if ctx.serving_engine != "vllm":
         raise Unavailable("the serving check reads the draft as vLLM does (run it with --serving-engine vllm)")
     drafts = [d for label, d in ctx.drafts if label == "draft"]
     if not drafts:
         raise Unavailable("no trained draft yet (run 03_train)")
-    draft, P3, P4 = drafts[0], ctx.params.get("03_train"), ctx.params.get("04_acceptance")
-    method, method_field = (P3.method, "03_train method") if P3 is not None else \
-        (method_of(json.loads((draft / "config.json").read_text()), str(draft)).name, "the draft's own method")
-    ks = ([(P3.num_speculative_tokens, "03_train num_speculative_tokens")] if P3 is not None else []) + \
-        ([(k, "04_acceptance k" if P4.ks is None else "04_acceptance ks") for k in P4.sweep_ks] if P4 is not None
-         else [])
+    (method, method_field), ks = _served_as(ctx, drafts[0])
     if not ks:
         raise Unavailable("no valid 03_train / 04_acceptance params: the k it is served with is unknown")
     target = served_target(ctx.model_dir)
-    problems = []
+    problems: list[tuple[str, str, str]] = []
     for k, k_field in ks:
-        problems += [(FAIL, what, fix) for what, fix in serving_problems(draft, Serving(
-            method, k, target, method_field=method_field, k_field=k_field)) if (FAIL, what, fix) not in problems]
-    said = f"{draft} served as {method} with k {sorted({k for k, _ in ks})} beside the {target.num_layers}-layer target"
-    return worst_of("serving", problems, said, {"draft": str(draft), "method": method, "ks": [k for k, _ in ks]})
+        serving = Serving(method, k, target, method_field=method_field, k_field=k_field)
+        for what, fix in serving_problems(drafts[0], serving):
+            if (FAIL, what, fix) not in problems:  # a misfit every k shares is said once
+                problems.append((FAIL, what, fix))
+    said = f"{drafts[0]} served as {method} with k {sorted({k for k, _ in ks})} beside the {target.num_layers}-layer " \
+           "target"
+    return worst_of("serving", problems, said, {"draft": str(drafts[0]), "method": method, "ks": [k for k, _ in ks]})
 
 
 # -- 8. draft sanity -------------------------------------------------------------------------------------------------
