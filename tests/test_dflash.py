@@ -318,6 +318,7 @@ def test_start_vllm_runs_dspark_in_vllms_v2_runner_on_a_gpu(tmp_path, toy_smoke,
 
     launched = {}
     monkeypatch.setattr(serve, "unavailable_reason", lambda: None)  # vLLM's environment is not needed
+    monkeypatch.setattr(serve, "check_draft", lambda *a: None)  # no draft here: tests/test_misconfig.py checks them
     monkeypatch.setattr(serve, "launch",
                         lambda cmd, host, port, name, timeout, env: launched.update({name: (cmd, env)}))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")

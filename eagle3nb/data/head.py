@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3nb.drafts.base import ServedTarget
 from eagle3nb.errors import InputError
 
 if TYPE_CHECKING:
@@ -94,6 +95,31 @@ def read_head_tensors(model_dir: Path) -> dict[str, "torch.Tensor"]:
         with safe_open(str(model_dir / wmap[name]), "pt") as f:
             out[key] = f.get_tensor(name)
     return out
+
+
+def embedding_row_norms(model_dir: Path, chunk_rows: int = 8192) -> "torch.Tensor":
+    """The L2 norm of each row of the target's input embedding [V], read a chunk of rows at a time (a 1T model's
+    embedding is GBs)."""
+    import torch
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    wmap = _weight_map(model_dir)
+    name = _pick(list(wmap), "embed_tokens.weight")
+    if name is None:
+        raise InputError(f"{model_dir}: no embed_tokens.weight among the weight names; is this a causal LM folder?")
+    with safe_open(str(model_dir / wmap[name]), "pt") as f:
+        rows = f.get_slice(name)
+        V = rows.get_shape()[0]
+        return torch.cat([rows[s:s + chunk_rows].float().norm(dim=-1) for s in range(0, V, chunk_rows)])
+
+
+def served_target(model_dir: Path) -> ServedTarget:
+    """The target as a served draft's check reads it (``eagle3nb.drafts.check_serving``): its depth and sizes from
+    config.json now, its embedding's row norms when a method asks."""
+    cfg = text_config(model_dir)
+    return ServedTarget(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["vocab_size"]),
+                        lambda: embedding_row_norms(model_dir))
 
 
 def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Tensor":

@@ -13,15 +13,15 @@ from eagle3nb.errors import UserError
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
 # Stable names: the acceptance notebook's verdict and the docs point at them.
-CHECKS = ["family", "server", "token_stream", "thinking", "layer_ids", "shapes_vocab", "data_health", "disk",
-          "draft_sanity"]
+CHECKS = ["family", "server", "token_stream", "thinking", "layer_ids", "shapes_vocab", "serving", "data_health",
+          "disk", "draft_sanity"]
 
 # What is worth checking at the start of each stage (the artifacts that stage reads or writes).
 STAGE_CHECKS = {
     "01_synth": ["family", "server", "token_stream", "thinking", "data_health", "disk"],
     "02_hidden_states": ["family", "token_stream", "thinking", "data_health", "layer_ids", "shapes_vocab", "disk"],
     "03_train": ["family", "thinking", "data_health", "layer_ids", "shapes_vocab"],
-    "04_acceptance": ["family", "thinking", "data_health", "layer_ids", "shapes_vocab", "draft_sanity"],
+    "04_acceptance": ["family", "thinking", "data_health", "layer_ids", "shapes_vocab", "serving", "draft_sanity"],
 }
 
 

@@ -30,6 +30,9 @@ when 03's ``num_layers`` is null (:func:`fresh_num_layers`), ``RULES``, each met
   ``sampled`` / ``valid`` [steps, T-1], ``guess`` / ``target`` [T-1]) for one held-out sample;
 - ``check_usable(model, where)``: a one-line ``DraftMismatchError`` for a loaded draft that cannot work whatever its
   training (a block drafter whose mask slots read a dead row), called by 03 before fine-tuning and the doctor.
+- ``serving_problems(dir, config_dict, Serving) -> [(what, fix)]``: what vLLM would read wrong from the checkpoint
+  served with that k beside that target (its package's ``serving.py``); :func:`check_serving` runs it after the
+  registry's own rule (the method served is the one the checkpoint declares), before any server starts.
 
 Every model has a ``method`` attribute (its name here) and a ``config`` with ``vocab_size``, ``draft_vocab_size``,
 ``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the
@@ -46,11 +49,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.drafts.base import DraftMethod, DraftMismatchError, MethodRules, check_fits
+from eagle3nb.drafts.base import (
+    DraftMethod,
+    DraftMismatchError,
+    MethodRules,
+    Misfit,
+    ServedTarget,
+    Serving,
+    ServingError,
+    check_fits,
+)
 
-__all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "block_methods", "check_fits",
-           "fresh_num_layers", "get", "load_draft", "method_of", "of", "one_forward_per_round", "params_readers",
-           "rules", "served_as"]
+__all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "Misfit", "ServedTarget",
+           "Serving", "ServingError", "block_methods", "check_fits", "check_serving", "fresh_num_layers", "get",
+           "load_draft", "method_of", "of", "one_forward_per_round", "params_readers", "rules", "served_as",
+           "serving_problems"]
 
 # method name -> the package whose METHODS holds it; the first claims a config.json before the others.
 PACKAGES = {
@@ -113,10 +126,41 @@ def method_of(config: dict[str, Any], where: str = "config.json") -> DraftMethod
         method = get(name)
         if method.claims(config):
             return method
-    what = (f"speculators_model_type {config['speculators_model_type']!r}" if config.get("speculators_model_type")
-            else f"architecture {', '.join(config.get('architectures') or [])}")
     known = ", ".join(f"{name} ({get(name).title})" for name in PACKAGES)
-    raise DraftMismatchError(f"{where}: {what} is not a draft this package reads (methods: {known})")
+    raise DraftMismatchError(f"{where}: {declared(config)} is not a draft this package reads (methods: {known})")
+
+
+def declared(config: dict[str, Any]) -> str:
+    """What in a config.json names its kind of draft, for messages: its speculators_model_type or architectures."""
+    if config.get("speculators_model_type"):
+        return f"speculators_model_type {config['speculators_model_type']!r}"
+    return f"architectures {config.get('architectures') or []}"
+
+
+def serving_problems(draft_dir: str | Path, serving: Serving) -> list[Misfit]:
+    """Why vLLM would serve the draft in ``draft_dir`` wrong as ``serving`` says, (what, fix) pairs ([] when it
+    fits): first the method (a checkpoint served as another method than it declares is built as that method's
+    model on its weights), then its method's own rules (``DraftMethod.serving_problems``)."""
+    path = Path(draft_dir)
+    if not (path / "config.json").is_file():
+        return [(f"{path} has no config.json", "point the draft at a checkpoint folder (03_train's draft/)")]
+    config = json.loads((path / "config.json").read_text())
+    try:
+        method = method_of(config, str(path))
+    except DraftMismatchError as e:
+        return [(str(e), f"serve a draft of one of the methods {', '.join(PACKAGES)}")]
+    if served_as(method.name) != serving.method:  # DFlash2 is vLLM's dflash, its model chosen by architecture
+        return [(f"{path} holds a draft of method {method.name} ({declared(config)}) served as {serving.method}: vLLM "
+                 f"would build its {get(serving.method).title} model on these weights",
+                 f"set {serving.method_field} to {served_as(method.name)}")]
+    return method.serving_problems(path, config, serving)
+
+
+def check_serving(draft_dir: str | Path, serving: Serving) -> None:
+    """Raise ServingError, one line naming each misfit and its fix, when :func:`serving_problems` finds any."""
+    problems = serving_problems(draft_dir, serving)
+    if problems:
+        raise ServingError("; ".join(f"{what}: {fix}" for what, fix in problems))
 
 
 def load_draft(path: str | Path, **kwargs: Any) -> Any:

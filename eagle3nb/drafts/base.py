@@ -1,6 +1,7 @@
 """What every draft algorithm shares: the interface a package offers (``DraftMethod``, ``Drafting``), the error a
-draft that does not fit raises, fitting a draft's shape to the target's data, reading checkpoint tensors, and the
-acceptance of rejection sampling the offline simulations score with."""
+draft that does not fit raises, fitting a draft's shape to the target's data, what a draft is served as
+(``Serving``) and the rules every method's serving check shares, reading checkpoint tensors, and the acceptance of
+rejection sampling the offline simulations score with."""
 
 from __future__ import annotations
 
@@ -29,6 +30,39 @@ REJECTED = 2
 
 class DraftMismatchError(UserError, ValueError):
     """A draft checkpoint that does not fit the data / target it is used with."""
+
+
+class ServingError(DraftMismatchError):
+    """A draft an engine would serve wrong without saying so (another method, k or layout than it was trained for,
+    another target): refused in one line naming the flag or field that fixes it, before any server starts."""
+
+
+# What is wrong with a served draft and the flag or field that fixes it: one line each.
+Misfit = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    """The target a draft is about to be served beside, read by the caller from the target's folder (the drafts
+    import no data layer). ``embed_row_norms()`` [V]: the L2 norm of each row of its input embedding, read only
+    by a method whose draft embeds a mask token through it."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    embed_row_norms: Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How a draft is about to be served: vLLM's speculative-config ``method`` and ``num_speculative_tokens``, the
+    target, and the names the user sets the first two by (each message names the one that fixes it)."""
+
+    method: str
+    num_speculative_tokens: int
+    target: ServedTarget
+    method_field: str = "the speculative-config method"
+    k_field: str = "num_speculative_tokens"
 
 
 class Drafting(Protocol):
@@ -70,6 +104,9 @@ class DraftMethod:
     # what a round's i-th drafted token is called (EAGLE-3's TTT step, a block drafter's block position): the
     # label 03's stats and 04's records and views carry
     unit: str
+    # (draft dir, its config.json dict, Serving) -> the method's own misfits: what vLLM would read wrong from the
+    # checkpoint served so (k, layout, layer ids, vocabulary), [] when it fits; the registry has checked the method
+    serving_problems: Callable[[Path, dict[str, Any], Serving], list[Misfit]]
     # (03's objective on the best weights, the held-out micro-batches) -> metrics.json's "calibration": a post-hoc
     # calibration of the draft's own heads after training, folded into the exported weights (DSpark's confidence
     # head); None: the method has nothing to calibrate
@@ -145,6 +182,66 @@ def check_fits(cfg, *, hidden_size: int, vocab_size: int, layer_ids: list[int] |
             "the draft does not fit the data:\n  - " + "\n  - ".join(problems)
             + "\nUse a checkpoint trained for this target (and these layers), or extract hidden states with the "
               "checkpoint's layer ids (02_hidden_states aux_layer_ids).")
+
+
+def aux_ids_misfits(ids: list[int] | None, field: str, offset: int, target: ServedTarget) -> list[Misfit]:
+    """The aux layer ids a checkpoint's ``field`` holds (ours: each id plus ``offset``, ``eagle3nb.layers``) that
+    the target has no layer for: vLLM reads the input of layer ``id + offset``, which exists for ours in
+    [0, L-1]."""
+    if ids is None:
+        return []
+    L = target.num_layers
+    bad = [int(i) for i in ids if not 0 <= int(i) + offset < L]
+    if not bad:
+        return []
+    return [(f"{field} {list(ids)}: {bad} name no layer of the {L}-layer target ({field} runs "
+             f"{-offset}..{L - 1 - offset})",
+             f"fix {field} in the draft's config.json, or serve the draft beside the target it was trained for")]
+
+
+def vocab_misfits(target_hidden_size: int | None, vocab_size: int | None, draft_vocab_size: int | None,
+                  d2t: torch.Tensor | None, target: ServedTarget) -> list[Misfit]:
+    """A draft's sizes and ``d2t`` against the target's (what vLLM builds the fc input, the embedding and the head
+    from, and maps draft ids to target ids by: ``target id = i + d2t[i]``); ``d2t`` None: the checkpoint has
+    none, so its draft ids are target ids."""
+    fix = "serve the draft beside the target it was trained for, or train one for this target (03_train)"
+    out = []
+    if target_hidden_size is not None and target_hidden_size != target.hidden_size:
+        out.append((f"target_hidden_size {target_hidden_size} is not the target's hidden_size {target.hidden_size}",
+                    fix))
+    if vocab_size is not None and vocab_size != target.vocab_size:
+        out.append((f"vocab_size {vocab_size} is not the target's vocab_size {target.vocab_size}", fix))
+    if d2t is None:
+        if draft_vocab_size is not None and draft_vocab_size != target.vocab_size:
+            out.append((f"draft_vocab_size {draft_vocab_size} without a d2t map: vLLM reads draft ids as target ids "
+                        f"of a {target.vocab_size}-token vocabulary",
+                        "re-export the draft with its d2t (02's draft_vocab.safetensors), or set draft_vocab_size "
+                        f"to {target.vocab_size}"))
+        return out
+    import torch
+
+    if draft_vocab_size is not None and d2t.numel() != draft_vocab_size:
+        out.append((f"d2t has {d2t.numel()} entries, draft_vocab_size is {draft_vocab_size}",
+                    "re-export the draft with the d2t of its draft vocabulary (02's draft_vocab.safetensors)"))
+    ids = torch.arange(d2t.numel()) + d2t.long()
+    outside = (ids < 0) | (ids >= target.vocab_size)
+    if outside.any():
+        i = int(outside.nonzero()[0])
+        out.append((f"d2t maps {int(outside.sum())} draft ids outside the target's {target.vocab_size} tokens "
+                    f"(first: draft {i} -> target {int(ids[i])})", fix))
+    return out
+
+
+def read_tensor(path: Path, name: str) -> torch.Tensor | None:
+    """One tensor of a checkpoint folder's safetensors files (``model.safetensors`` or shards), None when absent;
+    reads only that tensor (a draft carrying the target's embedding holds GBs)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if name in st.keys():
+                return st.get_tensor(name)
+    return None
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -11,7 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3nb.drafts import PACKAGES
+from eagle3nb.data.head import served_target
+from eagle3nb.drafts import PACKAGES, Serving, check_serving, method_of, served_as
 from eagle3nb.errors import UserError
 from eagle3nb.serve.spec_engine import SpecEngine
 from eagle3nb.toy import resolve_model_path
@@ -45,7 +47,11 @@ def register_cli(subparsers) -> None:
     p.add_argument("--draft", default=None, metavar="DIR",
                    help=f"a draft folder of any method ({', '.join(PACKAGES)}; 03's outputs/<run>/03_train/draft): "
                         "decode speculatively")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="k tokens drafted per step (with --draft)")
+    p.add_argument("--method", choices=sorted({served_as(m) for m in PACKAGES}), default=None,
+                   help="the method the draft is served as, vLLM's speculative-config method (default: the one its "
+                        "config.json declares); another is refused before anything loads")
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="k tokens drafted per step (with --draft; a DSpark draft's is its block size)")
     p.add_argument("--hidden-states-dir", default=None, metavar="DIR",
                    help="answer /v1/completions by writing hidden states here (vLLM extract_hidden_states)")
     p.add_argument("--enable-log-requests", action="store_true",
@@ -106,9 +112,13 @@ def check_options(args: argparse.Namespace) -> tuple[Path, str | None]:
         _require_module("eagle3nb.serve.spec_engine", "--draft")
         if args.num_speculative_tokens < 1:
             raise ServeError("--num-speculative-tokens must be at least 1")
-        if not (Path(args.draft) / "config.json").is_file():
+        config = Path(args.draft) / "config.json"
+        if not config.is_file():
             raise ServeError(f"--draft {args.draft}: no config.json there; pass 03_train's draft folder "
                              f"(outputs/<run>/03_train/draft)")
+        method = args.method or served_as(method_of(json.loads(config.read_text()), args.draft).name)
+        check_serving(args.draft, Serving(method, args.num_speculative_tokens, served_target(model_dir),
+                                          method_field="--method", k_field="--num-speculative-tokens"))
     _check_port(args.host, args.port)
     return model_dir, api_key
 

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from eagle3nb import paths
+from eagle3nb.data.head import served_target
+from eagle3nb.drafts import PACKAGES, Serving, check_serving, served_as
 from eagle3nb.errors import InputError
 from eagle3nb.families import AUTO, MLA_ARCHS, VLLM_EAGLE3_RELEASE, detect, is_mla, read_config, vllm_cpu_dtype
 from eagle3nb.launch import ServerHandle, free_port, launch
@@ -56,6 +58,7 @@ V2_SPECULATIVE = {"rejection_sample_method": "block"}
 VLLM_EXT = Path(__file__).resolve().parent / "vllm_ext"
 PLUGIN_GROUP = "vllm.general_plugins"
 SKIPPED = ": skipped: "  # how a fix the plugin could not install says so (eagle3nb_vllm_fixes/guard.py)
+NUM_SPECULATIVE_TOKENS = 3  # a draft's k when the caller names none
 
 
 def vllm_python() -> Path:
@@ -75,7 +78,7 @@ def unavailable_reason() -> str | None:
 
 def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model_name: str | None = None,
               layer_ids: list[int] | None = None, storage_dir: str | os.PathLike | None = None,
-              draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = 3,
+              draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
               max_model_len: int = 1024, cpu: bool = True, family: str = AUTO,
               cpu_flags: set[str] | None = None, tools: bool = False,
               speculative: dict | None = None, fixes: bool = True) -> list[str]:
@@ -183,7 +186,8 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     ``log_requests``: vLLM's request log (``--enable-log-requests`` at log level DEBUG: each chat request's body as
     one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). The mode's own environment
     (:data:`MODE_ENV`: DSpark's V2 model runner; :data:`V2_SPECULATIVE`: block verification's) overrides the
-    caller's. Raises RuntimeError naming the fix when vLLM's environment is missing."""
+    caller's. Raises RuntimeError naming the fix when vLLM's environment is missing, and ServingError naming the flag
+    or field when vLLM would serve the draft wrong (:func:`check_draft`), before any process starts."""
     reason = unavailable_reason()
     if reason:
         raise InputError(f"the real vLLM cannot start: {reason}")
@@ -191,6 +195,7 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     if model.startswith("toy:"):
         kw.setdefault("served_model_name", model)
         model = str(resolve_model_path(model))
+    check_draft(model, mode, kw.get("draft_dir"), kw.get("num_speculative_tokens", NUM_SPECULATIVE_TOKENS))
     port = port or free_port(host)
     args = vllm_args(model, mode, fixes=fixes, **kw) + (["--enable-log-requests"] if log_requests else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -217,6 +222,16 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     if fixes and kw.get("cpu", True):  # the plugin fixes the CPU build only: on a GPU it applies nothing
         warn_skipped_fixes(handle)
     return handle
+
+
+def check_draft(model_dir: str | os.PathLike, mode: str, draft_dir: str | os.PathLike | None, k: int) -> None:
+    """Refuse a draft vLLM would serve wrong as ``mode`` with ``k`` beside ``model_dir`` (another method than its
+    checkpoint's, another k than its block, a block layout, layer ids or vocabulary that do not fit: the rules of
+    ``eagle3nb.drafts.check_serving``), in one line naming the flag or field that fixes it."""
+    if mode in {served_as(m) for m in PACKAGES} and draft_dir is not None:
+        check_serving(draft_dir, Serving(mode, k, served_target(Path(model_dir)),
+                                         method_field="the mode (vLLM's --speculative-config method)",
+                                         k_field="num_speculative_tokens"))
 
 
 def vllm_version() -> str:

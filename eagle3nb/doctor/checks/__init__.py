@@ -1,5 +1,5 @@
-"""The nine checks, one module per area: ``server`` (family, server, token stream, thinking), ``draft`` (layer
-ids, shapes and vocab, draft sanity), ``data`` (data health, disk); ``causes`` ranks their results. Each takes
+"""The ten checks, one module per area: ``server`` (family, server, token stream, thinking), ``draft`` (layer
+ids, shapes and vocab, serving, draft sanity), ``data`` (data health, disk); ``causes`` ranks their results. Each takes
 the run's ``Context`` and returns one ``CheckResult``; raising ``Unavailable`` means "nothing to check yet"
 (skip, with the reason). Thresholds are named constants at the top of each module so a reader can argue with
 them."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import traceback
 
 from eagle3nb.doctor.checks.data import check_data_health, check_disk
-from eagle3nb.doctor.checks.draft import check_draft_sanity, check_layer_ids, check_shapes_vocab
+from eagle3nb.doctor.checks.draft import check_draft_sanity, check_layer_ids, check_serving, check_shapes_vocab
 from eagle3nb.doctor.checks.server import check_family, check_server, check_thinking, check_token_stream
 from eagle3nb.doctor.context import Context, Unavailable
 from eagle3nb.doctor.result import FAIL, SKIP, CheckResult
@@ -17,7 +17,8 @@ from eagle3nb.params import ParamsError
 
 FUNCS = {
     "family": check_family, "server": check_server, "token_stream": check_token_stream, "thinking": check_thinking,
-    "layer_ids": check_layer_ids, "shapes_vocab": check_shapes_vocab, "data_health": check_data_health,
+    "layer_ids": check_layer_ids, "shapes_vocab": check_shapes_vocab, "serving": check_serving,
+    "data_health": check_data_health,
     "disk": check_disk,
 }
 

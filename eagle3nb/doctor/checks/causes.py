@@ -11,6 +11,7 @@ CAUSES = {
     "thinking": "thinking mode: the draft learned the other mode's output",
     "data_health": "training data: reasoning missing, truncated or cut by max_length",
     "shapes_vocab": "draft vocabulary / shapes do not fit the target",
+    "serving": "serving: vLLM serves the draft as another method, k or block layout than it was trained for",
     "server": "the server: reasoning not returned, so the data lacks it",
 }
 UNDERTRAINED = "too little training: more samples (01 max_samples) or steps (03 max_steps)"

@@ -1,4 +1,5 @@
-"""The checks of the draft against its target and data: 4. layer ids, 5. shapes and vocab, 8. draft sanity."""
+"""The checks of the draft against its target and data: 4. layer ids, 5. shapes and vocab, 5b. serving (the draft
+as the run serves it on vLLM), 8. draft sanity."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.data.head import served_target
 from eagle3nb.doctor.checks.causes import rank_causes
 from eagle3nb.doctor.checks.common import ENGINES, worst_of
 from eagle3nb.doctor.context import Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, WARN, CheckResult
+from eagle3nb.drafts import Serving, method_of, serving_problems
 from eagle3nb.formulas import speedup
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
@@ -215,6 +218,45 @@ def _argmax_coverage(ctx: Context, t2d) -> tuple[float, int]:
         if total >= COVERAGE_TOKENS:
             break
     return (inside / total if total else 1.0), total
+
+
+# -- 5b. serving ----------------------------------------------------------------------------------------------------
+
+def _served_as(ctx: Context, draft: Path) -> tuple[tuple[str, str], list[tuple[int, str]]]:
+    """(method, the parameter naming it) and each (k, the parameter naming it) the run serves ``draft`` with:
+    03's method (else the draft's own) and printed k, 04's k (or its ks sweep)."""
+    P3, P4 = ctx.params.get("03_train"), ctx.params.get("04_acceptance")
+    if P3 is not None:
+        method = (P3.method, "03_train method")
+    else:
+        method = (method_of(json.loads((draft / "config.json").read_text()), str(draft)).name, "the draft's method")
+    ks = [(P3.num_speculative_tokens, "03_train num_speculative_tokens")] if P3 is not None else []
+    if P4 is not None:
+        ks += [(k, "04_acceptance k" if P4.ks is None else "04_acceptance ks") for k in P4.sweep_ks]
+    return method, ks
+
+
+def check_serving(ctx: Context) -> CheckResult:
+    """The trained draft as the run serves it on vLLM (``eagle3nb.drafts.serving_problems``: what vLLM would read
+    wrong from it without an error), with each k the run serves it with."""
+    if ctx.serving_engine != "vllm":
+        raise Unavailable("the serving check reads the draft as vLLM does (run it with --serving-engine vllm)")
+    drafts = [d for label, d in ctx.drafts if label == "draft"]
+    if not drafts:
+        raise Unavailable("no trained draft yet (run 03_train)")
+    (method, method_field), ks = _served_as(ctx, drafts[0])
+    if not ks:
+        raise Unavailable("no valid 03_train / 04_acceptance params: the k it is served with is unknown")
+    target = served_target(ctx.model_dir)
+    problems: list[tuple[str, str, str]] = []
+    for k, k_field in ks:
+        serving = Serving(method, k, target, method_field=method_field, k_field=k_field)
+        for what, fix in serving_problems(drafts[0], serving):
+            if (FAIL, what, fix) not in problems:  # a misfit every k shares is said once
+                problems.append((FAIL, what, fix))
+    said = f"{drafts[0]} served as {method} with k {sorted({k for k, _ in ks})} beside the {target.num_layers}-layer " \
+           "target"
+    return worst_of("serving", problems, said, {"draft": str(drafts[0]), "method": method, "ks": [k for k, _ in ks]})
 
 
 # -- 8. draft sanity -------------------------------------------------------------------------------------------------

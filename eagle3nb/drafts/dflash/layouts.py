@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, read_tensors
+from eagle3nb.drafts.dflash.mask import MASK_EMBEDDING_FILE
 from eagle3nb.drafts.dflash.model import DFlashConfig, DFlashDraft
 from eagle3nb.layers import from_sglang
 from eagle3nb.progress import write_json_atomic
@@ -45,7 +46,7 @@ LAYOUTS = ("vllm", "speculators")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel", "dflash2": "DFlash2DraftModel"}
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # vLLM's dflash_config
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written as such
-MASK_FILE = "mask_embedding.pt"  # vLLM's name for a separately trained mask embedding
+MASK_FILE = MASK_EMBEDDING_FILE  # vLLM's name for a separately trained mask embedding
 NOT_IN_WEIGHTS = (*TARGET_TENSORS, "mask_embedding")  # mask_embedding goes to MASK_FILE
 
 

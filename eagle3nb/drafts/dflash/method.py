@@ -2,7 +2,7 @@
 package's light ``__init__``, because their modules load torch."""
 
 from eagle3nb.drafts.base import DraftMethod
-from eagle3nb.drafts.dflash import calibration, drafting, layouts, model, objective, offline
+from eagle3nb.drafts.dflash import calibration, drafting, layouts, model, objective, offline, serving
 
 
 def _method(name: str, title: str, heads_of, calibrate=None) -> DraftMethod:
@@ -14,7 +14,8 @@ def _method(name: str, title: str, heads_of, calibrate=None) -> DraftMethod:
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
                                                    **heads_of(P)),
-        unit=objective.BlockObjective.unit, calibrate=calibrate, check_usable=model.check_mask_input)
+        unit=objective.BlockObjective.unit, serving_problems=serving.serving_problems, calibrate=calibrate,
+        check_usable=model.check_mask_input)
 
 
 METHODS = {

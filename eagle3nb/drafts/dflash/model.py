@@ -37,6 +37,7 @@ from torch import nn
 
 from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.dflash.dflash2 import CandidateSelector, GroupedConv, shape_problem
+from eagle3nb.drafts.dflash.mask import dead_mask_row, live_mean, row_norms
 from eagle3nb.drafts.nn import MLP, RMSNorm, rotate_half
 from eagle3nb.layers import to_sglang
 
@@ -189,26 +190,6 @@ def block_mask(anchor_pos: torch.Tensor, ctx_valid: torch.Tensor, block_size: in
     if causal:
         own = own & (q[None] <= q[:, None])
     return torch.cat([ctx, own[None].expand(B, -1, -1)], 2)  # shape: [B, N*S, T+N*S]
-
-
-def row_norms(embed_tokens: torch.Tensor) -> torch.Tensor:
-    """[V, H] -> [V] the L2 norm of every embedding row, in float32."""
-    return embed_tokens.detach().float().norm(dim=-1)
-
-
-def live_mean(embed_tokens: torch.Tensor) -> torch.Tensor:
-    """[V, H] -> [H] the mean of the live rows, leaving out those whose norm is ~0 (under 1e-3 of the median:
-    padding and never-trained rows): where a fresh ``mask_embedding`` starts, a typical input, so every mask slot's
-    layer 1 differs by position."""
-    norms = row_norms(embed_tokens)  # shape: [V]
-    return embed_tokens.detach().float()[norms > 1e-3 * norms.median()].mean(0)  # shape: [H]
-
-
-def dead_mask_row(embed_tokens: torch.Tensor, mask_token_id: int) -> bool:
-    """Whether the target's row of ``mask_token_id`` is too weak to be a block's mask input: its norm under half
-    the median row norm."""
-    norms = row_norms(embed_tokens)  # shape: [V]
-    return bool(norms[mask_token_id] < 0.5 * norms.median())
 
 
 class DFlashDraft(nn.Module):

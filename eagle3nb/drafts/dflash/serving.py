@@ -1,0 +1,86 @@
+"""What vLLM would read wrong from a DFlash or DSpark checkpoint served beside a target
+(``DraftMethod.serving_problems``), from vLLM 0.32's own source:
+
+- **k.** DSpark drafts its block with the anchor as the first draft (``sample_from_anchor``): vLLM runs
+  ``num_speculative_tokens`` query slots (``v1/worker/gpu/spec_decode/dspark/speculator.py``), so any k but the
+  block size is another block than the one trained. DFlash runs the anchor and k masks: past ``block_size - 1``
+  the masks were never trained.
+- **The block layout.** DSpark's vLLM config reads ``sample_from_anchor`` at the top level, default true
+  (``config/vllm.py``); vLLM's speculators parser reads ``sample_from_anchor`` default false, and for DSpark
+  switches to the fill-in block (``dspark_bonus_anchor``, ``transformers_utils/configs/speculators/algos.py``). A
+  DSpark draft without it in the speculators layout is served as a fill-in block: under 1% accepted, no error.
+  DFlash reads ``dflash_config.sample_from_anchor`` (refused when true). The architecture (or
+  ``speculators_model_type``) must be the one the heads make: ``markov_rank > 0`` is DSpark.
+- **Layers and vocabulary.** ``dflash_config.target_layer_ids`` are output-of-layer ids (ours minus one),
+  speculators' ``aux_hidden_state_layer_ids`` ours; ``target_hidden_size`` and ``vocab_size`` the target's.
+- **The mask row** (``mask.dead_mask_reason``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.drafts.base import Misfit, Serving, aux_ids_misfits, read_tensor, vocab_misfits
+from eagle3nb.drafts.dflash.layouts import ARCHITECTURES, config_from_json
+from eagle3nb.drafts.dflash.mask import MASK_EMBEDDING_FILE, dead_mask_reason
+from eagle3nb.drafts.dflash.model import DFlashConfig
+
+
+def _anchor_as_read(config: dict[str, Any], method: str) -> tuple[str, bool, bool]:
+    """(the field, its value as vLLM reads it when served as ``method``, whether the file sets it)."""
+    if config.get("speculators_model_type") is not None:
+        return "sample_from_anchor", bool(config.get("sample_from_anchor", False)), "sample_from_anchor" in config
+    if method == "dspark":
+        return "sample_from_anchor", bool(config.get("sample_from_anchor", True)), "sample_from_anchor" in config
+    dc = config.get("dflash_config") or {}
+    return "dflash_config.sample_from_anchor", bool(dc.get("sample_from_anchor", False)), "sample_from_anchor" in dc
+
+
+def _layout_problems(path: Path, config: dict[str, Any], cfg: DFlashConfig, serving: Serving) -> list[Misfit]:
+    """The declared kind against the heads, and the block layout vLLM would run against the trained one."""
+    if cfg.method != serving.method:  # the registry matched the declaration; the heads say another method
+        speculators = config.get("speculators_model_type") is not None
+        field, right = ("speculators_model_type", cfg.method) if speculators else \
+            ("architectures", [ARCHITECTURES[cfg.method]])
+        return [(f"{path}/config.json declares a {serving.method} draft but its markov_rank {cfg.markov_rank} makes "
+                 f"it {cfg.method}", f"write {field} {right} and serve it with {serving.method_field} {cfg.method}")]
+    field, read, written = _anchor_as_read(config, serving.method)
+    if read == cfg.sample_from_anchor:
+        return []
+    trained = "the anchor as the first draft" if cfg.sample_from_anchor else "the anchor as a bonus token"
+    served = "the anchor as the first draft" if read else "a fill-in block (the anchor a bonus token)"
+    return [(f"{field} is {str(read).lower()}{'' if written else ' (unset: vLLM defaults it)'}: vLLM would run "
+             f"{served}, but this {serving.method} draft was trained with {trained}, so almost nothing is accepted",
+             f"set {field}: {str(cfg.sample_from_anchor).lower()} in {path}/config.json")]
+
+
+def _k_problems(cfg: DFlashConfig, serving: Serving) -> list[Misfit]:
+    k, n = serving.num_speculative_tokens, cfg.drafts_per_block
+    if k == n or (k < n and not cfg.sample_from_anchor):  # DFlash: fewer masks than trained still draft its block
+        return []
+    why = ("vLLM runs k query slots and this draft was trained on its whole block" if cfg.sample_from_anchor else
+           "the masks past its block were never trained")
+    return [(f"{serving.k_field} {k}, but this {serving.method} draft's block of {cfg.block_size} drafts {n} ({why})",
+             f"set {serving.k_field} to {n}")]
+
+
+def serving_problems(path: Path, config: dict[str, Any], serving: Serving) -> list[Misfit]:
+    """The checkpoint in ``path`` (``config`` its config.json) served as ``serving`` says."""
+    cfg = config_from_json(config, path / "config.json")
+    out = _layout_problems(path, config, cfg, serving)
+    if out:
+        return out
+    out += _k_problems(cfg, serving)
+    if config.get("speculators_model_type") is not None:
+        ids, field, offset = config.get("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids", 0
+    else:
+        ids, field, offset = config["dflash_config"].get("target_layer_ids"), "dflash_config.target_layer_ids", 1
+    out += aux_ids_misfits(ids, field, offset, serving.target)
+    out += vocab_misfits(cfg.target_hidden_size, cfg.vocab_size, config.get("draft_vocab_size"),
+                         read_tensor(path, "d2t"), serving.target)
+    dead = dead_mask_reason(serving.target.embed_row_norms(), cfg.mask_token_id, path)
+    if dead:
+        out.append((dead, f"ship the draft's trained mask embedding as {MASK_EMBEDDING_FILE} in {path} (vLLM loads "
+                          "it over the row), or retrain with a mask_token_id whose row is live"))
+    return out
