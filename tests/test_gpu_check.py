@@ -64,6 +64,7 @@ def test_start_vllm_runs_block_verification_in_vllms_v2_runner(tmp_path, toy_smo
 
     launched = {}
     monkeypatch.setattr(serve, "unavailable_reason", lambda: None)  # vLLM's environment is not needed
+    monkeypatch.setattr(serve, "check_draft", lambda *a: None)  # no draft here (its checks: tests/test_misconfig.py)
     monkeypatch.setattr(serve, "launch", lambda cmd, host, port, name, timeout, env: launched.setdefault(
         json.loads(cmd[cmd.index("--speculative-config") + 1]).get("rejection_sample_method"), env))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")

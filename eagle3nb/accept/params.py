@@ -59,8 +59,9 @@ class AcceptParams(TargetParams):
                                                                                     "draft) or a list of {label, url}; "
                                                                                     "the first is the speedup baseline")
     ks: list[int] | None = Field(None, description="embedded: draft lengths k to sweep, one speculative server started "
-                                                   "per k (a server's k is fixed at its start); null = 1..max_k. "
-                                                   "Listed endpoints declare their own k instead")
+                                                   "per k (a server's k is fixed at its start); null = [k] (a block "
+                                                   "drafter serves its block's k only). Listed endpoints declare "
+                                                   "their own k instead")
     concurrency_levels: list[int] = Field([1, 2, 4, 8, 16], description="concurrent requests per benchmark level "
                                                                         "(where speculation stops paying, by k)")
     num_prompts: int = Field(16, ge=1, description="requests per concurrency level")
@@ -105,8 +106,8 @@ class AcceptParams(TargetParams):
 
     @property
     def sweep_ks(self) -> list[int]:
-        """The draft lengths the embedded benchmark serves: ``ks``, else 1..``max_k``."""
-        return self.ks or list(range(1, self.max_k + 1))
+        """The draft lengths the embedded benchmark serves: ``ks``, else just ``k``."""
+        return self.ks or [self.k]
 
     @property
     def draft_path(self) -> Path:
