@@ -11,9 +11,11 @@ TORCH_SPEC ?= torch==2.13.0
 RUN ?= demo
 # More pytest arguments for `make test` / `make test-fast`: one tier (-m engine), one module (tests/test_vllm.py)
 PYTEST_ARGS ?=
-# pytest-xdist workers side by side (tests/conftest.py groups them: a module in one worker, the real-vLLM modules
-# sharing one); 0 runs everything in one process
-PYTEST_WORKERS ?= 2
+# pytest-xdist workers side by side for `make test` (tests/conftest.py groups them: a module in one worker, the
+# real-vLLM modules sharing one); 0, the default, runs everything in one process: on two cores the vLLM servers of
+# one worker starve the other's (docs/testing.md, measured); the fast tier, with no vLLM, runs two (FAST_WORKERS)
+PYTEST_WORKERS ?= 0
+FAST_WORKERS ?= 2
 # The run `make rehearse` plays against the real vLLM: the production recipe on Kimi-K2's own architecture
 # (toy:kimi, served in vLLM's MLA path); REHEARSE=params/vllm-cpu/ plays it on the Llama smoke toy.
 REHEARSE ?= params/vllm-cpu-kimi/
@@ -92,7 +94,7 @@ test: $(STAMP) $(VLLM_STAMP) tokenizers chromium
 ## tiers (tests/conftest.py assigns them; docs/testing.md has the table and the one-tier commands).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not engine and not browser and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist loadgroup -m "not engine and not browser and not slow" $(PYTEST_ARGS)
 
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
 rehearse: $(STAMP) $(VLLM_STAMP)

@@ -265,12 +265,17 @@ def test_kimi_hidden_inprocess(kimi, kimi_trained):
 @requires_vllm()
 def test_kimi_hidden_vllm(kimi_vllm, kimi, tmp_path):
     """02 through vLLM's extract_hidden_states on the MLA target: the same samples, ids and layers as the
-    in-process backend, and the same states up to float noise at every position (the smoke toy's tolerance,
-    test_vllm_backend_equals_transformers_backend). Before the project's rotary fix vLLM agreed at position 0
-    only (its rotation is the identity) and was 0.4 relative apart after it."""
+    in-process backend, and the same states up to the served dtype's rounding at every position. vLLM's CPU build
+    serves an MLA target in bfloat16 where the CPU has AMX (``families.vllm_cpu_dtype``), else in float32: float32
+    is held to the smoke toy's 1e-4 (test_vllm_backend_equals_transformers_backend); bfloat16 to a relative error
+    per position of 16 bfloat16 epsilons, 0.125 (measured on an AMX Xeon: the aux states 0.0065 at worst, the final
+    state, after every layer's rounding and the MoE's routing, 0.066; transformers' own bfloat16 aux states are
+    0.027 from its float32 ones). Before the project's rotary fix vLLM agreed at position 0 only (its rotation is the
+    identity) and was 0.4 relative apart after it: outside either."""
     import shutil
 
     from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.families import vllm_cpu_dtype
     from eagle3nb.hidden.stage import run
 
     from test_hidden import params, write_synth
@@ -281,14 +286,19 @@ def test_kimi_hidden_vllm(kimi_vllm, kimi, tmp_path):
     run(params(synth, tmp_path / "hf", tokens_per_batch=1))
     a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
     assert len(a) == len(b) == 4 and a.meta["layer_ids"] == b.meta["layer_ids"]
+    served = vllm_cpu_dtype(json.loads((kimi / "config.json").read_text()))
+    rel_tol = 16 * torch.finfo(torch.bfloat16).eps if served == "bfloat16" else None
     gaps = []
     for i in range(len(a)):
         x, y = a[i], b[i]
         assert x["id"] == y["id"] and torch.equal(x["input_ids"], y["input_ids"]) and len(x["input_ids"]) > 16
-        gaps.append(max(float((x["aux"] - y["aux"]).abs().max()), float((x["final"] - y["final"]).abs().max())))
-        torch.testing.assert_close(x["aux"], y["aux"], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(x["final"], y["final"], rtol=1e-4, atol=1e-4)
-    print(f"vLLM CPU MLA vs transformers: max abs state difference {max(gaps):.2e}")
+        for key in ("aux", "final"):
+            if rel_tol is None:
+                torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=1e-4)
+            rel = float(((x[key] - y[key]).norm(dim=-1) / y[key].norm(dim=-1)).max())  # the worst position
+            gaps.append(rel)
+            assert rel_tol is None or rel <= rel_tol, (i, key, served, rel)
+    print(f"vLLM CPU MLA ({served}) vs transformers (float32): worst relative state difference {max(gaps):.2e}")
 
 
 def test_kimi_train(kimi_trained):
