@@ -90,7 +90,7 @@ test: $(STAMP) $(VLLM_STAMP) tokenizers chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-## The inner loop (under 5 minutes on two cores): the lint, then every test outside the engine, browser and slow
+## The inner loop (under 4 minutes on two cores): the lint, then every test outside the engine, browser and slow
 ## tiers (tests/conftest.py assigns them; docs/testing.md has the table and the one-tier commands).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .

@@ -21,7 +21,7 @@ pytest_plugins = ["budget"]
 # `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks, or that uses a server of the
 # ``engines`` registry through its fixtures (the real vLLM); ``browser``:
 # headless Chromium; ``slow``: the modules, shared fixtures and single tests whose measured cost (docs/testing.md's
-# table) would push the fast tier past its 5 minutes on two cores: papermill end-to-end runs, family toy builds, long
+# table) would push the fast tier past its 4 minutes on two cores: papermill end-to-end runs, family toy builds, long
 # trainings, kill-and-resume runs in subprocesses.
 BROWSER_MODULES = {"test_browser.py"}
 # papermill over the smoke run; the GLM toy, trained here; 05's refreshes (a draft trained, then fine-tuned per seed)
