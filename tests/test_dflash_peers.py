@@ -42,6 +42,19 @@ def drafter(toy_smoke, markov_rank: int = 0, **heads: int):
     return m.eval()
 
 
+def same_inputs(m):
+    """Both sides' inputs: (the generator, drawn on for the verifier's last states next), the target's aux states
+    [1, T, n*H_t], the tokens [1, T], the anchors [N] and the loss mask [1, T] on exactly them (speculators draws its
+    anchors among the loss-masked positions; asked for as many as there are, it takes all of them in order)."""
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(1, T, m.fc.in_features, generator=g)  # shape: [1, T, n*H_t]
+    ids = torch.randint(1, m.config.vocab_size, (1, T), generator=g)  # shape: [1, T]
+    pos = torch.tensor(ANCHORS)  # shape: [N]
+    loss_mask = torch.zeros(1, T, dtype=torch.long)
+    loss_mask[0, pos] = 1
+    return g, aux, ids, pos, loss_mask
+
+
 def speculators_model(folder, layout: str, toy_smoke, tmp_path):
     """Speculators' model of our export in ``layout``, with its eager attention (the flex kernel compiles)."""
     from speculators import SpeculatorModel, SpeculatorModelConfig
@@ -77,12 +90,7 @@ def test_speculators_loads_our_export_and_gives_our_logits(toy_smoke, tmp_path, 
 
     # 1. The same inputs: the target's aux states, tokens, and the anchors (speculators draws its anchors among the
     #    loss-masked positions; asked for exactly as many as there are, it takes all of them in order).
-    g = torch.Generator().manual_seed(1)
-    aux = torch.randn(1, T, m.fc.in_features, generator=g)  # shape: [1, T, n*H_t]
-    ids = torch.randint(1, cfg.vocab_size, (1, T), generator=g)  # shape: [1, T]
-    pos = torch.tensor(ANCHORS)  # shape: [N]
-    loss_mask = torch.zeros(1, T, dtype=torch.long)
-    loss_mask[0, pos] = 1
+    g, aux, ids, pos, loss_mask = same_inputs(m)
 
     # 2. Theirs: the training forward, its logits (and DSpark's confidence logits) read where its loss takes them.
     seen = {}
@@ -129,12 +137,7 @@ def test_speculators_loads_our_dflash2_export_and_gives_our_logits_and_selector_
     with torch.no_grad():
         theirs.embed_tokens.weight[cfg.mask_token_id] = m.mask_embedding  # it reads no mask_embedding.pt
 
-    g = torch.Generator().manual_seed(1)
-    aux = torch.randn(1, T, m.fc.in_features, generator=g)  # shape: [1, T, n*H_t]
-    ids = torch.randint(1, cfg.vocab_size, (1, T), generator=g)  # shape: [1, T]
-    pos = torch.tensor(ANCHORS)  # shape: [N]
-    loss_mask = torch.zeros(1, T, dtype=torch.long)
-    loss_mask[0, pos] = 1
+    g, aux, ids, pos, loss_mask = same_inputs(m)
     seen = {}
 
     def capture(**kw):
