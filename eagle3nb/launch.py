@@ -101,7 +101,16 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
 def launch(cmd: list[str], host: str, port: int, name: str, timeout: float,
            env: dict[str, str] | None = None) -> ServerHandle:
     """Start a server process (output to a log file) and wait until ``/health`` answers 200. Raises
-    RuntimeError with the end of its output if it exits or is not healthy within ``timeout``."""
+    RuntimeError with the end of its output if it exits or is not healthy within ``timeout``. A port another process
+    holds is refused first: the new server would fail to bind it while the old one answered ``/health``, and every
+    request meant for the new one would reach the old (a stale vLLM from a killed run did exactly that)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed one's TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise InputError(f"{name}: port {port} on {host} is already in use (a server left running by an earlier "
+                             f"run? `ss -ltnp | grep :{port}` names it): stop it, or give another port") from None
     fd, log_name = tempfile.mkstemp(prefix=f"eagle3nb-{name.replace(' ', '-')}-{port}-", suffix=".log")
     log_path = Path(log_name)
     with os.fdopen(fd, "wb") as log:

@@ -586,3 +586,22 @@ def test_05_stops_naming_the_cause_when_every_on_policy_answer_is_truncated(trai
     assert "none of the 8 on-policy answers" in err and "8 truncated" in err, err
     assert "max_completion_tokens (8)" in err and "raise it" in err and "Traceback" not in err, err
     assert (tmp_path / "o" / "01_synth").is_dir() and not (tmp_path / "o" / "02_hidden_states").exists()
+
+
+def test_a_server_is_not_started_on_a_port_another_holds(tmp_path):
+    """A server launched on a port another process listens on is refused before it starts: else the new one fails
+    to bind while the old one answers /health, and every request meant for the new server reaches the old."""
+    import socket
+    import sys
+
+    from eagle3nb.errors import InputError
+    from eagle3nb.launch import launch
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        marker = tmp_path / "started"
+        with pytest.raises(InputError, match=f"port {port} on 127.0.0.1 is already in use"):
+            launch([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], "127.0.0.1", port, "probe", timeout=5)
+    assert not marker.exists(), "the server process was started on a held port"
