@@ -100,7 +100,7 @@ class Servers:
     overlap their start-up, ``servers[name]`` for a handle, ``stop`` gives them back."""
 
     def __init__(self, engines: Engines, model: Path):
-        self.engines, self.model, self.handles, self.keys = engines, model, {}, {}
+        self.engines, self.model, self.handles, self.keys, self.specs = engines, model, {}, {}, {}
 
     def start(self, **specs: dict) -> None:
         """Start the ``name=spec`` servers not yet started (spec: ``start_vllm``'s mode and options) side by side;
@@ -108,6 +108,7 @@ class Servers:
         todo = {name: self.engines.submit(self.model, **spec) for name, spec in specs.items()
                 if name not in self.handles}
         self.keys.update(todo)
+        self.specs.update(specs)
         errors = []
         for name, key in todo.items():
             try:
@@ -123,6 +124,10 @@ class Servers:
     def storage(self, name: str) -> Path:
         """Where extraction server ``name`` writes its hidden-state files."""
         return self.engines.storage[self.keys[name]]
+
+    def rounds(self, name: str) -> Path:
+        """The profile of server ``name``'s rounds (started with ``rounds``: eagle3nb_vllm_fixes/rounds.py)."""
+        return Path(self.specs[name]["rounds"])
 
     def stop(self) -> None:
         for key in self.keys.values():

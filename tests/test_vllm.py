@@ -77,7 +77,7 @@ def drafts(trained, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def spec_servers(vllm, drafts):
+def spec_servers(vllm, drafts, tmp_path_factory):
     """Our export (drafting by sampling at T > 0, as in production) and the speculators layout beside the plain
     server. These two keep vLLM's own process layout, the model worker in a process of its own as users run it
     (the session's other servers run it inside the engine core: tests/conftest.py), so the fixes plugin is held
@@ -85,7 +85,8 @@ def spec_servers(vllm, drafts):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         vllm.start(eagle3={"mode": "eagle3", "draft_dir": drafts["eagle3"], "num_speculative_tokens": K,
-                           "speculative": {"draft_sample_method": "probabilistic"}},
+                           "speculative": {"draft_sample_method": "probabilistic"},
+                           "rounds": tmp_path_factory.mktemp("rounds") / "eagle3.jsonl"},
                    speculators={"mode": "eagle3", "draft_dir": drafts["speculators"], "num_speculative_tokens": K})
     return vllm
 
@@ -313,7 +314,7 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
     stages = {"04_acceptance": {**trained["stages"]["04_acceptance"], "output_dir": tmp_path / "04",
                                 "endpoints": [{"label": "vllm", "url": spec_servers["plain"].base_url},
                                               {"label": "vllm-eagle3", "url": spec_servers["eagle3"].base_url,
-                                               "k": K}],
+                                               "k": K, "rounds": str(spec_servers.rounds("eagle3"))}],
                                 "concurrency_levels": [1, 2], "num_prompts": 4, "max_tokens": 24}}
     rows = run_online(from_dict("04_acceptance", run_params(write_run(tmp_path / "run", stages), "04_acceptance")))
     by = {(r["endpoint"], r["k"], r["concurrency"]): r for r in rows}
@@ -324,6 +325,13 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
         assert 1.0 <= spec["acceptance_length"] <= K + 1, spec
         assert spec["acceptance_length"] == pytest.approx(1 + K * spec["acceptance_rate"]), spec
         assert spec["speedup"] == pytest.approx(spec["output_tokens_per_s"] / base["output_tokens_per_s"])
+        # the profile of the served rounds (the plugin's rounds.py): the level's rounds verify K+1 tokens per
+        # request, the drafter and the target's forward are timed, and the steps fit inside the level's wall time
+        e = spec["engine"]
+        assert e["decode_steps"] > 0 and 1 <= e["reqs"] <= c and e["width"] == pytest.approx((K + 1) * e["reqs"])
+        assert e["forward"] > 0 and e["draft"] > 0 and e["period"] > e["forward"] + e["draft"]
+        assert e["decode_steps"] * e["period"] + 4 * e["arrival"] <= spec["duration_s"]
+        assert "engine" not in base  # an endpoint without a profile has none
 
 
 # -- lossless sampling on the real engine (eagle3nb/serve/vllm_ext/eagle3nb_vllm_fixes/sampling.py) ---------------

@@ -26,6 +26,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from eagle3nb.accept.engine import line_fit, predict_profiled, profiled
 from eagle3nb.vllm_config import draft_spec
 
 # A predicted crossover is searched up to this concurrency (past the measured levels: a forecast, said so).
@@ -68,14 +69,14 @@ def measured_crossover(best_k: dict[str, int]) -> int | None:
 def fit_step_cost(rows: Sequence[dict[str, Any]], baseline: str) -> tuple[float, float] | None:
     """(a, b) of the plain step cost ``t(n) = a + b*n`` seconds, least squares over the baseline's levels; None with
     fewer than two levels (no width to fit). b is kept >= 0 (a forward never gets cheaper with more tokens)."""
-    pts = sorted((r["concurrency"], r["concurrency"] / r["output_tokens_per_s"]) for r in rows
-                 if r.get("endpoint") == baseline and r.get("output_tokens_per_s"))
+    pts = [(r["concurrency"], r["concurrency"] / r["output_tokens_per_s"]) for r in rows
+           if r.get("endpoint") == baseline and r.get("output_tokens_per_s")]
     if len({c for c, _ in pts}) < 2:
         return None
-    n = len(pts)
-    mx, my = sum(c for c, _ in pts) / n, sum(t for _, t in pts) / n
-    b = max(0.0, sum((c - mx) * (t - my) for c, t in pts) / sum((c - mx) ** 2 for c, _ in pts))
-    return my - b * mx, b
+    a, b = line_fit(pts)
+    if b < 0:
+        return sum(t for _, t in pts) / len(pts), 0.0
+    return a, b
 
 
 def width_ratio(cost: tuple[float, float], c: float, k: int) -> float:
@@ -122,7 +123,10 @@ def concurrency_verdict(rows: Sequence[dict[str, Any]], baseline: str, tau: floa
     for r in _spec_rows(rows, baseline):
         if r.get("k"):
             series.setdefault((r["endpoint"], int(r["k"])), []).append(r)
-    predicted = [p for s in series.values() if cost and (p := predict_series(s, cost, tau))]
+    base = [r for r in rows if r.get("endpoint") == baseline]
+    predicted = [p for s in series.values()  # from the engine's profile where both sides have one, else the fit
+                 if (p := (profiled(base) and profiled(s) and predict_profiled(base, s, tau, MAX_PREDICTED))
+                     or (cost and predict_series(s, cost, tau)))]
     crossings = [p["predicted_crossover"] for p in predicted]
     return {"measured_crossover": measured_crossover(best),
             "predicted_crossover": (None if not predicted or None in crossings else max(crossings)),

@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from eagle3nb.accept.cache import cached_rows, fingerprint
+from eagle3nb.accept.engine import read_rounds, summarize
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.errors import InputError, scrub
@@ -123,11 +125,13 @@ def first_model(base_url: str, api_key: str) -> str:
 def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_levels: Sequence[int],
                    max_tokens: int, temperature: float = 0.0, api_key: str = "EMPTY", model: str | None = None,
                    metrics: str | None = None, warmup: int = 2, extra_body: dict | None = None,
-                   k: int | None = None) -> list[dict[str, Any]]:
+                   k: int | None = None, rounds: str | None = None) -> list[dict[str, Any]]:
     """One row per concurrency level: output tokens/s, latency percentiles and the server's acceptance.
     ``extra_body`` goes with every request (e.g. ``chat_template_kwargs`` for the thinking switch). ``k`` is the
     draft length the server was started with; null = the number of draft positions its counters show (none for
-    a server without a draft). A declared k that its counters contradict is an InputError before the level's load."""
+    a server without a draft). A declared k that its counters contradict is an InputError before the level's load.
+    ``rounds``: the server's profile of its rounds (``eagle3nb.accept.engine``); each row then carries ``engine``,
+    the summary of the steps inside its level's window."""
     model = model or first_model(base_url, api_key)
     murl = metrics or metrics_url(base_url)
     if warmup:
@@ -136,7 +140,9 @@ def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_l
     for c in concurrency_levels:
         before = spec_counters(scrape(murl))
         row_k = served_k(label, k, before)
+        start = time.time()
         res = _run(_load_level(base_url, model, prompts, c, max_tokens, temperature, api_key, extra_body))
+        end = time.time()
         acc = spec_delta(before, spec_counters(scrape(murl)))
         lat, n_tok = res["latencies"], sum(res["tokens"])
         row = {
@@ -148,7 +154,10 @@ def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_l
             "latency_p99_s": percentile(lat, 99),
             "acceptance_rate": acc.get("acceptance_rate"), "acceptance_length": acc.get("acceptance_length"),
             "per_position": acc.get("per_position"), "metrics_engine": acc.get("engine"),
+            "started_at": start, "ended_at": end,
         }
+        if rounds:
+            row["engine"] = summarize(read_rounds(rounds, start, end), len(prompts))
         if res["errors"]:
             row["first_error"] = res["errors"][0]
             print(f"[bench {label} c={c}] {len(res['errors'])} request(s) failed, first: {res['errors'][0]}")
@@ -197,6 +206,10 @@ def probe_endpoints(P: AcceptParams) -> None:
     if P.endpoints != "embedded":
         for e in P.endpoints:
             first_model(e.url, P.api_key())
+            if e.rounds and not os.path.isfile(e.rounds):
+                raise InputError(f"endpoint {e.label}: its rounds profile {e.rounds} does not exist: start its vLLM "
+                                 f"with EAGLE3NB_VLLM_ROUNDS={e.rounds} and the project's plugin (docs/vllm.md), "
+                                 f"or set rounds: null")
 
 
 def run_online(P: AcceptParams) -> list[dict[str, Any]]:
@@ -225,6 +238,8 @@ def run_online(P: AcceptParams) -> list[dict[str, Any]]:
         key = P.api_key()
         for e in P.endpoints:
             def work(e=e) -> list[dict[str, Any]]:
-                return bench_endpoint(e.label, e.url, api_key=key, model=e.model, metrics=e.metrics_url, k=e.k, **kw)
-            out += cached_rows(P.stage_dir / f"online-{e.label}.json", {**config, "url": e.url, "k": e.k}, work)
+                return bench_endpoint(e.label, e.url, api_key=key, model=e.model, metrics=e.metrics_url, k=e.k,
+                                      rounds=e.rounds, **kw)
+            out += cached_rows(P.stage_dir / f"online-{e.label}.json",
+                               {**config, "url": e.url, "k": e.k, "rounds": bool(e.rounds)}, work)
     return add_speedup(out, baseline_label(P))

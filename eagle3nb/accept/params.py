@@ -26,6 +26,10 @@ class Endpoint(BaseModel):
     k: int | None = Field(None, ge=1, le=16, description="draft length the server was started with (vLLM "
                                                          "num_speculative_tokens), the k of its rows in the sweep; "
                                                          "null = as many as its /metrics counts (none: no draft)")
+    rounds: str | None = Field(None, description="the profile of its served rounds: the file vLLM, started with "
+                                                 "EAGLE3NB_VLLM_ROUNDS=<file> and the project's plugin, writes "
+                                                 "(docs/vllm.md); 04 then predicts its speedup from its own step "
+                                                 "costs. null = none")
 
     @field_validator("url")
     @classmethod

@@ -7,7 +7,8 @@ on the port its stage's params name and stopped when the stage is done:
 1. vLLM with ``--reasoning-parser kimi_k2``; ``eagle3nb doctor --stage 01`` must pass; ``eagle3nb run --stages 01``.
 2. vLLM in ``extract_hidden_states`` mode (the CPU connector); ``eagle3nb run --stages 02`` (``backend: vllm``).
 3. ``eagle3nb run --stages 03`` (no server).
-4. vLLM plainly and vLLM serving 03's draft (``method: eagle3``); ``eagle3nb run --stages 04``.
+4. vLLM plainly and vLLM serving 03's draft (as its method: ``eagle3``, ``dflash``, ...), each writing the profile of
+   its served rounds where its endpoint names ``rounds``; ``eagle3nb run --stages 04``.
 
 Each stage runs through the same ``eagle3nb`` commands a user types; done stages are skipped, as ``eagle3nb
 run`` does, so a rehearsal that died resumes where it stopped.
@@ -24,6 +25,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlparse
 
+from eagle3nb.drafts import served_as
 from eagle3nb.errors import InputError
 from eagle3nb.layers import default_aux_layer_ids
 from eagle3nb.params import from_dict
@@ -74,10 +76,11 @@ def rehearse(run_dir: Path, force: bool = False) -> None:
 
     print("== 4. vLLM plainly and vLLM serving the draft", flush=True)
     plain, spec = P4.endpoints
+    method = served_as(from_dict("03_train", run_params(run_dir, "03_train"), check_paths=False).method)
     with ExitStack() as stack:
-        stack.enter_context(start_vllm(model, "plain", port=_port(plain.url)))
-        stack.enter_context(start_vllm(model, "eagle3", port=_port(spec.url), draft_dir=P4.draft_path,
-                                       num_speculative_tokens=P4.k))
+        stack.enter_context(start_vllm(model, "plain", port=_port(plain.url), rounds=plain.rounds))
+        stack.enter_context(start_vllm(model, method, port=_port(spec.url), draft_dir=P4.draft_path,
+                                       num_speculative_tokens=spec.k or P4.k, rounds=spec.rounds))
         _eagle3nb("run", str(run_dir), "--stages", "04", *again)
     print(f"rehearsal done: {P4.stage_dir.parent}/04_acceptance.html has vLLM's acceptance beside the offline and "
           "local figures", flush=True)

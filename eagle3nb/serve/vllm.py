@@ -57,6 +57,8 @@ V2_SPECULATIVE = {"rejection_sample_method": "block"}
 # by eagle3nb: vLLM's environment runs it without eagle3nb installed.
 VLLM_EXT = Path(__file__).resolve().parent / "vllm_ext"
 PLUGIN_GROUP = "vllm.general_plugins"
+# The file the plugin writes the profile of the served rounds to (eagle3nb_vllm_fixes/rounds.py ENV)
+ROUNDS_ENV = "EAGLE3NB_VLLM_ROUNDS"
 SKIPPED = ": skipped: "  # how a fix the plugin could not install says so (eagle3nb_vllm_fixes/guard.py)
 NUM_SPECULATIVE_TOKENS = 3  # a draft's k when the caller names none
 
@@ -174,7 +176,7 @@ def warn_skipped_fixes(handle: ServerHandle) -> list[str]:
 
 def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str = "127.0.0.1", port: int = 0,
                api_key_env: str | None = None, timeout: float = 600.0, fixes: bool = True, log_requests: bool = False,
-               **kw) -> ServerHandle:
+               rounds: str | os.PathLike | None = None, **kw) -> ServerHandle:
     """Start the real vLLM (CPU build, its own environment) in one of :data:`MODES` and wait for ``/health``.
 
     ``model_dir`` may be ``toy:smoke`` / ``toy:demo`` (built first, served under that name). The API key,
@@ -184,7 +186,9 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     the cause, and a fix the plugin had to skip is repeated as a warning (:func:`warn_skipped_fixes`).
     ``fixes=False`` starts it without the plugin, through vLLM's own plugin allowlist, to show what they fix.
     ``log_requests``: vLLM's request log (``--enable-log-requests`` at log level DEBUG: each chat request's body as
-    one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). The mode's own environment
+    one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). ``rounds``: a file the plugin appends the
+    profile of the served rounds to (one line per engine step, ``vllm_ext/eagle3nb_vllm_fixes/rounds.py``), which
+    04 predicts the endpoint's speedup from (an endpoint's ``rounds``). The mode's own environment
     (:data:`MODE_ENV`: DSpark's V2 model runner; :data:`V2_SPECULATIVE`: block verification's) overrides the
     caller's. Raises RuntimeError naming the fix when vLLM's environment is missing, and ServingError naming the flag
     or field when vLLM would serve the draft wrong (:func:`check_draft`), before any process starts."""
@@ -206,6 +210,9 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
         env.update(V2_ENV)
     if kw.get("tools"):
         env.update(TOOL_ENV)
+    if rounds is not None:
+        Path(rounds).resolve().parent.mkdir(parents=True, exist_ok=True)
+        env[ROUNDS_ENV] = str(Path(rounds).resolve())
     if not fixes:
         env["VLLM_PLUGINS"] = ""  # an allowlist naming no plugin: vLLM loads none
     elif kw.get("cpu", True) and (problem := missing_fixes(env)):

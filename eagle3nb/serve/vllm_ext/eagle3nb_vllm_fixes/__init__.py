@@ -25,3 +25,8 @@ def register() -> None:
     for name in FIXES:
         fix = importlib.import_module(f"eagle3nb_vllm_fixes.{name}")  # torch at the top, every vLLM name inside
         guarded(name, fix.install, fix.WITHOUT)
+    # not a fix: the profile of the served rounds 04 predicts an endpoint from, only where EAGLE3NB_VLLM_ROUNDS
+    # names its file (rounds.py)
+    from eagle3nb_vllm_fixes import rounds
+
+    guarded("rounds", rounds.install, "no profile of the served rounds is written")
