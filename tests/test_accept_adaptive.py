@@ -102,8 +102,12 @@ def test_dspark_blocks_reach_the_stage_key_and_dflash_is_skipped(dspark_and_dfla
     assert [lv["concurrency"] for lv in av["levels"]] == [1, 4] and av["k"] == K
     assert av["cost"]["b"] == pytest.approx(0.2 / K) and av["cost"]["draft"] == pytest.approx(0.05)
     assert (tmp_path / "adaptive.json").exists()
+    assert list(adaptive.table({"adaptive_verification": av})["concurrency"]) == [1, 4]
+    assert adaptive.plot({"adaptive_verification": av}) is not None
 
     P.draft_path = tmp_path / "dflash"
     reason = adaptive.confidence_blocks(P, dspark_and_dflash["dflash"])
     assert "no confidence head" in reason and "DFlash" in reason
-    assert "no confidence head" in adaptive.run_adaptive(P, reason, [], pred, None)["skipped"]
+    skipped = {"adaptive_verification": adaptive.run_adaptive(P, reason, [], pred, None)}
+    assert "no confidence head" in skipped["adaptive_verification"]["skipped"]
+    assert adaptive.table(skipped) is None and adaptive.plot(skipped) is None
