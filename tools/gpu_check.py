@@ -71,6 +71,14 @@ The CUDA paths (where the code picks or follows a device), and what each check c
   completions equal our CPU decoding of the same draft (``SpecDecoder``, itself checked equal to the CPU target's
   greedy output; 90% as ``embedded_server``: GPU kernels may break near-ties otherwise), vLLM's spec-decode counters
   give an acceptance length within 15% of that local decoding's.
+- ``vllm_adaptive_verification``: the DSpark draft of ``vllm_block_drafters`` served with vLLM's adaptive verification
+  (``speculative``: ``enable_adaptive_verification: true``; V2 runner, CUDA graphs), greedy at concurrency 4 on the
+  held-out prompts, against 04's simulation of the rule (``accept.adaptive.simulate``, c=4) on the draft's blocks of
+  03's held-out split of the reference data, priced at each width cost of ``WIDTH_COSTS`` (vLLM prices its own
+  profiled step times, which the check cannot read): vLLM's acceptance length within 15% of the simulated range;
+  its counters' drafted tokens per round equal to k (within 1%): vLLM's scheduler counts the scheduled drafts, not
+  the trimmed budget (``v1/core/sched/scheduler.py``), so /metrics cannot give the verified count, and the line
+  names the width cost whose simulated tau is nearest and the verify budget the rule gives there.
 """
 
 from __future__ import annotations
@@ -120,6 +128,7 @@ SERVED_RECIPE = {"fc_norm": True, "norm_output": True, "num_layers": 2}  # both 
 BLOCK_DRAFTERS: dict[str, dict[str, Any]] = {
     m: {"method": m, "block_size": 4, "num_layers": 2, "num_speculative_tokens": rules(m).drafts_per_block(4)}
     for m in block_methods()}
+WIDTH_COSTS = (0.0, 0.02, 0.1, 0.5, 2.0)  # vllm_adaptive_verification: b of t(n) = 1 + b*n, plain steps per token
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 GPU = "cuda"  # the device under test; CPU float32 is the reference
 
@@ -856,6 +865,41 @@ def check_vllm_block_drafters(w: World) -> str:
     return expect(not fixes, "\n".join(lines), "; ".join(fixes))
 
 
+def check_vllm_adaptive_verification(w: World) -> str:
+    """vLLM's adaptive verification on the DSpark draft against 04's simulation of its budget rule, greedy, c=4."""
+    from eagle3nb.accept.adaptive import simulate
+    from eagle3nb.accept.online import bench_endpoint
+    from eagle3nb.data.reader import HiddenStates
+    from eagle3nb.data.split import split_holdout
+    from eagle3nb.drafts import get, load_draft
+    from eagle3nb.params import schema_for
+
+    draft_dir, k = w.block_draft("dspark"), BLOCK_DRAFTERS["dspark"]["num_speculative_tokens"]
+    data = HiddenStates(w.data()["cpu-full"])
+    draft = load_draft(draft_dir, embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
+    _, held = split_holdout([s["id"] for s in data.meta["samples"]],
+                           schema_for("03_train").model_fields["holdout_fraction"].default)
+    blocks = [b for i in held if len((b := get("dspark").confidences(draft, data[i], data.target_argmax(data[i])))
+                                     ["anchors"])]
+    sims = {b: simulate(blocks, 4, (1.0, b), 0.0) for b in WIDTH_COSTS}
+    lo, hi = min(s["tau"] for s in sims.values()), max(s["tau"] for s in sims.values())
+    with start_gpu_vllm(w, "dspark", draft_dir=draft_dir, num_speculative_tokens=k,
+                        speculative={"enable_adaptive_verification": True}) as h:
+        row = bench_endpoint("vllm-adaptive", h.base_url, w.prompts[0], [4], MAX_TOKENS, 0.0, warmup=0, k=k)[0]
+    tau, rate = row["acceptance_length"] or 0.0, row["acceptance_rate"] or 0.0
+    drafted = (tau - 1) / rate if rate else 0.0
+    near = min(sims, key=lambda b: abs(sims[b]["tau"] - tau))
+    measured = (f"c=4, k={k}: vLLM acceptance length {tau:.3f} vs simulated {lo:.3f}..{hi:.3f} (within 15%; nearest "
+                f"at width cost {near}: budget {sims[near]['verify_budget']:.2f} of {k}), {drafted:.2f} drafted per "
+                f"round counted (k), errors {row['errors']}, {row['output_tokens_per_s']:.0f} tok/s")
+    return expect(row["errors"] == 0 and row["metrics_engine"] == "vllm" and 0.85 * lo <= tau <= 1.15 * hi
+                  and abs(drafted - k) <= 0.01 * k, measured,
+                  "vLLM's adaptive verification accepts outside 04's simulation of its rule: compare "
+                  "eagle3nb/accept/adaptive.py budget/admit with vllm/v1/worker/gpu/spec_decode/"
+                  "adaptive_verification.py get_num_tokens; a drafted count below k means vLLM now counts the "
+                  "trimmed budget: compare it with the simulated verify_budget instead")
+
+
 @dataclass(frozen=True)
 class CudaPath:
     """One CUDA path: its check, the package files whose device handling it covers, and the default fix."""
@@ -921,6 +965,10 @@ PATHS: list[CudaPath] = [
     CudaPath("vllm_block_drafters", check_vllm_block_drafters,
              ("eagle3nb/serve/vllm.py", "eagle3nb/drafts/dflash/layouts.py", "eagle3nb/drafts/dflash/drafting.py"),
              "see eagle3nb/drafts/dflash/layouts.py draft_config_json and eagle3nb/serve/vllm.py MODE_ENV",
+             needs="vllm_install"),
+    CudaPath("vllm_adaptive_verification", check_vllm_adaptive_verification,
+             ("eagle3nb/accept/adaptive.py", "eagle3nb/drafts/dflash/offline.py"),
+             "see eagle3nb/accept/adaptive.py and eagle3nb/drafts/dflash/offline.py block_confidences",
              needs="vllm_install"),
 ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.accept import adaptive
 from eagle3nb.accept.concurrency import plot_pareto, series_label
 from eagle3nb.accept.online import at_k
 from eagle3nb.accept.predict import speedup_by_k
@@ -16,7 +17,7 @@ from eagle3nb.formulas import tau_iid
 # The PNGs ``save_figures`` writes (offline_vs_local only when the local check ran).
 FIGURES = ["offline_vs_local", "tau_vs_k", "throughput_vs_concurrency", "speedup_vs_concurrency",
            "acceptance_vs_concurrency", "speedup_vs_k", "alpha_per_position", "predicted_vs_measured_speedup",
-           "acceptance_by_context", "throughput_pareto"]
+           "acceptance_by_context", "throughput_pareto", "adaptive_verification"]
 
 
 # ----------------------------------------------------------------------------------------- tables
@@ -387,6 +388,7 @@ def figures(metrics: dict[str, Any]) -> dict[str, Any]:
         "predicted_vs_measured_speedup": lambda: plot_predicted_vs_measured(metrics),
         "acceptance_by_context": lambda: plot_context(metrics) if metrics["offline"].get("by_context") else None,
         "throughput_pareto": lambda: plot_pareto(metrics.get("online") or []) if metrics.get("online") else None,
+        "adaptive_verification": lambda: adaptive.plot(metrics),  # its table: adaptive.table
     }
     return {name: fig for name, fig in ((n, makers[n]()) for n in FIGURES) if fig is not None}
 

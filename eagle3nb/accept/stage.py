@@ -1,9 +1,11 @@
 """04_acceptance's work, ``run(P) -> metrics``: what the notebook and ``python -m eagle3nb.accept params/<run>/``
 call. It loads the target and the draft, measures acceptance offline on held-out hidden states, decodes locally
 (lossless check and costs; sampled, token-wise vs block verification), predicts the speedup, benchmarks the
-endpoints, and writes ``metrics.json`` and every figure into the stage folder. Each step's result is reused when a
-re-run finds it finished (``offline.json``, ``local.json``, ``verification.json``, ``online-<label>.json``; the
-embedded sweep's ``online-baseline.json`` and ``online-eagle3-k<k>.json``, one per served k)."""
+endpoints, simulates adaptive verification per concurrency (a draft with a confidence head: ``adaptive.py``), and
+writes ``metrics.json`` and every figure into the stage folder. Each step's result is reused when a re-run finds it
+finished (``offline.json``, ``local.json``, ``verification.json``, ``online-<label>.json``; the embedded sweep's
+``online-baseline.json`` and ``online-eagle3-k<k>.json``, one per served k; ``adaptive_blocks.pt`` and
+``adaptive.json``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb import track
+from eagle3nb.accept.adaptive import confidence_blocks, run_adaptive
 from eagle3nb.accept.bench import run_benchmarks
 from eagle3nb.accept.concurrency import best_k_by_concurrency, concurrency_verdict, serve_flags
 from eagle3nb.accept.local import prompt_token_ids, run_local
@@ -30,9 +33,9 @@ from eagle3nb.progress import write_json_atomic
 
 
 def run(P: AcceptParams) -> dict[str, Any]:
-    """The whole stage: offline acceptance, the local check (when ``local_prompts``), the prediction and the
-    online benchmark; writes ``metrics.json`` and the figures (``report.FIGURES``) and returns the metrics as
-    written (NaN as None)."""
+    """The whole stage: offline acceptance, the local check (when ``local_prompts``), the prediction, the
+    online benchmark and adaptive verification simulated on its costs; writes ``metrics.json`` and the figures
+    (``report.FIGURES``) and returns the metrics as written (NaN as None)."""
     probe_endpoints(P)
     target, draft, tokenizer = load_models(P, need_target=P.local_prompts > 0 or bool(P.benchmarks))
     print(f"draft {P.draft_path}: aux layers {draft.config.aux_layer_ids}, draft vocab {draft.config.draft_vocab_size}")
@@ -42,12 +45,13 @@ def run(P: AcceptParams) -> dict[str, Any]:
     per_seed = run_verification(P, target, draft) if P.local_prompts else {}  # sampled: standard vs block
     benchmarks = run_benchmarks(P, target, draft)
     pred = prediction(P, offline, local, parallel=one_forward_per_round(draft))
+    blocks = confidence_blocks(P, draft)  # the draft's own acceptance estimates, for adaptive verification
     method = draft.method
     del target, draft  # the benchmark's servers load their own
     context = context_check(P)
     online = run_online(P)
     metrics = clean({**assemble(P, offline, local, pred, online), **by_concurrency(P, offline, online, method),
-                     "benchmarks": benchmarks})
+                     "benchmarks": benchmarks, "adaptive_verification": run_adaptive(P, blocks, online, pred, local)})
     metrics.update(context=context, misses=clean(miss_summary(P.stage_dir)),
                    verification=verification_summary(per_seed), verification_seeds=per_seed)
     for source, m in metrics["misses"].items():

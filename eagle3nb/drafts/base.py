@@ -111,6 +111,11 @@ class DraftMethod:
     # calibration of the draft's own heads after training, folded into the exported weights (DSpark's confidence
     # head); None: the method has nothing to calibrate
     calibrate: Callable[..., dict[str, Any]] | None = None
+    # (model, held-out item, target_argmax) -> per block a round can draft in the sample: ``anchors`` [A], the
+    # draft's own acceptance estimates ``confidence`` [A, k], the accepted ``run`` [A] and ``full`` [A] (the block
+    # lies in generated tokens): 04's adaptive-verification simulation (``eagle3nb.accept.adaptive``); None: the
+    # method estimates no acceptance (DSpark's confidence head does)
+    confidences: Callable[..., dict[str, Any]] | None = None
     # (model, where) -> None, or DraftMismatchError in one line for a loaded draft that cannot work whatever its
     # training (a block drafter whose mask slots read a dead row): 03 calls it before fine-tuning, the doctor
     # before judging

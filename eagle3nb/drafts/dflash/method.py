@@ -5,7 +5,7 @@ from eagle3nb.drafts.base import DraftMethod
 from eagle3nb.drafts.dflash import calibration, drafting, layouts, model, objective, offline, serving
 
 
-def _method(name: str, title: str, heads_of, calibrate=None) -> DraftMethod:
+def _method(name: str, title: str, heads_of, calibrate=None, confidences=None) -> DraftMethod:
     """``heads_of(P)``: the shape of the method's additions to the backbone from 03's params (``DFlashConfig``
     fields: DSpark's ``markov_rank``, DFlash2's convolutions and selector)."""
     return DraftMethod(
@@ -15,12 +15,12 @@ def _method(name: str, title: str, heads_of, calibrate=None) -> DraftMethod:
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
                                                    **heads_of(P)),
         unit=objective.BlockObjective.unit, serving_problems=serving.serving_problems, calibrate=calibrate,
-        check_usable=model.check_mask_input)
+        confidences=confidences, check_usable=model.check_mask_input)
 
 
 METHODS = {
     "dflash": _method("dflash", "DFlash", lambda P: {}),
     "dspark": _method("dspark", "DSpark", lambda P: {"markov_rank": P.markov_rank},
-                      calibration.calibrate),  # its confidence head
+                      calibration.calibrate, offline.block_confidences),  # its confidence head
     "dflash2": _method("dflash2", "DFlash2", lambda P: {k: getattr(P, k) for k in layouts.DFLASH2_KEYS}),
 }

@@ -51,6 +51,37 @@ def block_hits(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
     return cand.cpu(), torch.cat(hits).cpu(), torch.cat(valid).cpu()
 
 
+@torch.no_grad()
+def block_confidences(model: DFlashDraft, item: dict, target_argmax: torch.Tensor, chunk: int = 256
+                      ) -> dict[str, torch.Tensor]:
+    """DSpark, for 04's adaptive-verification simulation (``eagle3nb.accept.adaptive``): a block at every anchor
+    decoding can use (``anchor_candidates``), drafted greedily left to right as vLLM's DSpark speculator drafts it (a
+    slot's Markov bias and confidence read the token drafted before it, not the data's). Returns ``anchors`` [A],
+    ``confidence`` [A, k] (the head's sigmoid: calibrated, as 03 folds its temperature into the export),
+    ``run`` [A] (drafted tokens equal to the target's argmax before the first miss) and ``full`` [A] (all k drafted
+    tokens are generated ones, so decoding verifies the whole block)."""
+    dev = model.fc.weight.device
+    ids, mask, top = item["input_ids"].to(dev), item["loss_mask"].to(dev).bool(), target_argmax.to(dev)
+    T, first, k = ids.shape[0], 0 if model.config.sample_from_anchor else 1, model.config.drafts_per_block
+    cand = anchor_candidates(mask)
+    ctx = model.context(item["aux"][None].to(dev))  # shape: [1, T, H]
+    conf, hits, full = [torch.zeros(0, k)], [torch.zeros(0, k, dtype=torch.bool)], [torch.zeros(0, dtype=torch.bool)]
+    for part in cand.split(chunk):
+        hidden = model(ctx, ids[part][None], part[None])[0][:, first:]  # shape: [A, k, H]
+        at, drafts = slot_targets(model, part[None], T)  # shape: [1, A, S] each
+        ok = (drafts & mask[(at + 1).clamp_max(T - 1)])[0, :, first:]  # shape: [A, k]
+        prev, c, h = ids[part], [], []
+        for j in range(k):
+            c.append(torch.sigmoid(model.confidence_logit(hidden[:, j], prev).float()))
+            prev = model.step_logits(hidden[:, j], prev).argmax(-1)  # shape: [A], the token drafted at slot j
+            h.append(prev == top[at[0, :, first + j]])
+        conf.append(torch.stack(c, 1).cpu())
+        hits.append(torch.stack(h, 1).cpu())
+        full.append(ok.all(-1).cpu())
+    run = torch.cat(hits).long().cumprod(-1).sum(-1)
+    return {"anchors": cand.cpu(), "confidence": torch.cat(conf), "run": run, "full": torch.cat(full)}
+
+
 def rounds(anchors: torch.Tensor, hits: torch.Tensor, valid: torch.Tensor) -> list[int]:
     """Accepted drafts per round when decoding the sequence greedily: the first block at the first anchor (the
     first generated token, as after prefill), each next one at the anchor after the accepted drafts and the
