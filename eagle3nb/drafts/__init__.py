@@ -63,7 +63,7 @@ from eagle3nb.drafts.base import (
 __all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "Misfit", "ServedTarget",
            "Serving", "ServingError", "block_methods", "check_fits", "check_serving", "fresh_num_layers", "get",
            "load_draft", "method_of", "of", "one_forward_per_round", "params_readers", "rules", "served_as",
-           "serving_problems"]
+           "served_method", "serving_problems"]
 
 # method name -> the package whose METHODS holds it; the first claims a config.json before the others.
 PACKAGES = {
@@ -97,6 +97,13 @@ def served_as(name: str) -> str:
     """The ``method`` of vLLM's ``--speculative-config`` that serves a ``name`` draft (its own name but where its
     rules say otherwise: DFlash2 is served as ``dflash``)."""
     return rules(name).served_as or name
+
+
+def served_method(draft_dir: str | Path) -> str:
+    """The ``method`` vLLM serves the draft in ``draft_dir`` as: :func:`served_as` of the method its config.json
+    declares (what 05's served A/B and ``eagle3nb serve`` start it with, never a name written at the call)."""
+    path = Path(draft_dir)
+    return served_as(method_of(json.loads((path / "config.json").read_text()), str(path)).name)
 
 
 def block_methods() -> tuple[str, ...]:
