@@ -138,6 +138,9 @@ class MethodRules:
     # the speculative-config method vLLM serves it as, when not its own name (DFlash2: dflash, vLLM choosing the
     # model by the draft's architecture)
     served_as: str = ""
+    # (the target's decoder layers, the draft's) -> the target layers (HF/vLLM ids) its recipe reads, which 02
+    # extracts when its aux_layer_ids is unset and the run's 03 trains this method; None: EAGLE-3's [2, L//2, L-3]
+    layer_ids: Callable[[int, int], list[int]] | None = None
 
     def drafts_per_block(self, block_size: int) -> int:
         """Tokens one block of a block drafter proposes (vLLM's num_speculative_tokens): the anchor slot drafts
