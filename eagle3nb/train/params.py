@@ -216,7 +216,9 @@ class TrainParams(StageParams):
             n = rules(self.method).drafts_per_block(self.block_size)
             if self.num_speculative_tokens != n:  # vLLM sizes the block it runs by num_speculative_tokens
                 raise ValueError(f"method {self.method}: a block of {self.block_size} drafts {n} tokens, so "
-                                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be {n}")
+                                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be {n} (vLLM would "
+                                 f"run a block of {self.num_speculative_tokens} drafts, not the one trained; our "
+                                 f"decoder and 04 draft the trained block): set block_size or num_speculative_tokens")
             if self.parallel_drafting or self.draft_attention != "llama":
                 raise ValueError(f"parallel_drafting and draft_attention shape an EAGLE-3 draft; method "
                                  f"{self.method} has its own (leave them at false / llama)")

@@ -12,8 +12,10 @@ from eagle3nb.doctor.checks.causes import rank_causes
 from eagle3nb.doctor.checks.common import ENGINES, worst_of
 from eagle3nb.doctor.context import Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, WARN, CheckResult
-from eagle3nb.drafts import DraftMismatchError, Serving, method_of, serving_problems
+from eagle3nb import drafts
+from eagle3nb.drafts import DraftMismatchError, Serving, method_layer_ids, method_of, serving_problems
 from eagle3nb.formulas import speedup
+from eagle3nb.hidden.plan import run_method
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
 
@@ -39,8 +41,11 @@ def check_layer_ids(ctx: Context) -> CheckResult:
             problems.append((FAIL, f"the data was made from a {meta['num_layers']}-layer model, the target has {L}",
                              "re-run 02_hidden_states with the target 01_synth sampled from"))
     except Unavailable:
-        planned = getattr(ctx.params.get("02_hidden_states"), "aux_layer_ids", None)
-        data, src = (list(planned), "02 params") if planned else (default_aux_layer_ids(L), "EAGLE-3 default")
+        P2 = ctx.params.get("02_hidden_states")
+        planned = getattr(P2, "aux_layer_ids", None)
+        method, draft_layers = run_method(getattr(P2, "params_file", None))  # what 02 extracts when unset
+        data, src = (list(planned), "02 params") if planned else \
+            (method_layer_ids(method, L, draft_layers), f"{drafts.get(method).title} default")
     details["data_ids"] = data
     try:
         validate_layer_ids(data, L)
