@@ -60,8 +60,8 @@ class TrainParams(StageParams):
     method: Method = Field(
         DEFAULT, description="the draft algorithm (eagle3nb.drafts): "
                              + one_of([f"{m} ({rules(m).summary})" for m in PACKAGES]) + "; a block drafter reads "
-                             "02's aux layers (for the peers' spread set 02's aux_layer_ids, docs/block-drafters.md) "
-                             "and needs 02's draft_vocab_size = the target's vocabulary")
+                             "the layers 02 extracts for it (its recipe's spread when 02's aux_layer_ids is unset, "
+                             "docs/block-drafters.md) and needs 02's draft_vocab_size = the target's vocabulary")
     init_from: str | None = Field(None, description="a draft checkpoint folder to fine-tune (EAGLE-3 or speculators "
                                                     "layout, e.g. the AQ-MedAI Kimi drafter); null = start fresh from "
                                                     "the target's embedding and lm_head rows")
