@@ -245,34 +245,6 @@ def test_d2t_t2d_that_disagree_fail(healthy, tmp_path):
     assert "d2t and t2d disagree" in r.measured and "first: draft 3" in r.measured
 
 
-def test_shapes_vocab_reads_a_block_drafter_through_its_method(healthy, toy_smoke, tmp_path):
-    """A DFlash export (no head, no vocab map, fc over its own aux layers) passes shapes_vocab, its tensors read
-    through its method's ``tensor_problems``; its config naming one aux layer fewer than its fc takes fails, naming
-    the fc and the layers."""
-    from safetensors.torch import load_file
-
-    from eagle3nb.doctor.checks.draft import check_shapes_vocab
-    from eagle3nb.doctor.context import Context
-    from eagle3nb.drafts.dflash.layouts import save_draft
-    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
-
-    ids = [2, 6]  # not EAGLE-3's three: an fc of 2 x H, which the EAGLE-3 reading refused
-    draft = DFlashDraft(from_target(json.loads((toy_smoke / "config.json").read_text()), block_size=4,
-                                    aux_layer_ids=ids))
-    target = load_file(toy_smoke / "model.safetensors")
-    draft.set_target(target["model.embed_tokens.weight"], target["lm_head.weight"])
-    folder = save_draft(draft, tmp_path / "dflash")
-    run = variant(healthy, tmp_path / "run", **{"04_acceptance": {"draft_dir": folder}})
-    r = check_shapes_vocab(Context.from_run_dir(run))
-    assert r.status == PASS, r
-    config = json.loads((folder / "config.json").read_text())
-    config["dflash_config"]["target_layer_ids"] = [ids[0] - 1]
-    (folder / "config.json").write_text(json.dumps(config))
-    r = check_shapes_vocab(Context.from_run_dir(run))
-    H = draft.config.target_hidden_size
-    assert r.status == FAIL and f"does not take 1 x {H} = {H} inputs" in r.measured, r
-
-
 # -- 6. data health -------------------------------------------------------------------------------------------------
 
 def test_data_health_counts_turns_and_flags_untrained_dataset_turns(healthy, tmp_path):

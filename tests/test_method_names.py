@@ -1,6 +1,6 @@
 """A method is its package plus one registry line: outside ``eagle3nb/drafts/`` no code names a draft method
 (``served_as``, ``served_method`` and the rules say what a draft is served as), and 05's served A/B serves each draft
-as the method it was trained with."""
+as the method it was trained with, and the doctor reads its tensors through its method."""
 
 from __future__ import annotations
 
@@ -81,3 +81,35 @@ def test_served_ab_serves_each_draft_as_its_method(method, toy_smoke, tmp_path, 
     P = SimpleNamespace(model_path=str(toy_smoke), k=3, family=None, max_tokens=8)
     out = served._measure(P, [{"id": 0}], drafts)
     assert set(out) == set(drafts) and started == [served_as(method)] * 2
+
+
+def test_shapes_vocab_reads_a_block_drafter_through_its_method(trained, toy_smoke, tmp_path):
+    """A DFlash export (no head, no vocab map, fc over its own aux layers) passes shapes_vocab, its tensors read
+    through its method's ``tensor_problems``; its config naming one aux layer fewer than its fc takes fails, naming
+    the fc and the layers."""
+    from safetensors.torch import load_file
+
+    from worlds import write_run
+
+    from eagle3nb.doctor import FAIL, PASS
+    from eagle3nb.doctor.checks.draft import check_shapes_vocab
+    from eagle3nb.doctor.context import Context
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+
+    ids = [2, 6]  # not EAGLE-3's three: an fc of 2 x H, which the EAGLE-3 reading refused
+    draft = DFlashDraft(from_target(json.loads((toy_smoke / "config.json").read_text()), block_size=4,
+                                    aux_layer_ids=ids))
+    target = load_file(toy_smoke / "model.safetensors")
+    draft.set_target(target["model.embed_tokens.weight"], target["lm_head.weight"])
+    folder = save_draft(draft, tmp_path / "dflash")
+    stages = {s: {**v, **({"draft_dir": folder} if s == "04_acceptance" else {})} for s, v in trained["stages"].items()}
+    run = write_run(tmp_path / "run", stages)
+    r = check_shapes_vocab(Context.from_run_dir(run))
+    assert r.status == PASS, r
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [ids[0] - 1]
+    (folder / "config.json").write_text(json.dumps(config))
+    r = check_shapes_vocab(Context.from_run_dir(run))
+    H = draft.config.target_hidden_size
+    assert r.status == FAIL and f"does not take 1 x {H} = {H} inputs" in r.measured, r

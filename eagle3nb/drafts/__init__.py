@@ -63,8 +63,8 @@ from eagle3nb.layers import default_aux_layer_ids
 
 __all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "Misfit", "ServedTarget",
            "Serving", "ServingError", "block_methods", "check_fits", "check_serving", "fresh_num_layers", "get",
-           "load_draft", "method_layer_ids", "method_of", "of", "one_forward_per_round", "params_readers", "rules", "served_as",
-           "served_method", "serving_problems"]
+           "load_draft", "method_layer_ids", "method_of", "of", "one_forward_per_round", "params_readers", "rules",
+           "served_as", "served_method", "serving_problems"]
 
 # method name -> the package whose METHODS holds it; the first claims a config.json before the others.
 PACKAGES = {
