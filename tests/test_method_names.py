@@ -89,13 +89,13 @@ def test_shapes_vocab_reads_a_block_drafter_through_its_method(trained, toy_smok
     the fc and the layers."""
     from safetensors.torch import load_file
 
-    from worlds import write_run
-
     from eagle3nb.doctor import FAIL, PASS
     from eagle3nb.doctor.checks.draft import check_shapes_vocab
     from eagle3nb.doctor.context import Context
     from eagle3nb.drafts.dflash.layouts import save_draft
     from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+
+    from worlds import write_run
 
     ids = [2, 6]  # not EAGLE-3's three: an fc of 2 x H, which the EAGLE-3 reading refused
     draft = DFlashDraft(from_target(json.loads((toy_smoke / "config.json").read_text()), block_size=4,

@@ -19,8 +19,8 @@ from eagle3nb.data.reader import INDEX_FILE
 from eagle3nb.data.samples import latest, sample_files
 from eagle3nb.data.shards import ShardError, bytes_per_token, check_shard, shard_name
 from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, keep_draft_vocab
-from eagle3nb.hidden.params import HiddenParams
 from eagle3nb.drafts import DEFAULT, PACKAGES, method_layer_ids
+from eagle3nb.hidden.params import HiddenParams
 from eagle3nb.layers import check_layer_ids
 from eagle3nb.params import StageError
 from eagle3nb.params_yaml import run_params

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3nb import drafts
 from eagle3nb.data.head import served_target
 from eagle3nb.doctor.checks.causes import rank_causes
 from eagle3nb.doctor.checks.common import ENGINES, worst_of
 from eagle3nb.doctor.context import Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, WARN, CheckResult
-from eagle3nb import drafts
 from eagle3nb.drafts import DraftMismatchError, Serving, method_layer_ids, method_of, serving_problems
 from eagle3nb.formulas import speedup
 from eagle3nb.hidden.plan import run_method
