@@ -1,4 +1,5 @@
-"""Which target layers EAGLE-3 reads, and the two numbering conventions for them.
+"""Which target layers a draft reads (EAGLE-3's three, the block drafters' spread), and the two numbering
+conventions for them.
 
 Our one convention is the Hugging Face ``hidden_states`` index, which is also vLLM's
 ``eagle_aux_hidden_state_layer_ids``: id ``i`` is the *input* of decoder layer ``i`` (= the output of
@@ -23,6 +24,19 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     if num_layers < 6:
         raise LayerIdError(f"the target has {num_layers} decoder layers; EAGLE-3's default ids need at least 6")
     return [2, num_layers // 2, num_layers - 3]
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """The block drafters' recipe (z-lab's DFlash, SpecForge, speculators' DFlash scripts): ``count`` target layers
+    evenly from 1 to L-3 in DFlash's output-of-layer numbering (the middle layer alone for one), returned in ours
+    (+1)."""
+    if count == 1:
+        return [num_target_layers // 2 + 1]
+    start, end = 1, num_target_layers - 3
+    if end <= start:
+        raise LayerIdError(f"a {num_target_layers}-layer target is too shallow for the spread 1..L-3: set 02's "
+                           "aux_layer_ids")
+    return [round(start + i * (end - start) / (count - 1)) + 1 for i in range(count)]
 
 
 def to_sglang(ids: list[int]) -> list[int]:

@@ -59,11 +59,12 @@ from eagle3nb.drafts.base import (
     ServingError,
     check_fits,
 )
+from eagle3nb.layers import default_aux_layer_ids
 
 __all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "Misfit", "ServedTarget",
            "Serving", "ServingError", "block_methods", "check_fits", "check_serving", "fresh_num_layers", "get",
-           "load_draft", "method_of", "of", "one_forward_per_round", "params_readers", "rules", "served_as",
-           "serving_problems"]
+           "load_draft", "method_layer_ids", "method_of", "of", "one_forward_per_round", "params_readers", "rules",
+           "served_as", "served_method", "serving_problems"]
 
 # method name -> the package whose METHODS holds it; the first claims a config.json before the others.
 PACKAGES = {
@@ -97,6 +98,21 @@ def served_as(name: str) -> str:
     """The ``method`` of vLLM's ``--speculative-config`` that serves a ``name`` draft (its own name but where its
     rules say otherwise: DFlash2 is served as ``dflash``)."""
     return rules(name).served_as or name
+
+
+def served_method(draft_dir: str | Path) -> str:
+    """The ``method`` vLLM serves the draft in ``draft_dir`` as: :func:`served_as` of the method its config.json
+    declares (what 05's served A/B and ``eagle3nb serve`` start it with, never a name written at the call)."""
+    path = Path(draft_dir)
+    return served_as(method_of(json.loads((path / "config.json").read_text()), str(path)).name)
+
+
+def method_layer_ids(name: str, target_layers: int, draft_layers: int | None = None) -> list[int]:
+    """The target layers (HF/vLLM ids) a fresh ``name`` draft of ``draft_layers`` layers (None: its package's
+    depth) reads by its recipe: its rules' ``layer_ids``, else EAGLE-3's ``[2, L//2, L-3]``; what 02 extracts for a
+    run training it when 02's aux_layer_ids is unset, and what 03 holds such states to."""
+    pick = rules(name).layer_ids
+    return pick(target_layers, draft_layers or fresh_num_layers(name)) if pick else default_aux_layer_ids(target_layers)
 
 
 def block_methods() -> tuple[str, ...]:

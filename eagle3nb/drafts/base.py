@@ -107,6 +107,10 @@ class DraftMethod:
     # (draft dir, its config.json dict, Serving) -> the method's own misfits: what vLLM would read wrong from the
     # checkpoint served so (k, layout, layer ids, vocabulary), [] when it fits; the registry has checked the method
     serving_problems: Callable[[Path, dict[str, Any], Serving], list[Misfit]]
+    # (config.json dict, {tensor name: shape} of the checkpoint's files, the target's hidden size) -> what its tensors
+    # lack or shape wrong for that target, [] when they fit: the doctor's shapes_vocab reads a checkpoint raw (a
+    # broken one described, not refused), and only the method knows which tensors it writes
+    tensor_problems: Callable[[dict[str, Any], dict[str, list[int]], int], list[Misfit]]
     # (03's objective on the best weights, the held-out micro-batches) -> metrics.json's "calibration": a post-hoc
     # calibration of the draft's own heads after training, folded into the exported weights (DSpark's confidence
     # head); None: the method has nothing to calibrate
@@ -139,6 +143,9 @@ class MethodRules:
     # the speculative-config method vLLM serves it as, when not its own name (DFlash2: dflash, vLLM choosing the
     # model by the draft's architecture)
     served_as: str = ""
+    # (the target's decoder layers, the draft's) -> the target layers (HF/vLLM ids) its recipe reads, which 02
+    # extracts when its aux_layer_ids is unset and the run's 03 trains this method; None: EAGLE-3's [2, L//2, L-3]
+    layer_ids: Callable[[int, int], list[int]] | None = None
 
     def drafts_per_block(self, block_size: int) -> int:
         """Tokens one block of a block drafter proposes (vLLM's num_speculative_tokens): the anchor slot drafts

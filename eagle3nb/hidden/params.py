@@ -28,7 +28,8 @@ class HiddenParams(TargetParams):
                                                     "toy:smoke / toy:demo")
     output_dir: str | None = Field(None, description="where shards go; default outputs/<run_name>/02_hidden_states")
     aux_layer_ids: list[int] | None = Field(None, description="aux layers in HF hidden_states / vLLM ids (input of "
-                                                              "layer i); null = EAGLE-3 default [2, L//2, L-3]")
+                                                              "layer i); null = those the run's 03 method reads: "
+                                                              "EAGLE-3's [2, L//2, L-3], a block drafter's spread")
     max_length: int = Field(2048, ge=2, description="tokens kept per sample (longer samples are cut, and counted)")
     tokens_per_batch: int = Field(4096, ge=1, description="token budget of one forward pass (batch x longest sample in "
                                                           "it)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb.accept.cache import cached, fingerprint
+from eagle3nb.drafts import served_method
 from eagle3nb.refresh.params import RefreshParams
 from eagle3nb.serve.vllm import start_vllm
 
@@ -28,9 +29,9 @@ def served_ab(P: RefreshParams, group: str, rows: list[dict], drafts: dict[str, 
 def _measure(P: RefreshParams, rows: list[dict], drafts: dict[str, Path]) -> dict[str, dict[str, Any]]:
     from eagle3nb.accept.online import bench_endpoint
 
-    tools = any(r.get("tools") for r in rows)
+    tools = any(r.get("tools") for r in rows)  # each draft served as the method it was trained with
     with ThreadPoolExecutor(len(drafts)) as pool:
-        starts = {n: pool.submit(start_vllm, P.model_path, "eagle3", draft_dir=d, num_speculative_tokens=P.k,
+        starts = {n: pool.submit(start_vllm, P.model_path, served_method(d), draft_dir=d, num_speculative_tokens=P.k,
                                  family=P.family, tools=tools) for n, d in drafts.items()}
     handles = {n: f.result() for n, f in starts.items() if f.exception() is None}
     try:

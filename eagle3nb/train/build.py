@@ -50,6 +50,7 @@ def fresh_draft(P, data) -> Any:
     if not tc:
         raise DraftMismatchError(f"cannot read the target's config.json at {meta.get('model_path')!r} to shape a "
                                  f"fresh {P.method} draft")
+    P.check_states(meta)
     model = drafts.get(P.method).fresh(P, data, tc)
     if model.config.draft_vocab_size != data.d2t.shape[0]:
         raise DraftMismatchError(

@@ -7,11 +7,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from eagle3nb.drafts import DEFAULT, PACKAGES, fresh_num_layers, params_readers, rules
+from eagle3nb.drafts import DEFAULT, PACKAGES, fresh_num_layers, method_layer_ids, params_readers, rules
 from eagle3nb.params import ParamsError, StageParams, register
+from eagle3nb.params_yaml import run_params
 from eagle3nb.paths import resolve
 
 STAGE = "03_train"
+HIDDEN_STAGE = "02_hidden_states"  # whose run-folder params say whether its layers were the user's choice
 
 # The settings only some methods read (each method's MethodRules.params, in the registry's order): a run of a method
 # leaves the others' out of its resume check.
@@ -58,8 +60,8 @@ class TrainParams(StageParams):
     method: Method = Field(
         DEFAULT, description="the draft algorithm (eagle3nb.drafts): "
                              + one_of([f"{m} ({rules(m).summary})" for m in PACKAGES]) + "; a block drafter reads "
-                             "02's aux layers (for the peers' spread set 02's aux_layer_ids, docs/block-drafters.md) "
-                             "and needs 02's draft_vocab_size = the target's vocabulary")
+                             "the layers 02 extracts for it (its recipe's spread when 02's aux_layer_ids is unset, "
+                             "docs/block-drafters.md) and needs 02's draft_vocab_size = the target's vocabulary")
     init_from: str | None = Field(None, description="a draft checkpoint folder to fine-tune (EAGLE-3 or speculators "
                                                     "layout, e.g. the AQ-MedAI Kimi drafter); null = start fresh from "
                                                     "the target's embedding and lm_head rows")
@@ -214,7 +216,9 @@ class TrainParams(StageParams):
             n = rules(self.method).drafts_per_block(self.block_size)
             if self.num_speculative_tokens != n:  # vLLM sizes the block it runs by num_speculative_tokens
                 raise ValueError(f"method {self.method}: a block of {self.block_size} drafts {n} tokens, so "
-                                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be {n}")
+                                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be {n} (vLLM would "
+                                 f"run a block of {self.num_speculative_tokens} drafts, not the one trained; our "
+                                 f"decoder and 04 draft the trained block): set block_size or num_speculative_tokens")
             if self.parallel_drafting or self.draft_attention != "llama":
                 raise ValueError(f"parallel_drafting and draft_attention shape an EAGLE-3 draft; method "
                                  f"{self.method} has its own (leave them at false / llama)")
@@ -222,6 +226,23 @@ class TrainParams(StageParams):
                 raise ValueError(f"loss: {self.loss} is EAGLE-3's training-time-test loss; method {self.method} "
                                  "trains with block_loss (kl | ce) and block_weighting: leave loss at forward_kl")
         return self
+
+    def check_states(self, meta: dict[str, Any]) -> None:
+        """Refuse, in one line naming 02's ``aux_layer_ids``, a fresh draft on states (02's ``meta``: their
+        ``layer_ids``, the target's ``num_layers``) whose layers 02 chose by default for another method: this run
+        folder's 02 params leave aux_layer_ids unset, and 03's method changed after 02 ran. Ids set in 02 are the
+        user's choice, and data from outside a run folder is taken as stored."""
+        folder = Path(self.params_file).parent if self.params_file else None
+        if folder is None or not (folder / f"{HIDDEN_STAGE}.yaml").is_file():
+            return
+        if run_params(folder, HIDDEN_STAGE).get("aux_layer_ids") is not None:
+            return
+        want, have = method_layer_ids(self.method, meta["num_layers"], self.num_layers), list(meta["layer_ids"])
+        if have != want:
+            raise ParamsError(f"method {self.method} reads target layers {want} by its recipe, but 02 stored {have}, "
+                              f"chosen for another method before 03's method was {self.method}: re-run "
+                              f"02_hidden_states (its aux_layer_ids unset extracts {want}), or set aux_layer_ids: "
+                              f"{have} in {folder / HIDDEN_STAGE}.yaml to train on these")
 
     @property
     def data_path(self) -> Path:

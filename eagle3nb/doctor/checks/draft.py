@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3nb import drafts
 from eagle3nb.data.head import served_target
 from eagle3nb.doctor.checks.causes import rank_causes
 from eagle3nb.doctor.checks.common import ENGINES, worst_of
 from eagle3nb.doctor.context import Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, WARN, CheckResult
-from eagle3nb.drafts import Serving, method_of, serving_problems
+from eagle3nb.drafts import DraftMismatchError, Serving, method_layer_ids, method_of, serving_problems
 from eagle3nb.formulas import speedup
+from eagle3nb.hidden.plan import run_method
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
 
@@ -39,8 +41,11 @@ def check_layer_ids(ctx: Context) -> CheckResult:
             problems.append((FAIL, f"the data was made from a {meta['num_layers']}-layer model, the target has {L}",
                              "re-run 02_hidden_states with the target 01_synth sampled from"))
     except Unavailable:
-        planned = getattr(ctx.params.get("02_hidden_states"), "aux_layer_ids", None)
-        data, src = (list(planned), "02 params") if planned else (default_aux_layer_ids(L), "EAGLE-3 default")
+        P2 = ctx.params.get("02_hidden_states")
+        planned = getattr(P2, "aux_layer_ids", None)
+        method, draft_layers = run_method(getattr(P2, "params_file", None))  # what 02 extracts when unset
+        data, src = (list(planned), "02 params") if planned else \
+            (method_layer_ids(method, L, draft_layers), f"{drafts.get(method).title} default")
     details["data_ids"] = data
     try:
         validate_layer_ids(data, L)
@@ -131,9 +136,10 @@ def _draft_tensors(d: Path) -> dict[str, Any]:
 
 
 def _draft_shape_problems(label: str, d: Path, cfg: dict, t: dict, H: int, V: int) -> list[tuple[str, str, str]]:
-    """One draft checkpoint against the target's sizes: fc input, lm_head rows, vocab map."""
+    """One draft checkpoint against the target's sizes: its config's, then its tensors as its method writes them
+    (``DraftMethod.tensor_problems``: EAGLE-3's fc, head and vocab map, a block drafter's fc over its aux layers),
+    then the vocab map where it has one."""
     problems = []
-    shapes = t["shapes"]
     th = cfg.get("target_hidden_size") or cfg.get("hidden_size")
     dv = cfg.get("draft_vocab_size")
     fix = f"train the draft for this target (03_train) or pick a checkpoint made for it ({d})"
@@ -141,14 +147,12 @@ def _draft_shape_problems(label: str, d: Path, cfg: dict, t: dict, H: int, V: in
         problems.append((FAIL, f"{label} target_hidden_size {th} != target hidden {H}", fix))
     if cfg.get("vocab_size") != V:
         problems.append((FAIL, f"{label} vocab_size {cfg.get('vocab_size')} != target vocab {V}", fix))
-    fc = shapes.get("fc.weight")
-    if fc is None or fc[1] != 3 * H:
-        problems.append((FAIL, f"{label} fc.weight {fc} does not take 3 x {H} = {3 * H} inputs", fix))
-    head = shapes.get("lm_head.weight")
-    if head is None or head[0] != dv:
-        problems.append((FAIL, f"{label} lm_head.weight {head} does not have draft_vocab_size {dv} rows", fix))
-    if "d2t" not in t or "t2d" not in t:
-        problems.append((FAIL, f"{label} has no d2t/t2d tensors", f"export the draft with its vocab map ({d})"))
+    try:
+        method = method_of(cfg, str(d))
+    except DraftMismatchError as e:
+        return [*problems, (FAIL, str(e), fix)]
+    problems += [(FAIL, f"{label} {what}", f"{how} ({d})") for what, how in method.tensor_problems(cfg, t["shapes"], H)]
+    if "d2t" not in t or "t2d" not in t:  # a block drafter has none: the target's vocabulary is its own
         return problems
     for p in vocab_problems(t["d2t"], t["t2d"], V, label):
         problems.append((FAIL, p, f"re-export {d} with the d2t/t2d of the data it was trained on "

@@ -10,21 +10,25 @@ docs/block-drafters.md explains the model, the layouts and the layer-id conventi
 """
 
 from eagle3nb.drafts.base import MethodRules, lazy_methods
+from eagle3nb.layers import spread_layer_ids
 
 # A fresh draft's decoder layers when 03's num_layers is null: on the smoke toy (60 steps, 3 seeds) one layer
 # accepted 2.31 (DFlash) / 2.97 (DSpark), two 2.71 / 3.35 (docs/recipes.md; 1.38 / 2.46 and 2.52 / 3.17 on the dead
 # mask row, which chose 2); the peers' published DFlash drafts use 5 at 8B scale.
 NUM_LAYERS = 2
+# Their target layers (``RULES``' layer_ids) are the peers' spread, one per draft layer (z-lab's published drafts:
+# 5 layers reading [1, 9, 17, 25, 33] of Qwen3-8B's 36 in their numbering); 02 extracts them for a run training one.
 # 03's block settings both read (model.fresh_draft, objective.BlockObjective.from_params); DSpark's heads add two.
 BLOCK = ("block_size", "anchors_per_seq", "block_loss", "block_weighting", "block_gamma", "dpace_alpha")
 RULES = {
     "dflash": MethodRules(summary="a block drafter: one forward drafts a block from the target's states, "
-                                  "docs/block-drafters.md", block=True, params=BLOCK),
+                                  "docs/block-drafters.md", block=True, params=BLOCK,
+                          layer_ids=spread_layer_ids),
     "dspark": MethodRules(summary="DFlash with a Markov and a confidence head", block=True, samples_from_anchor=True,
-                          params=(*BLOCK, "markov_rank", "confidence_weight")),
+                          params=(*BLOCK, "markov_rank", "confidence_weight"), layer_ids=spread_layer_ids),
     "dflash2": MethodRules(summary="DFlash with grouped dynamic convolutions and a candidate selector", block=True,
                            params=(*BLOCK, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
-                           served_as="dflash"),
+                           served_as="dflash", layer_ids=spread_layer_ids),
 }
 
 __getattr__ = lazy_methods(__name__)

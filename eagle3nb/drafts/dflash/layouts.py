@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, read_tensors
+from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, Misfit, read_tensors
 from eagle3nb.drafts.dflash.mask import MASK_EMBEDDING_FILE
 from eagle3nb.drafts.dflash.model import DFlashConfig, DFlashDraft
 from eagle3nb.layers import from_sglang
@@ -212,3 +212,16 @@ def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, devic
     if dtype is not None:
         model.to(dtype)
     return model.to(device).eval()
+
+
+def tensor_problems(config: dict[str, Any], shapes: dict[str, list[int]], hidden_size: int) -> list[Misfit]:
+    """What a block drafter's checkpoint tensors (``shapes``: name -> shape) lack or shape wrong for a target of
+    ``hidden_size``: its fc fuses one state per aux layer its config names; it holds no head nor vocabulary map
+    (it writes through the target's own head, over the whole vocabulary)."""
+    fix = "train the draft for this target (03_train) or pick a checkpoint made for it"
+    cfg = config_from_json(config)
+    fc, n = shapes.get("fc.weight"), len(cfg.aux_layer_ids)
+    if fc is None or fc[1] != n * hidden_size:
+        return [(f"fc.weight {fc} does not take {n} x {hidden_size} = {n * hidden_size} inputs (one state "
+                         f"per aux layer {cfg.aux_layer_ids})", fix)]
+    return []

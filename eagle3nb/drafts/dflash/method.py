@@ -14,8 +14,9 @@ def _method(name: str, title: str, heads_of, calibrate=None, confidences=None) -
         drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
         fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
                                                    **heads_of(P)),
-        unit=objective.BlockObjective.unit, serving_problems=serving.serving_problems, calibrate=calibrate,
-        confidences=confidences, check_usable=model.check_mask_input)
+        unit=objective.BlockObjective.unit, serving_problems=serving.serving_problems,
+        tensor_problems=layouts.tensor_problems, calibrate=calibrate, confidences=confidences,
+        check_usable=model.check_mask_input)
 
 
 METHODS = {

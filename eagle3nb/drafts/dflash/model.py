@@ -39,7 +39,7 @@ from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.dflash.dflash2 import CandidateSelector, GroupedConv, shape_problem
 from eagle3nb.drafts.dflash.mask import dead_mask_row, live_mean, row_norms
 from eagle3nb.drafts.nn import MLP, RMSNorm, rotate_half
-from eagle3nb.layers import to_sglang
+from eagle3nb.layers import spread_layer_ids, to_sglang
 
 
 @dataclass
@@ -97,17 +97,6 @@ class DFlashConfig:
         """DFlash's own ids (``dflash_config.target_layer_ids``): the layer whose *output* is read, 0-based; vLLM
         adds one to each (eagle3_utils.get_eagle3_aux_layers_from_config), which gives back ``aux_layer_ids``."""
         return to_sglang(self.aux_layer_ids)
-
-
-def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
-    """The peers' spread (z-lab's DFlash, SpecForge, speculators' DFlash scripts): ``count`` target layers evenly
-    from 1 to L-3 in DFlash's output-of-layer numbering (the middle layer alone for one), returned in ours (+1)."""
-    if count == 1:
-        return [num_target_layers // 2 + 1]
-    start, end = 1, num_target_layers - 3
-    if end <= start:
-        raise ValueError(f"a {num_target_layers}-layer target is too shallow for the spread 1..L-3")
-    return [round(start + i * (end - start) / (count - 1)) + 1 for i in range(count)]
 
 
 def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, read_tensors
+from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, Misfit, read_tensors
 from eagle3nb.drafts.eagle3.model import MLA_KEYS, Eagle3Config, Eagle3Draft
 from eagle3nb.families import MLA_ARCHS
 from eagle3nb.layers import to_sglang
@@ -233,3 +233,20 @@ def save_draft(model: Eagle3Draft, path: str | Path, format: str = "eagle3", dty
     write_json_atomic(path / "config.json", config)
     return path
 
+
+
+def tensor_problems(config: dict[str, Any], shapes: dict[str, list[int]], hidden_size: int) -> list[Misfit]:
+    """What an EAGLE-3 checkpoint's tensors (``shapes``: name -> shape, as its files hold them) lack or shape wrong
+    for a target of ``hidden_size``: its fc fuses three aux states, its own head has ``draft_vocab_size`` rows, and
+    d2t / t2d map its vocabulary onto the target's."""
+    fix = "train the draft for this target (03_train) or pick a checkpoint made for it"
+    dv = config.get("draft_vocab_size")
+    fc, head = shapes.get("fc.weight"), shapes.get("lm_head.weight")
+    problems = []
+    if fc is None or fc[1] != 3 * hidden_size:
+        problems.append((f"fc.weight {fc} does not take 3 x {hidden_size} = {3 * hidden_size} inputs", fix))
+    if head is None or head[0] != dv:
+        problems.append((f"lm_head.weight {head} does not have draft_vocab_size {dv} rows", fix))
+    if "d2t" not in shapes or "t2d" not in shapes:
+        problems.append(("has no d2t/t2d tensors", "export the draft with its vocab map"))
+    return problems

@@ -9,4 +9,5 @@ METHODS = {"eagle3": DraftMethod(
     load=layouts.load_draft, save=layouts.save_draft, config_json=layouts.draft_config_json,
     objective=objective.TTTObjective.from_params, drafting=drafting.Eagle3Drafting,
     chain_acceptance=offline.chain_acceptance, layouts=("eagle3", "sglang", "speculators"),
-    fresh=fresh.fresh_draft, unit=objective.TTTObjective.unit, serving_problems=serving.serving_problems)}
+    fresh=fresh.fresh_draft, unit=objective.TTTObjective.unit, serving_problems=serving.serving_problems,
+    tensor_problems=layouts.tensor_problems)}

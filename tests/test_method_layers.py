@@ -1,0 +1,71 @@
+"""Block drafters tap the layers their method's recipe reads: 02 extracts them when its aux_layer_ids is unset and
+the run's 03 trains such a method, and 03 refuses states 02 chose for another method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3nb.drafts import DEFAULT, fresh_num_layers
+from eagle3nb.layers import default_aux_layer_ids, spread_layer_ids
+
+L = 8  # the toys' decoder layers
+
+
+def run_folder(tmp: Path, hidden: dict, train: dict) -> Path:
+    """A run's parameter folder with 02's and 03's YAML."""
+    tmp.mkdir(exist_ok=True)
+    (tmp / "02_hidden_states.yaml").write_text(yaml.safe_dump(hidden))
+    (tmp / "03_train.yaml").write_text(yaml.safe_dump(train))
+    return tmp
+
+
+def layers_02(folder: Path) -> list[int]:
+    """The layers 02 would extract for the run in ``folder`` from an L-layer target."""
+    from eagle3nb.hidden.plan import aux_layer_ids
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
+
+    return aux_layer_ids(from_dict("02_hidden_states", run_params(folder, "02_hidden_states")), L)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
+def test_02_extracts_a_block_drafters_spread_for_its_run(method, tmp_path):
+    spread = spread_layer_ids(L, fresh_num_layers(method))
+    assert spread != default_aux_layer_ids(L)
+    assert layers_02(run_folder(tmp_path / "own", {}, {"method": method})) == spread
+    assert layers_02(run_folder(tmp_path / "deep", {}, {"method": method, "num_layers": 3})) == \
+        spread_layer_ids(L, 3)
+    assert layers_02(run_folder(tmp_path / "set", {"aux_layer_ids": [1, 3]}, {"method": method})) == [1, 3]
+
+
+def test_02_keeps_eagle3s_layers_for_an_eagle3_run_and_outside_a_run_folder(tmp_path):
+    from eagle3nb.hidden.plan import aux_layer_ids
+    from eagle3nb.params import from_dict
+
+    assert layers_02(run_folder(tmp_path / "e", {}, {})) == default_aux_layer_ids(L)
+    assert layers_02(run_folder(tmp_path / "e3", {}, {"method": DEFAULT})) == default_aux_layer_ids(L)
+    assert aux_layer_ids(from_dict("02_hidden_states", {}), L) == default_aux_layer_ids(L)
+
+
+def test_03_refuses_states_02_chose_for_another_method(tmp_path):
+    """States 02 extracted for an EAGLE-3 run, 03 then switched to DFlash: refused in one line naming 02's
+    aux_layer_ids; the same ids set in 02 (the user's choice), the spread, or data from outside a run folder pass."""
+    from eagle3nb.params import ParamsError, from_dict
+
+    def train(folder: Path | None, method: str = "dflash"):
+        params_file = {"params_file": str(folder / "03_train.yaml")} if folder else {}
+        return from_dict("03_train", {"method": method, "block_size": 4, "num_speculative_tokens": 3, **params_file})
+
+    eagle = {"num_layers": L, "layer_ids": default_aux_layer_ids(L)}
+    folder = run_folder(tmp_path / "r", {}, {"method": "dflash"})
+    with pytest.raises(ParamsError, match="aux_layer_ids") as e:
+        train(folder).check_states(eagle)
+    assert "\n" not in str(e.value) and str(spread_layer_ids(L, fresh_num_layers("dflash"))) in str(e.value)
+    train(folder).check_states({"num_layers": L, "layer_ids": spread_layer_ids(L, fresh_num_layers("dflash"))})
+    from_dict("03_train", {"params_file": str(folder / "03_train.yaml")}).check_states(eagle)  # EAGLE-3's own
+    train(None).check_states(eagle)
+    chosen = run_folder(tmp_path / "c", {"aux_layer_ids": eagle["layer_ids"]}, {"method": "dflash"})
+    train(chosen).check_states(eagle)
