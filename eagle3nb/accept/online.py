@@ -13,6 +13,7 @@ only windowed gauges (``sglang:spec_accept_length``/``spec_accept_rate``), read 
 from __future__ import annotations
 
 import asyncio
+import json
 import concurrent.futures
 import math
 import os
@@ -24,6 +25,7 @@ from eagle3nb.accept.cache import cached_rows, fingerprint
 from eagle3nb.accept.engine import read_rounds, summarize
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.prompts import load_prompts
+from eagle3nb.drafts import method_of
 from eagle3nb.errors import InputError, scrub
 from eagle3nb.formulas import spec_counters, spec_delta
 from eagle3nb.launch import start_server
@@ -225,9 +227,11 @@ def run_online(P: AcceptParams) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if P.endpoints == "embedded":
         model_dir = P.model_dir
-        # the baseline once (it has no k), then one speculative server per k: a server's k is fixed at its start
+        # the baseline once (it has no k), then one speculative server per k: a server's k is fixed at its start;
+        # each labelled with the draft's method
+        method = method_of(json.loads((P.draft_path / "config.json").read_text()), str(P.draft_path)).name
         servers = [("baseline", None, None, "online-baseline.json")] + \
-            [("eagle3", P.draft_path, k, f"online-eagle3-k{k}.json") for k in P.sweep_ks]
+            [(method, P.draft_path, k, f"online-{method}-k{k}.json") for k in P.sweep_ks]
         for label, draft, k, name in servers:
             def work(draft=draft, label=label, k=k) -> list[dict[str, Any]]:
                 with start_server(model_dir, draft_dir=draft, num_speculative_tokens=k or P.k,

@@ -4,7 +4,7 @@ call. It loads the target and the draft, measures acceptance offline on held-out
 endpoints, simulates adaptive verification per concurrency (a draft with a confidence head: ``adaptive.py``), and
 writes ``metrics.json`` and every figure into the stage folder. Each step's result is reused when a re-run finds it
 finished (``offline.json``, ``local.json``, ``verification.json``, ``online-<label>.json``; the embedded sweep's
-``online-baseline.json`` and ``online-eagle3-k<k>.json``, one per served k; ``adaptive_blocks.pt`` and
+``online-baseline.json`` and ``online-<method>-k<k>.json``, one per served k; ``adaptive_blocks.pt`` and
 ``adaptive.json``)."""
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlparse
 
-from eagle3nb.drafts import served_as
+from eagle3nb.drafts import served_method
 from eagle3nb.errors import InputError
-from eagle3nb.layers import default_aux_layer_ids
+from eagle3nb.hidden.plan import aux_layer_ids
 from eagle3nb.params import from_dict
 from eagle3nb.params_yaml import run_params
 from eagle3nb.serve.vllm import start_vllm
@@ -66,7 +66,7 @@ def rehearse(run_dir: Path, force: bool = False) -> None:
         _eagle3nb("run", str(run_dir), "--stages", "01", *again)
 
     print("== 2. hidden states through vLLM's extract_hidden_states", flush=True)
-    layer_ids = [*(P2.aux_layer_ids or default_aux_layer_ids(num_layers)), num_layers]
+    layer_ids = [*aux_layer_ids(P2, num_layers), num_layers]
     with tempfile.TemporaryDirectory(prefix="eagle3nb-hidden-") as storage, \
             start_vllm(model, "extract", port=_port(P2.vllm_url), layer_ids=layer_ids, storage_dir=storage):
         _eagle3nb("run", str(run_dir), "--stages", "02", *again)
@@ -76,7 +76,7 @@ def rehearse(run_dir: Path, force: bool = False) -> None:
 
     print("== 4. vLLM plainly and vLLM serving the draft", flush=True)
     plain, spec = P4.endpoints
-    method = served_as(from_dict("03_train", run_params(run_dir, "03_train"), check_paths=False).method)
+    method = served_method(P4.draft_path)
     with ExitStack() as stack:
         stack.enter_context(start_vllm(model, "plain", port=_port(plain.url), rounds=plain.rounds))
         stack.enter_context(start_vllm(model, method, port=_port(spec.url), draft_dir=P4.draft_path,
