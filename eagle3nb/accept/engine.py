@@ -6,13 +6,14 @@ target's forward, sampling, the drafter's proposal, the rest of the step and the
 sweep keeps, per level, the summary of the steps inside that level's window (:func:`summarize`). The speedup at
 concurrency c then follows from costs, not from the measured speedup::
 
-    plain:  T_p(c) = requests x arrival_p(r) + decode tokens / r          x period_p(r)
-    spec:   T_s(c) = requests x arrival_s(r) + decode tokens / (r x tau)  x period_s(r)
+    plain:  T_p(c) = requests x (arrival_p + outside_p)(r) + decode tokens / r          x period_p(r)
+    spec:   T_s(c) = requests x (arrival_s + outside_s)(r) + decode tokens / (r x tau)  x period_s(r)
     speedup(c) = T_p(c) / T_s(c)        (the same prompts and output tokens on both sides)
 
 with r the requests in a decode step, ``period = forward + draft + sample + other + gap`` the cost of one decode
-step (plain) or round (spec), and ``arrival`` the time a request spends outside decode steps (its prefill step and
-the engine's idle wait for it). Each part is a line in r fitted over the endpoint's measured levels; a level's
+step (plain) or round (spec), ``arrival`` the time a request spends outside decode steps (its prefill step and
+the engine's idle wait for it) and ``outside`` its share of the level's wall time no engine step covers (the
+client's and the API server's time before the first step and after the last). Each part is a line in r fitted over the endpoint's measured levels; a level's
 prediction is made with that level left out of the fits (a leave-one-out forecast, so a measured level is never
 its own prediction), and the crossover is where the all-levels fit falls below 1x.
 """
@@ -27,6 +28,9 @@ from typing import Any
 # The parts of a decode step or round, as the profile names them ("other": the step minus the three timed parts:
 # input preparation, the runner's bookkeeping)
 PARTS = ("forward", "draft", "sample", "other", "gap")
+# The costs a request pays once: its arrival (prefill step, the wait for it) and its share of the level's time
+# outside every engine step
+PER_REQUEST = ("arrival", "outside")
 
 
 def read_rounds(path: str | Path, start: float, end: float) -> list[dict[str, Any]]:
@@ -41,11 +45,13 @@ def read_rounds(path: str | Path, start: float, end: float) -> list[dict[str, An
     return lines
 
 
-def summarize(lines: Sequence[dict[str, Any]], requests: int) -> dict[str, Any] | None:
-    """One level's costs from its steps: each part's mean over decode steps (the first step's gap is the idle
-    time before the level, so gaps are taken from the second step on), the mean requests in a decode step, and
-    ``arrival``: the seconds per request spent in the other steps (prefills) and in gaps before them. None: no
-    decode step was recorded (an endpoint started without the profile)."""
+def summarize(lines: Sequence[dict[str, Any]], requests: int, seconds: float) -> dict[str, Any] | None:
+    """One level's costs from its steps (the level: ``requests`` requests in ``seconds`` of wall time): each part's
+    mean over decode steps (the first step's gap is the idle time before the level, so gaps are taken from the
+    second step on), the mean requests in a decode step, and two costs per request: ``arrival``, the seconds in
+    the other steps (prefills) and the gaps before them, and ``outside``, the level's seconds outside every step
+    (the client and the API server before the first step and after the last: what the engine's profile cannot
+    see). None: no decode step was recorded (an endpoint started without the profile)."""
     decode = [x for x in lines if x["decode"]]
     if not decode:
         return None
@@ -60,6 +66,8 @@ def summarize(lines: Sequence[dict[str, Any]], requests: int) -> dict[str, Any] 
     out["period"] = sum(out[p] for p in PARTS)
     rest = [x for x in lines[1:] if not x["decode"]]
     out["arrival"] = sum(x["step"] + (x["gap"] or 0.0) for x in rest) / max(1, requests)
+    inside = lines[0]["step"] + sum(x["step"] + (x["gap"] or 0.0) for x in lines[1:])
+    out["outside"] = max(0.0, seconds - inside) / max(1, requests)
     return out
 
 
@@ -76,7 +84,7 @@ def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 def _fits(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float]]:
     """Each part's line in r (requests per decode step) over the rows' engine summaries."""
-    return {p: line_fit([(r["engine"]["reqs"], r["engine"][p]) for r in rows]) for p in (*PARTS, "arrival")}
+    return {p: line_fit([(r["engine"]["reqs"], r["engine"][p]) for r in rows]) for p in (*PARTS, *PER_REQUEST)}
 
 
 def _at(fits: dict[str, tuple[float, float]], part: str, r: float) -> float:
@@ -86,11 +94,11 @@ def _at(fits: dict[str, tuple[float, float]], part: str, r: float) -> float:
 
 def level_time(fits: dict[str, tuple[float, float]], r: float, requests: int, tokens: int, per_step: float
                ) -> dict[str, float]:
-    """A level's predicted seconds and its parts: ``requests`` arrivals, then the decode tokens (all but each
-    request's first, which its prefill makes) in steps of ``r x per_step`` tokens."""
+    """A level's predicted seconds and its parts: each request's arrival and outside time, then the decode tokens
+    (all but each request's first, which its prefill makes) in steps of ``r x per_step`` tokens."""
     steps = max(0, tokens - requests) / (r * per_step)
     parts = {p: steps * _at(fits, p, r) for p in PARTS}
-    parts["arrival"] = requests * _at(fits, "arrival", r)
+    parts.update({p: requests * _at(fits, p, r) for p in PER_REQUEST})
     return {"seconds": sum(parts.values()), "steps": steps, **parts}
 
 

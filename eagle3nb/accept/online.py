@@ -159,7 +159,7 @@ def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_l
             "started_at": start, "ended_at": end,
         }
         if rounds:
-            row["engine"] = summarize(read_rounds(rounds, start, end), len(prompts))
+            row["engine"] = summarize(read_rounds(rounds, start, end), len(prompts), end - start)
         if res["errors"]:
             row["first_error"] = res["errors"][0]
             print(f"[bench {label} c={c}] {len(res['errors'])} request(s) failed, first: {res['errors'][0]}")

@@ -102,10 +102,27 @@ def concurrency_rows(conc: dict[str, Any]) -> list[tuple[str, str]]:
                      f"predicted from the engine's step costs: "
                      f"{f'from concurrency {predicted}' if predicted else 'not below 1x up to 256'} (the verify pass "
                      "of c*(k+1) tokens costs more plain steps as the engine becomes compute-bound)."))
+    for series in conc.get("series") or []:
+        if series.get("from", "").startswith("profile"):
+            rows.append((f"Why, from {series['endpoint']}'s profile", engine_why(series)))
     for c, flag in (conc.get("serve_flags") or {}).items():
         rows.append((f"Serve at concurrency {c}", f"vllm serve <target> {flag}" if flag else
                      "without --speculative-config: plain decoding is faster at this load"))
     return rows
+
+
+def engine_why(series: dict[str, Any]) -> str:
+    """A profiled series' rounds in plain words at its lowest and highest measured concurrency: what a round costs
+    in plain decode steps, part by part, against the tokens it yields (``eagle3nb.accept.engine``)."""
+    names = {"forward": "the verify forward", "draft": "the draft", "sample": "sampling", "other": "the rest of the step",
+             "gap": "the engine loop"}
+    out = []
+    for lv in (series["levels"][0], series["levels"][-1]):
+        parts = ", ".join(f"{names[p]} {v:.2f}" for p, v in lv["round_parts"].items())
+        out.append(f"at concurrency {lv['concurrency']} a round costs {lv['round_in_plain_steps']:.2f} plain decode "
+                   f"steps ({parts}) and yields tau = {lv['tau']:.2f} tokens per request: predicted "
+                   f"{lv['predicted']:.2f}x, measured {lv['measured']:.2f}x")
+    return "; ".join(out) + " (each level forecast from the others' step costs)."
 
 
 def verdict(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None):
