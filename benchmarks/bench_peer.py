@@ -133,20 +133,21 @@ def layouts(method: str):
 
 @contextlib.contextmanager
 def mask_frozen(frozen: bool):
-    """03 with a block drafter's ``mask_embedding`` frozen (speculators trains no mask input)."""
+    """Block drafters built meanwhile (03's) with their ``mask_embedding`` frozen (speculators trains no mask
+    input): the value they load or start from stays theirs."""
     if not frozen:
         yield
         return
-    import eagle3nb.train.stage as stage
+    from eagle3nb.drafts.dflash.model import DFlashDraft
 
-    real = stage.build_draft
+    real = DFlashDraft.__init__
 
-    def build(P, data):
-        draft, notes = real(P, data)
-        draft.mask_embedding.requires_grad_(False)
-        return draft, notes
+    def init(self, *args, **kwargs) -> None:
+        real(self, *args, **kwargs)
+        if self.mask_embedding is not None:
+            self.mask_embedding.requires_grad_(False)
 
-    with mock.patch.object(stage, "build_draft", build):
+    with mock.patch.object(DFlashDraft, "__init__", init):
         yield
 
 
@@ -327,11 +328,12 @@ def main() -> None:
                 "device": "cpu", "seed": r, "resume": False}))
         rows["eagle3nb"]["s"].append(time.perf_counter() - t)
         rows["eagle3nb"]["tok_s"].append(m["tokens_per_s"])
+        peer_info["our_steps"] = m["steps"]
         judge(out / "draft", rows["eagle3nb"])
         if why_not:
             continue
         t = time.perf_counter()
-        peer_info = run_peer({
+        peer_info |= run_peer({
             "mode": "train", "method": args.method, "draft": str(work / "init-speculators"), "data": str(peer_train),
             "threads": args.threads, "ttt_steps": args.ttt, "decay": DECAY, "gamma": args.gamma,
             "max_anchors": args.max_anchors, "lr": args.lr, "warmup_ratio": 0.05, "weight_decay": 0.01,
@@ -380,8 +382,10 @@ def report(args, rows: dict, untrained: dict, max_diff: float, peer_info: dict, 
           f"{max(rows['speculators']['tau']) - min(rows['speculators']['tau']):.3f})")
     frozen = {"embed_tokens.weight", "lm_head.weight"} | ({"mask_embedding"} if args.mask == "frozen" else set())
     ours_n = sum(p.numel() for n, p in init.named_parameters() if p.requires_grad and not (block and n in frozen))
-    packing = (f"{peer_info['steps_per_epoch']} steps/epoch of one packed [1, {args.seq}] sequence, padded to "
-               f"{args.seq}" + (f", {args.max_anchors} anchor blocks each" if block else ""))
+    packing = (f"{peer_info['steps_per_epoch'] * args.epochs} steps ({peer_info['steps_per_epoch']}/epoch) of one "
+               f"packed [1, {args.seq}] sequence, padded to {args.seq}"
+               + (f", {args.max_anchors} anchor blocks each" if block else "") + f"; ours {peer_info['our_steps']} "
+               f"steps of up to {args.seq} tokens")
     print(f"trainable parameters: speculators {peer_info['trainable_params']:,} (frozen: "
           f"{', '.join(peer_info['frozen'])}); ours {ours_n:,}; speculators {packing}")
 
