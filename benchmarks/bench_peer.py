@@ -21,7 +21,7 @@ Speculators draws anchors among all loss-masked positions of its packed sequence
 sequence, default every one), ours among those whose next token is generated too (every one, per sample).
 
 Data: ``--data`` (02's output, e.g. outputs/demo/02_hidden_states), else the target's own greedy answers to
-toy prompts through 02 (cached in .cache/bench-peer-*). Our shards are converted to speculators' per-sample
+toy prompts through 02 (cached in $EAGLE3NB_CACHE/bench-peer-*). Our shards are converted to speculators' per-sample
 files (vLLM ``extract_hidden_states`` layout: ``hidden_states [T, 4, H]``, the last being the *pre-norm* final
 state; ours is stored normed, so final / norm.weight is written, which the target's RMSNorm maps back exactly).
 
@@ -47,6 +47,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _peer_speculators
 sys.path.insert(0, str(ROOT))  # testkit
+os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
 PEER_VENV = ROOT / ".venv-speculators"
 PEER_PY = PEER_VENV / "bin" / "python"
 PEER_SPEC = "speculators==0.9.0"
@@ -95,7 +96,9 @@ def data_dir(args, model_dir: Path) -> Path:
         return demo
     from testkit.heldout import greedy_hidden_states
 
-    cache = ROOT / ".cache" / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}-v{args.draft_vocab}"
+    from eagle3nb.paths import cache_dir
+
+    cache = cache_dir() / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}-v{args.draft_vocab}"
     if not (cache / "02" / "index.json").exists():
         print(f"[bench_peer] building data: the target's greedy answers to {args.samples} toy prompts -> 02 "
               f"({cache})", flush=True)
