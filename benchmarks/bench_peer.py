@@ -94,9 +94,8 @@ def data_dir(args, model_dir: Path) -> Path:
     demo = ROOT / "outputs" / "demo" / "02_hidden_states"
     if (demo / "index.json").exists() and args.model == "toy:demo":
         return demo
-    from testkit.heldout import greedy_hidden_states
-
     from eagle3nb.paths import cache_dir
+    from testkit.heldout import greedy_hidden_states
 
     cache = cache_dir() / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}-v{args.draft_vocab}"
     if not (cache / "02" / "index.json").exists():
