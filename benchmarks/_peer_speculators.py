@@ -2,8 +2,10 @@
 
     .venv-speculators/bin/python benchmarks/_peer_speculators.py PLAN.json
 
-PLAN: ``{"mode": "logits" | "train", "draft": speculators-layout folder (the shared initial weights), "threads",
-"ttt_steps", "decay", ...}``. Writes ``PLAN["out"]`` (JSON) and, for ``logits``, ``PLAN["logits_file"]``.
+PLAN: ``{"mode": "logits" | "train", "method": "eagle3" | "dflash" | "dspark" | "dflash2", "draft":
+speculators-layout folder (the shared initial weights), "threads", ...}``: EAGLE-3 reads ``ttt_steps`` and ``decay``,
+the block drafters ``gamma`` and ``max_anchors``. Writes ``PLAN["out"]`` (JSON) and, for ``logits``,
+``PLAN["logits_file"]``.
 
 Everything trains through speculators' own code: ``Eagle3DraftModel`` (attention ``eager``: flex attention has no
 CPU backward), its losses (``eager``: the fused ones need Triton), its ``shift_batch``, its multipack sampler and
@@ -13,6 +15,12 @@ its step timer's ``torch.accelerator.synchronize()`` (a no-op: there is no accel
 and the dataset, a ``BaseDataset`` over the per-sample files vLLM's ``extract_hidden_states`` writes (the layout
 its ``FileTransfer`` reads: ``token_ids [T]``, ``hidden_states [T, 4, H]``), plus ``loss_mask [T]`` (its
 ArrowDataset keeps that in the arrow table instead).
+
+The block drafters (``DFlashDraftModel``, ``DSparkDraftModel``, ``DFlash2DraftModel``) read the same files unshifted
+(its CLI gives them no ``preprocess``: position t holds the aux states, token and final state of t, the model picks
+each slot's target position itself), train with the kwargs their own ``get_trainer_kwargs`` builds, and keep their
+``embed_tokens`` frozen: the mask slots read the table's ``mask_token_id`` row, so that row is set to the shared
+initial ``mask_embedding.pt`` on load (the loader reads no such file) and stays it through training.
 """
 
 from __future__ import annotations
@@ -24,14 +32,60 @@ from pathlib import Path
 
 
 def load_model(draft_dir: str):
+    """Speculators' model of the folder (whichever its config names), eager attention, fp32, the target's weights
+    reloaded; a block drafter's mask row set to the folder's ``mask_embedding.pt``."""
     import torch
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators import SpeculatorModel, SpeculatorModelConfig
 
-    config = Eagle3SpeculatorConfig.from_pretrained(draft_dir)
+    config = SpeculatorModelConfig.from_pretrained(draft_dir)
     config.transformer_layer_config._attn_implementation = "eager"  # noqa: SLF001
-    model = Eagle3DraftModel.from_pretrained(draft_dir, config=config, dtype=torch.float32)
-    model.load_verifier_weights()  # verifier_lm_head (draft rows of the target head) and verifier_norm
+    model = SpeculatorModel.from_pretrained(draft_dir, config=config, dtype=torch.float32)
+    model.load_verifier_weights()  # embed_tokens / verifier_lm_head (draft rows of the target head), verifier_norm
+    mask = Path(draft_dir) / "mask_embedding.pt"
+    if mask.exists():
+        state = torch.load(mask, weights_only=True)
+        with torch.no_grad():
+            model.embed_tokens.weight[state["mask_token_id"]] = state["embedding"].float()
     return model.float()
+
+
+def block_sample(path: str, dtype) -> dict:
+    """One per-sample file -> a block drafter's keyword arguments (unshifted, as its training reads them)."""
+    import torch
+    from safetensors.torch import load_file
+
+    f = load_file(path)
+    T = f["token_ids"].shape[0]
+    return {"hidden_states": f["hidden_states"][None, :, :-1].flatten(2).to(dtype),
+            "input_ids": f["token_ids"].long()[None], "loss_mask": f["loss_mask"].long()[None],
+            "verifier_last_hidden_states": f["hidden_states"][None, :, -1].to(dtype),
+            "document_ids": torch.zeros(1, T, dtype=torch.long), "position_ids": torch.arange(T)[None]}
+
+
+def block_logits(plan: dict) -> dict:
+    """A block drafter's logits where its loss receives them (DFlash2: the unary ones), its targets' logits and
+    aligned loss mask, on one sample with every anchor (``max_anchors`` = all of them: its ``select_anchors``
+    then takes every loss-masked position before the last block, in order)."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = load_model(plan["draft"]).eval()
+    core = sys.modules[type(model).__module__]
+    seen = {}
+
+    def capture(*args, **kw):
+        seen["logits"] = args[0] if args else kw["unary_logits"]
+        seen["targets"] = args[1] if args else kw["targets"]
+        # the aligned loss mask: DFlash2 passes it by name, DSpark after its confidence logits, DFlash third
+        seen["mask"] = kw["loss_mask"] if "loss_mask" in kw else args[3 if plan["method"] == "dspark" else 2]
+        return torch.zeros(()), {}
+
+    core.compute_metrics = capture
+    batch = block_sample(plan["sample"], torch.float32)
+    with torch.no_grad():
+        model(**batch, max_anchors=plan["max_anchors"])
+    save_file({k: v[0].contiguous() for k, v in seen.items()}, plan["logits_file"])
+    return {"anchors": plan["max_anchors"]}
 
 
 def sample_batch(path: str, dtype):
@@ -53,7 +107,8 @@ def sample_batch(path: str, dtype):
 
 
 def logits(plan: dict) -> dict:
-    """Per-TTT-step draft logits and the loss targets' logits on one sample, with the shared initial weights."""
+    """EAGLE-3: per-TTT-step draft logits and the loss targets' logits on one sample, with the shared initial
+    weights."""
     import torch
     from safetensors.torch import save_file
 
@@ -84,6 +139,7 @@ def train(plan: dict) -> dict:
     from speculators.train.dataloader import _setup_dataloader
 
     files = [str(p) for p in sorted(Path(plan["data"]).glob("*.safetensors"))]
+    block = plan["method"] != "eagle3"
 
     class PerSampleFiles(BaseDataset):
         def _compute_approx_lengths(self):
@@ -104,14 +160,19 @@ def train(plan: dict) -> dict:
     torch.manual_seed(plan["seed"])
     model = load_model(plan["draft"])
     dataset = PerSampleFiles(max_len=plan["total_seq_len"], hidden_states_dtype=torch.float32)
-    loader = _setup_dataloader(dataset, plan["total_seq_len"], model.hidden_size, num_workers=0,
-                               num_target_layers=3, preprocess=shift_batch, seed=plan["seed"])
+    hidden = model.config.transformer_layer_config.hidden_size
+    loader = _setup_dataloader(dataset, plan["total_seq_len"], hidden, num_workers=0, num_target_layers=3,
+                               preprocess=None if block else shift_batch, seed=plan["seed"])
     trainer_mod.get_local_rank = lambda: "cpu"  # the trainer moves the model to local_rank (cuda:0 otherwise)
     # its step timer syncs the accelerator; a CPU has none (and is synchronous)
     if not torch.accelerator.is_available():
         torch.accelerator.synchronize = lambda *a, **k: None
-    loss_config = resolve_loss_config("kl_div", "eager")
-    kwargs = {"ttt_steps": plan["ttt_steps"], "ttt_step_loss_decay": plan["decay"], "loss_config": loss_config}
+    if block:  # its own kwargs (loss, decay gamma, anchors; DSpark's and DFlash2's extra losses: their defaults)
+        kwargs, _ = type(model).get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager",
+                                                   dflash_decay_gamma=plan["gamma"], max_anchors=plan["max_anchors"])
+    else:
+        kwargs = {"ttt_steps": plan["ttt_steps"], "ttt_step_loss_decay": plan["decay"],
+                  "loss_config": resolve_loss_config("kl_div", "eager")}
     cfg = trainer_mod.TrainerConfig(
         lr=plan["lr"], num_epochs=plan["epochs"], save_path=plan["save_path"], train_call_kwargs=kwargs,
         val_call_kwargs=kwargs, weight_decay=plan["weight_decay"], scheduler_type="cosine",
@@ -124,6 +185,9 @@ def train(plan: dict) -> dict:
         trainer.train_epoch(epoch)
         times.append(time.perf_counter() - t)
     model.save_pretrained(plan["out_draft"])
+    mask = Path(plan["draft"]) / "mask_embedding.pt"
+    if mask.exists():  # its frozen mask row, for our loader (which reads the file, not a table)
+        Path(plan["out_draft"], mask.name).write_bytes(mask.read_bytes())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"epoch_s": times, "epoch_tokens": epoch_tokens, "steps_per_epoch": len(loader),
             "tokens_per_s": epoch_tokens * len(times) / sum(times), "trainable_params": trainable,
@@ -138,7 +202,8 @@ def main() -> None:
     import logging
 
     logging.disable(logging.INFO)
-    result = {"logits": logits, "train": train}[plan["mode"]](plan)
+    mode = "block_logits" if plan["mode"] == "logits" and plan["method"] != "eagle3" else plan["mode"]
+    result = {"logits": logits, "block_logits": block_logits, "train": train}[mode](plan)
     from importlib.metadata import version
 
     result["speculators"] = version("speculators")

@@ -1,19 +1,27 @@
-"""03_train side by side with a peer trainer: speculators' EAGLE-3 trainer (0.9.0, its own environment) and ours,
-on the same hidden states, from the same initial weights, with the same draft shape, token budget, TTT depth,
-lr schedule, fp32 and thread count; both drafts judged by the same independent judge (04's offline acceptance,
-greedy, k = 3, on 03's held-out split of the data, which neither trainer sees).
+"""03_train side by side with a peer trainer: speculators' trainer (0.9.0, its own environment) and ours, for
+EAGLE-3 or a block drafter (``--method dflash | dspark | dflash2``), on the same hidden states, from the same
+initial weights, with the same draft shape, token budget, lr schedule, fp32 and thread count (EAGLE-3: the same TTT
+depth; block drafters: the same block size, decay gamma and every anchor); both drafts judged by the same
+independent judge (04's offline acceptance, greedy, k = 3 or the block's drafts, on 03's held-out split of the data,
+which neither trainer sees; block drafters also by their simulated greedy decoding).
 
-    python benchmarks/bench_peer.py [--data DIR] [--model toy:smoke] [--epochs 3] [--repeats 3] [--ttt 4]
+    python benchmarks/bench_peer.py [--method eagle3] [--data DIR] [--model toy:smoke] [--epochs 3] [--repeats 3]
 
-1. Fairness first: the shared initial weights, saved in both layouts, loaded by each side; every TTT step's
-   draft logits on a held-out sample must agree (max |difference| printed), and so must the loss targets
-   (speculators computes them from the converted files, we from our shards).
-2. Each repeat trains both (ours: 03's stage function; theirs: speculators' ``Trainer.train_epoch`` over its
-   own sampler and collate) and judges both. tokens/s = sample tokens of the training split x epochs / training
-   time; median of the repeats, spread = min..max.
+1. Fairness first: the shared initial weights, saved in both layouts, loaded by each side; the draft logits on a
+   held-out sample must agree (every TTT step; every block of every anchor), max |difference| printed, and so
+   must the loss targets (speculators computes them from the converted files, we from our shards).
+2. Each repeat (seed r) trains both (ours: 03's stage function; theirs: speculators' ``Trainer.train_epoch`` over
+   its own sampler and collate) and judges both. tokens/s = sample tokens of the training split x epochs /
+   training time; median of the repeats, spread = min..max.
+
+Block drafters: speculators keeps the whole embedding table frozen, so its mask slots read the table's
+``mask_token_id`` row, set here to our initial ``mask_embedding``; ours trains that vector. ``--mask frozen``
+(the default) freezes ours too, so both train the same parameters; ``--mask trained`` runs ours as 03 ships it.
+Speculators draws anchors among all loss-masked positions of its packed sequence (``--max-anchors`` per packed
+sequence, default every one), ours among those whose next token is generated too (every one, per sample).
 
 Data: ``--data`` (02's output, e.g. outputs/demo/02_hidden_states), else the target's own greedy answers to
-toy prompts through 02 (cached in .cache/bench-peer-*). Our shards are converted to speculators' per-sample
+toy prompts through 02 (cached in $EAGLE3NB_CACHE/bench-peer-*). Our shards are converted to speculators' per-sample
 files (vLLM ``extract_hidden_states`` layout: ``hidden_states [T, 4, H]``, the last being the *pre-norm* final
 state; ours is stored normed, so final / norm.weight is written, which the target's RMSNorm maps back exactly).
 
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,13 +42,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _peer_speculators
 sys.path.insert(0, str(ROOT))  # testkit
+os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
 PEER_VENV = ROOT / ".venv-speculators"
 PEER_PY = PEER_VENV / "bin" / "python"
 PEER_SPEC = "speculators==0.9.0"
+DECAY = 0.8  # EAGLE-3: the TTT steps' loss decay (both trainers)
 # speculators' own pins want transformers<=5.19 and CUDA-only extras; the model, losses and trainer need only
 # these (installed with their dependencies), the package itself goes in with --no-deps.
 PEER_DEPS = ["torch==2.13.0", "transformers==5.24.0", "safetensors", "openai", "datasets<=5.1.0", "loguru", "psutil",
@@ -82,9 +94,10 @@ def data_dir(args, model_dir: Path) -> Path:
     demo = ROOT / "outputs" / "demo" / "02_hidden_states"
     if (demo / "index.json").exists() and args.model == "toy:demo":
         return demo
+    from eagle3nb.paths import cache_dir
     from testkit.heldout import greedy_hidden_states
 
-    cache = ROOT / ".cache" / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}"
+    cache = cache_dir() / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}-v{args.draft_vocab}"
     if not (cache / "02" / "index.json").exists():
         print(f"[bench_peer] building data: the target's greedy answers to {args.samples} toy prompts -> 02 "
               f"({cache})", flush=True)
@@ -110,16 +123,111 @@ def to_per_sample(data, idx: list[int], norm_w, out: Path) -> Path:
     return out
 
 
+BLOCK_METHODS = ("dflash", "dspark", "dflash2")
+
+
+def layouts(method: str):
+    """The method's checkpoint module: ``save_draft(model, path, format, verifier=...)`` in ours and speculators'."""
+    import importlib
+
+    return importlib.import_module(f"eagle3nb.drafts.{'eagle3' if method == 'eagle3' else 'dflash'}.layouts")
+
+
+@contextlib.contextmanager
+def mask_frozen(frozen: bool):
+    """Block drafters built meanwhile (03's) with their ``mask_embedding`` frozen (speculators trains no mask
+    input): the value they load or start from stays theirs."""
+    if not frozen:
+        yield
+        return
+    from eagle3nb.drafts.dflash.model import DFlashDraft
+
+    real = DFlashDraft.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        real(self, *args, **kwargs)
+        if self.mask_embedding is not None:
+            self.mask_embedding.requires_grad_(False)
+
+    with mock.patch.object(DFlashDraft, "__init__", init):
+        yield
+
+
+def eagle3_fairness(args, data, held: int, work: Path, probe: Path) -> tuple[float, float, str]:
+    """EAGLE-3: every TTT step's logits and the targets, ours vs speculators', on one held-out sample."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3nb.drafts import load_draft
+    from eagle3nb.drafts.eagle3.offline import chain_logits
+
+    run_peer({"mode": "logits", "method": "eagle3", "draft": str(work / "init-speculators"), "threads": args.threads,
+              "sample": str(probe), "ttt_steps": args.ttt, "decay": DECAY,
+              "logits_file": str(work / "peer-logits.safetensors")}, work)
+    theirs = load_file(str(work / "peer-logits.safetensors"))
+    item = data[held]
+    with torch.no_grad():
+        ours = list(chain_logits(load_draft(work / "init-ours", embed_tokens=data.embed_tokens()), item["aux"],
+                                 item["input_ids"], args.ttt))
+    diff = max(float((o - theirs[f"step{j}"]).abs().max()) for j, o in enumerate(ours))
+    target = float((torch.softmax(theirs["targets"], -1) - data.target_probs(item)[1:]).abs().max())
+    return diff, target, f"{args.ttt} TTT steps, logits up to {max(float(o.abs().max()) for o in ours):.1f}"
+
+
+def block_fairness(args, data, held: int, work: Path, probe: Path) -> tuple[float, float, str]:
+    """Block drafters: every anchor's block logits (where speculators' loss takes them), the targets of the slots
+    its loss counts, and which slots both count, on one held-out sample."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3nb.drafts import load_draft
+    from eagle3nb.drafts.dflash.objective import slot_targets
+
+    item = data[held]
+    T, B = item["input_ids"].shape[0], args.block
+    free = item["loss_mask"].bool().clone()
+    free[T - B:] = False  # speculators' select_anchors, asked for all: the loss-masked positions before the last block
+    pos = free.nonzero().squeeze(-1)  # shape: [A]
+    run_peer({"mode": "logits", "method": args.method, "draft": str(work / "init-speculators"),
+              "threads": args.threads, "sample": str(probe), "max_anchors": pos.numel(),
+              "logits_file": str(work / "peer-logits.safetensors")}, work)
+    theirs = load_file(str(work / "peer-logits.safetensors"))
+    m = load_draft(work / "init-ours", embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
+    ids = item["input_ids"]
+    with torch.no_grad():
+        ctx = m.context(item["aux"][None].float())  # shape: [1, T, H]
+        # theirs: DFlash2's loss takes the unary logits, DSpark's the Markov-biased ones (slot_logits)
+        unary = m.config.selector_rank > 0
+        ours = m.logits(m(ctx, ids[pos][None], pos[None])[0]) if unary else m.slot_logits(ctx, ids, pos)  # [A, B, V]
+    at, drafts = slot_targets(m, pos[None], T)  # shape: [1, A, B] each
+    counted = (drafts & item["loss_mask"].bool()[(at + 1).clamp_max(T - 1)])[0]  # shape: [A, B], ours
+    their_counted = theirs["mask"].view(pos.numel(), B).bool()
+    p_theirs = torch.softmax(theirs["targets"].view(pos.numel(), B, -1), -1)
+    diff = float((ours - theirs["logits"].view_as(ours)).abs().max())
+    target = float((p_theirs - data.target_probs(item)[at[0]])[counted & their_counted].abs().max())
+    return diff, target, (f"{pos.numel()} anchors x {B} slots, logits up to {float(ours.abs().max()):.1f}; slots "
+                          f"counted by the loss: ours {int(counted.sum())}, theirs {int(their_counted.sum())}, "
+                          f"both {int((counted & their_counted).sum())}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--method", default="eagle3", choices=("eagle3", *BLOCK_METHODS))
     ap.add_argument("--data", default=None, help="02's output folder (default: built from the toy target)")
     ap.add_argument("--model", default="toy:smoke", help="the target the data came from")
     ap.add_argument("--samples", type=int, default=96)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--draft-vocab", type=int, default=128)
+    ap.add_argument("--draft-vocab", type=int, default=None, help="02's draft vocabulary (default: 128 for EAGLE-3, "
+                                                                  "the target's vocabulary for a block drafter)")
     ap.add_argument("--epochs", type=int, default=3, help="token budget: epochs over the training split")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ttt", type=int, default=4, help="TTT depth (both trainers); the judge drafts k = 3")
+    ap.add_argument("--repeats", type=int, default=3, help="seeds 0..repeats-1, the same seed on both sides")
+    ap.add_argument("--ttt", type=int, default=4, help="EAGLE-3: TTT depth (both trainers); the judge drafts k = 3")
+    ap.add_argument("--block", type=int, default=4, help="block drafters: block size (both trainers)")
+    ap.add_argument("--gamma", type=float, default=4.0, help="block drafters: the position weights' decay gamma")
+    ap.add_argument("--max-anchors", type=int, default=None, help="block drafters: speculators' anchors per packed "
+                                                                  "sequence (default: enough for every one)")
+    ap.add_argument("--mask", default="frozen", choices=("frozen", "trained"),
+                    help="block drafters: ours with its mask_embedding frozen (as speculators) or trained (03's)")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per micro-batch (ours: batch_tokens; theirs: "
                                                          "total_seq_len)")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -133,128 +241,155 @@ def main() -> None:
     from eagle3nb.data.head import read_head_tensors
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.split import split_holdout
-    from eagle3nb.drafts import load_draft
-    from eagle3nb.drafts.eagle3.layouts import save_draft
-    from eagle3nb.drafts.eagle3.offline import chain_logits
+    from eagle3nb.drafts import load_draft, rules
     from eagle3nb.params import from_dict
     from eagle3nb.toy import resolve_model_path
+    from eagle3nb.train.build import build_draft
     from eagle3nb.train.stage import run as train_run
 
+    block = args.method in BLOCK_METHODS
     why_not = setup_peer()
     model_dir = resolve_model_path(args.model)
+    if args.draft_vocab is None:
+        args.draft_vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] if block else 128
     data_path = data_dir(args, model_dir)
     data = HiddenStates(data_path)
     if data.storage not in ("fp32", "bf16", "fp8"):
         raise SystemExit(f"{data_path} has storage {data.storage!r}: the peer needs the final state (bf16/fp8/fp32)")
     holdout = 0.2
     train_idx, held_idx = split_holdout([s["id"] for s in data.meta["samples"]], holdout)
-    lengths = [int(s["length"]) for s in data.meta["samples"]]
-    epoch_tokens = sum(lengths[i] for i in train_idx)
+    samples = data.meta["samples"]
+    epoch_tokens = sum(int(samples[i]["length"]) for i in train_idx)
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
-    k, max_k, decay = 3, args.ttt, 0.8
+    k = rules(args.method).drafts_per_block(args.block) if block else 3
+    max_k = k if block else args.ttt
+    shape_kw = {"block_size": args.block, "num_speculative_tokens": k} if block else {}
+    # what 03 reads beside the shared settings: the method's own (EAGLE-3's TTT; the block's shape and loss)
+    ours_kw = ({**shape_kw, "anchors_per_seq": 512, "block_loss": "kl", "block_weighting": "decay",
+                "block_gamma": args.gamma} if block else {"ttt_steps": args.ttt, "step_decay": DECAY})
 
     # The shared initial weights: 03's own fresh draft (target embedding and lm_head rows), in both layouts.
-    from eagle3nb.train.build import build_draft
-
-    P0 = from_dict("03_train", {"run_name": "bench-peer", "data_dir": str(data_path)})
+    P0 = from_dict("03_train", {"run_name": "bench-peer", "data_dir": str(data_path), "method": args.method,
+                                **shape_kw})
     init, _ = build_draft(P0, data)
-    save_draft(init, work / "init-eagle3")
-    save_draft(init, work / "init-speculators", format="speculators", verifier=str(model_dir),
-               num_speculative_tokens=k)
+    save = layouts(args.method).save_draft
+    save(init, work / "init-ours", "vllm" if block else "eagle3")
+    save(init, work / "init-speculators", "speculators", verifier=str(model_dir))
     cfg = init.config
     print(f"data {data_path}: {len(train_idx)} training / {len(held_idx)} held-out samples, {epoch_tokens:,} "
-          f"training tokens per epoch; target hidden {cfg.target_hidden_size}, vocab {cfg.vocab_size}")
-    print(f"draft: hidden {cfg.hidden_size}, {cfg.num_attention_heads}x{cfg.head_dim} heads, MLP "
-          f"{cfg.intermediate_size}, draft vocab {cfg.draft_vocab_size}; TTT {args.ttt}, decay {decay}, {args.epochs} "
-          f"epochs, {args.seq} tokens/micro-batch, lr {args.lr} cosine (5% warm-up), AdamW wd 0.01, clip 1.0, fp32, "
-          f"{args.threads} thread(s)")
+          f"training tokens per epoch")
+    shape = (f"block {args.block} ({k} drafts), {cfg.num_layers} layer(s), gamma {args.gamma}, KL, mask input "
+             f"{args.mask} in ours" if block else f"TTT {args.ttt}, decay {DECAY}, draft vocab {cfg.draft_vocab_size}")
+    print(f"{args.method} draft: hidden {cfg.hidden_size}, {cfg.num_attention_heads}x{cfg.head_dim} heads, MLP "
+          f"{cfg.intermediate_size}; {shape}; {args.epochs} epochs, {args.seq} tokens/micro-batch, lr {args.lr} "
+          f"cosine (5% warm-up), AdamW wd 0.01, clip 1.0, fp32, {args.threads} thread(s)")
     if why_not:
         print(f"\nthe peer cannot run here: {why_not}")
 
     norm_w = read_head_tensors(model_dir)["norm.weight"]
     peer_train = to_per_sample(data, train_idx, norm_w, work / "peer-train")
-    probe = to_per_sample(data, held_idx[:1], norm_w, work / "peer-probe")
+    probe = next(to_per_sample(data, held_idx[:1], norm_w, work / "peer-probe").glob("*.safetensors"))
+    if block and args.max_anchors is None:  # no packed sequence holds more generated tokens than this
+        args.max_anchors = math.ceil(args.seq * max(int(torch.as_tensor(data[i]["loss_mask"]).sum()) /
+                                                    int(samples[i]["length"]) for i in train_idx))
 
-    # 1. fairness: the same weights give the same logits (every TTT step) and the same loss targets.
+    # 1. fairness: the same weights give the same logits and the same loss targets.
     max_diff = target_diff = float("nan")
     if not why_not:
-        from safetensors.torch import load_file
-
-        run_peer({"mode": "logits", "draft": str(work / "init-speculators"), "threads": args.threads,
-                  "sample": str(next(probe.glob("*.safetensors"))), "ttt_steps": max_k, "decay": decay,
-                  "logits_file": str(work / "peer-logits.safetensors")}, work)
-        theirs = load_file(str(work / "peer-logits.safetensors"))
-        item = data[held_idx[0]]
-        ours_init = load_draft(work / "init-eagle3", embed_tokens=data.embed_tokens())
-        with torch.no_grad():
-            ours = list(chain_logits(ours_init, item["aux"], item["input_ids"], max_k))
-        max_diff = max(float((o - theirs[f"step{j}"]).abs().max()) for j, o in enumerate(ours))
-        scale = max(float(o.abs().max()) for o in ours)
-        p_theirs = torch.softmax(theirs["targets"], -1)
-        target_diff = float((p_theirs - data.target_probs(item)[1:]).abs().max())
-        print(f"\nfairness: same initial weights, {max_k} TTT steps on a {item['input_ids'].shape[0]}-token held-out "
-              f"sample: max |logit difference| {max_diff:.2e} (logits up to {scale:.1f}); loss targets max "
-              f"|probability difference| {target_diff:.2e}")
+        check = block_fairness if block else eagle3_fairness
+        max_diff, target_diff, what = check(args, data, held_idx[0], work, probe)
+        print(f"\nfairness: same initial weights, a {data[held_idx[0]]['input_ids'].shape[0]}-token held-out sample, "
+              f"{what}: max |logit difference| {max_diff:.2e}; loss targets max |probability difference| "
+              f"{target_diff:.2e}")
 
     # 2. train both, judge both, repeat.
-    rows: dict[str, dict[str, list]] = {"eagle3nb": {"tok_s": [], "tau": [], "s": []},
-                                        "speculators": {"tok_s": [], "tau": [], "s": []}}
+    rows: dict[str, dict[str, list]] = {name: {"tok_s": [], "tau": [], "decode": [], "s": []}
+                                        for name in ("eagle3nb", "speculators")}
     peer_info: dict = {}
+    held_items = [{**data[i], "target_argmax": data.target_argmax(data[i])} for i in held_idx] if block else []
 
-    def judge(draft_dir: Path) -> float:
-        d = load_draft(draft_dir, embed_tokens=data.embed_tokens())
-        return offline_acceptance(d, data, k, max_k, indices=held_idx)["greedy"]["acceptance_length"]
+    def judge(draft_dir: Path, x: dict) -> None:
+        heads = {"lm_head": data.lm_head()} if block else {}
+        d = load_draft(draft_dir, embed_tokens=data.embed_tokens(), **heads)
+        x["tau"].append(offline_acceptance(d, data, k, max_k, indices=held_idx)["greedy"]["acceptance_length"])
+        if block:  # greedy decoding simulated block by block (the draft's own offline rounds)
+            from eagle3nb.drafts.dflash.offline import offline_acceptance as block_acceptance
+
+            x["decode"].append(block_acceptance(d, held_items)["decoding_acceptance_length"])
 
     for r in range(args.repeats):
         out = work / f"ours-{r}"
         t = time.perf_counter()
-        with open(work / f"ours-{r}.log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with open(work / f"ours-{r}.log", "w") as log, contextlib.redirect_stdout(log), \
+                contextlib.redirect_stderr(log), mask_frozen(block and args.mask == "frozen"):
             m = train_run(from_dict("03_train", {
-                "run_name": "bench-peer", "data_dir": str(data_path), "output_dir": str(out),
-                "init_from": str(work / "init-eagle3"), "ttt_steps": args.ttt, "step_decay": decay, "lr": args.lr,
-                "warmup_ratio": 0.05, "weight_decay": 0.01, "epochs": args.epochs, "max_length": args.seq,
-                "batch_tokens": args.seq, "grad_clip": 1.0, "eval_every": 0, "save_every": 10**6,
-                "holdout_fraction": holdout, "device": "cpu", "seed": 0, "resume": False}))
+                "run_name": "bench-peer", "data_dir": str(data_path), "output_dir": str(out), "method": args.method,
+                "init_from": str(work / "init-ours"), **ours_kw, "lr": args.lr, "warmup_ratio": 0.05,
+                "weight_decay": 0.01, "epochs": args.epochs, "max_length": args.seq, "batch_tokens": args.seq,
+                "grad_clip": 1.0, "eval_every": 0, "save_every": 10**6, "holdout_fraction": holdout,
+                "device": "cpu", "seed": r, "resume": False}))
         rows["eagle3nb"]["s"].append(time.perf_counter() - t)
         rows["eagle3nb"]["tok_s"].append(m["tokens_per_s"])
-        rows["eagle3nb"]["tau"].append(judge(out / "draft"))
+        peer_info["our_steps"] = m["steps"]
+        judge(out / "draft", rows["eagle3nb"])
         if why_not:
             continue
         t = time.perf_counter()
-        peer_info = run_peer({
-            "mode": "train", "draft": str(work / "init-speculators"), "data": str(peer_train), "threads": args.threads,
-            "ttt_steps": args.ttt, "decay": decay, "lr": args.lr, "warmup_ratio": 0.05, "weight_decay": 0.01,
-            "epochs": args.epochs, "total_seq_len": args.seq, "seed": 0, "save_path": str(work / f"peer-ckpt-{r}"),
+        peer_info |= run_peer({
+            "mode": "train", "method": args.method, "draft": str(work / "init-speculators"), "data": str(peer_train),
+            "threads": args.threads, "ttt_steps": args.ttt, "decay": DECAY, "gamma": args.gamma,
+            "max_anchors": args.max_anchors, "lr": args.lr, "warmup_ratio": 0.05, "weight_decay": 0.01,
+            "epochs": args.epochs, "total_seq_len": args.seq, "seed": r, "save_path": str(work / f"peer-ckpt-{r}"),
             "out_draft": str(work / f"peer-{r}")}, work)
         rows["speculators"]["s"].append(time.perf_counter() - t)
         rows["speculators"]["tok_s"].append(peer_info["tokens_per_s"])
-        rows["speculators"]["tau"].append(judge(work / f"peer-{r}"))
-        print(f"  repeat {r + 1}: ours {rows['eagle3nb']['tok_s'][-1]:,.0f} tok/s tau "
-              f"{rows['eagle3nb']['tau'][-1]:.3f} | speculators {peer_info['tokens_per_s']:,.0f} tok/s tau "
-              f"{rows['speculators']['tau'][-1]:.3f}", flush=True)
+        judge(work / f"peer-{r}", rows["speculators"])
+        print(f"  seed {r}: ours {rows['eagle3nb']['tok_s'][-1]:,.0f} tok/s tau {rows['eagle3nb']['tau'][-1]:.3f} "
+              f"| speculators {peer_info['tokens_per_s']:,.0f} tok/s tau {rows['speculators']['tau'][-1]:.3f}",
+              flush=True)
 
-    untrained = judge(work / "init-eagle3")
-    print(f"\n{'trainer':22} {'tokens/s (median, min..max)':>30} {'held-out tau (k=3)':>19} {'max |logit diff|':>17}")
+    untrained = {"tau": [], "decode": []}
+    judge(work / "init-ours", untrained)
+    report(args, rows, untrained, max_diff, peer_info, init, k)
+    print(f"(files in {work})")
+
+
+def spread(x: list[float], fmt: str) -> str:
+    """median (min..max)"""
+    return f"{statistics.median(x):{fmt}} ({min(x):{fmt}}..{max(x):{fmt}})"
+
+
+def report(args, rows: dict, untrained: dict, max_diff: float, peer_info: dict, init, k: int) -> None:
+    """The table: tokens/s and held-out tau (median, min..max over the seeds), and the ratios."""
+    block = args.method in BLOCK_METHODS
+    extra = f" {'decoding tau':>24}" if block else ""
+    print(f"\n{'trainer':22} {'tokens/s (median, min..max)':>30} {f'held-out tau (k={k})':>26}{extra} "
+          f"{'max |logit diff|':>17}")
     for name, label in (("eagle3nb", "eagle3nb (03)"), ("speculators", f"speculators {PEER_SPEC.split('==')[1]}")):
         x = rows[name]
         if not x["tok_s"]:
             print(f"{label:22} {'cannot run here':>30}")
             continue
-        spread = f"{statistics.median(x['tok_s']):,.0f} ({min(x['tok_s']):,.0f}..{max(x['tok_s']):,.0f})"
         diff = "reference" if name == "eagle3nb" else f"{max_diff:.1e}"
-        print(f"{label:22} {spread:>30} {statistics.median(x['tau']):19.3f} {diff:>17}")
-    print(f"{'untrained (init)':22} {'':>30} {untrained:19.3f}")
-    if rows["speculators"]["tok_s"]:
-        ratio = statistics.median(rows["eagle3nb"]["tok_s"]) / statistics.median(rows["speculators"]["tok_s"])
-        dtau = statistics.median(rows["eagle3nb"]["tau"]) - statistics.median(rows["speculators"]["tau"])
-        print(f"\nratio tokens/s ours / speculators: {ratio:.2f}  (goal >= 1.0)")
-        print(f"held-out tau ours - speculators: {dtau:+.3f}  (goal >= 0: not behind)")
-        print(f"trainable parameters: speculators {peer_info['trainable_params']:,} (frozen: "
-              f"{', '.join(peer_info['frozen'])}); ours "
-              f"{sum(p.numel() for p in init.parameters() if p.requires_grad):,} (frozen: embed_tokens.weight); "
-              f"speculators {peer_info['steps_per_epoch']} steps/epoch of one packed [1, {args.seq}] sequence, padded "
-              f"to {args.seq}")
-    print(f"(files in {work})")
+        dec = f" {spread(x['decode'], '.3f'):>24}" if block else ""
+        print(f"{label:22} {spread(x['tok_s'], ',.0f'):>30} {spread(x['tau'], '.3f'):>26}{dec} {diff:>17}")
+    dec = f" {untrained['decode'][0]:24.3f}" if block else ""
+    print(f"{'untrained (init)':22} {'':>30} {untrained['tau'][0]:26.3f}{dec}")
+    if not rows["speculators"]["tok_s"]:
+        return
+    ratio = statistics.median(rows["eagle3nb"]["tok_s"]) / statistics.median(rows["speculators"]["tok_s"])
+    dtau = statistics.median(rows["eagle3nb"]["tau"]) - statistics.median(rows["speculators"]["tau"])
+    print(f"\nratio tokens/s ours / speculators: {ratio:.2f}  (goal >= 1.0)")
+    print(f"held-out tau ours - speculators: {dtau:+.3f}  (goal >= 0: not behind; their seed spread "
+          f"{max(rows['speculators']['tau']) - min(rows['speculators']['tau']):.3f})")
+    frozen = {"embed_tokens.weight", "lm_head.weight"} | ({"mask_embedding"} if args.mask == "frozen" else set())
+    ours_n = sum(p.numel() for n, p in init.named_parameters() if p.requires_grad and not (block and n in frozen))
+    packing = (f"{peer_info['steps_per_epoch'] * args.epochs} steps ({peer_info['steps_per_epoch']}/epoch) of one "
+               f"packed [1, {args.seq}] sequence, padded to {args.seq}"
+               + (f", {args.max_anchors} anchor blocks each" if block else "") + f"; ours {peer_info['our_steps']} "
+               f"steps of up to {args.seq} tokens")
+    print(f"trainable parameters: speculators {peer_info['trainable_params']:,} (frozen: "
+          f"{', '.join(peer_info['frozen'])}); ours {ours_n:,}; speculators {packing}")
 
 
 if __name__ == "__main__":
