@@ -10,9 +10,9 @@ concurrency c then follows from costs, not from the measured speedup::
     spec:   T_s(c) = requests x (arrival_s + outside_s)(r) + decode tokens / (r x tau)  x period_s(r)
     speedup(c) = T_p(c) / T_s(c)        (the same prompts and output tokens on both sides)
 
-with r the requests in a decode step, ``period = forward + draft + sample + other + gap`` the cost of one decode
-step (plain) or round (spec), ``arrival`` the time a request spends outside decode steps (its prefill step and
-the engine's idle wait for it) and ``outside`` its share of the level's wall time no engine step covers (the
+with r the requests decoding in a step, ``period = forward + draft + sample + other + gap`` the cost of one decode
+step (plain) or round (spec), prefill chunks riding along included, ``arrival`` the time a request spends in steps
+where nothing decodes (its prefill alone, the engine's idle wait for it) and ``outside`` its share of the level's wall time no engine step covers (the
 client's and the API server's time before the first step and after the last). Each part is a line in r fitted over the endpoint's measured levels; a level's
 prediction is made with that level left out of the fits (a leave-one-out forecast, so a measured level is never
 its own prediction), and the crossover is where the all-levels fit falls below 1x.
@@ -46,25 +46,30 @@ def read_rounds(path: str | Path, start: float, end: float) -> list[dict[str, An
 
 
 def summarize(lines: Sequence[dict[str, Any]], requests: int, seconds: float) -> dict[str, Any] | None:
-    """One level's costs from its steps (the level: ``requests`` requests in ``seconds`` of wall time): each part's
-    mean over decode steps (the first step's gap is the idle time before the level, so gaps are taken from the
-    second step on), the mean requests in a decode step, and two costs per request: ``arrival``, the seconds in
-    the other steps (prefills) and the gaps before them, and ``outside``, the level's seconds outside every step
-    (the client and the API server before the first step and after the last: what the engine's profile cannot
-    see). None: no decode step was recorded (an endpoint started without the profile)."""
-    decode = [x for x in lines if x["decode"]]
+    """One level's costs from its steps (the level: ``requests`` requests in ``seconds`` of wall time).
+
+    A step in which some request decodes is a decode step (a plain step, or a speculative round), whatever else it
+    carries (another request's prefill chunk rides along and is part of its cost): each part's mean over those
+    steps (the first step's gap is the idle time before the level, so gaps are taken from the second step on),
+    ``reqs`` the mean number of requests decoding in one (what makes its tokens). Per request: ``arrival``, the
+    seconds of steps in which nothing decodes (prefill alone) and the gaps before them, and ``outside``, the
+    level's seconds outside every step (the client and the API server before the first step and after the last:
+    what the engine's profile cannot see). None: no decode step was recorded (an endpoint started without the
+    profile)."""
+    decoding = [x["decoding"] for x in lines]
+    decode = [x for x, d in zip(lines, decoding) if d]
     if not decode:
         return None
     n = len(decode)
-    out: dict[str, Any] = {"decode_steps": n, "steps": len(lines), "reqs": sum(x["reqs"] for x in decode) / n,
+    out: dict[str, Any] = {"decode_steps": n, "steps": len(lines), "reqs": sum(d for d in decoding if d) / n,
                            "width": sum(x["width"] for x in decode) / n}
     for part in ("forward", "draft", "sample"):
         out[part] = sum(x[part] for x in decode) / n
     out["other"] = sum(x["step"] - x["forward"] - x["draft"] - x["sample"] for x in decode) / n
-    gaps = [x["gap"] for x in lines[1:] if x["decode"] and x["gap"] is not None]
+    gaps = [x["gap"] for x, d in zip(lines[1:], decoding[1:]) if d and x["gap"] is not None]
     out["gap"] = sum(gaps) / len(gaps) if gaps else 0.0
     out["period"] = sum(out[p] for p in PARTS)
-    rest = [x for x in lines[1:] if not x["decode"]]
+    rest = [x for x, d in zip(lines[1:], decoding[1:]) if not d]
     out["arrival"] = sum(x["step"] + (x["gap"] or 0.0) for x in rest) / max(1, requests)
     inside = lines[0]["step"] + sum(x["step"] + (x["gap"] or 0.0) for x in lines[1:])
     out["outside"] = max(0.0, seconds - inside) / max(1, requests)

@@ -6,7 +6,8 @@ docs/vllm.md). It wraps four methods of vLLM's V1 model runner (the CPU runner i
 ``time.perf_counter`` and appends, after each step::
 
     {"t": wall-clock start, "width": tokens in the target's forward, "reqs": requests in the step,
-     "drafted": draft tokens being verified, "decode": every request decodes (no prefill chunk),
+     "drafted": draft tokens being verified, "decoding": requests that decode (the others prefill a chunk),
+     "decode": every request decodes,
      "forward": the target's forward, "sample": sampling and rejection, "draft": the drafter's proposal,
      "step": execute_model's start to sample_tokens' end, "gap": the previous step's end to this start
      (the engine loop: scheduler, output processing, the API server's share of the cores)}
@@ -53,9 +54,9 @@ def install() -> None:
         n = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         now = time.perf_counter()
+        decoding = sum(k == 1 + len(spec.get(r, ())) for r, k in n.items())
         step.update(t=time.time(), t0=now, width=scheduler_output.total_num_scheduled_tokens, reqs=len(n),
-                    drafted=sum(len(v) for v in spec.values()),
-                    decode=all(k == 1 + len(spec.get(r, ())) for r, k in n.items()),
+                    drafted=sum(len(v) for v in spec.values()), decoding=decoding, decode=decoding == len(n),
                     gap=None if last_end[0] is None else now - last_end[0])
         result = execute(self, scheduler_output, *args, **kwargs)
         if result is not None:  # no sample_tokens call follows (an empty step, or a non-final pipeline rank)
@@ -74,7 +75,7 @@ def install() -> None:
         end = time.perf_counter()
         last_end[0] = end
         if step["width"]:
-            line = {k: step[k] for k in ("t", "width", "reqs", "drafted", "decode", "gap")}
+            line = {k: step[k] for k in ("t", "width", "reqs", "drafted", "decoding", "decode", "gap")}
             line.update(forward=step.get("_model_forward", 0.0), sample=step.get("_sample", 0.0),
                         draft=step.get("propose_draft_token_ids", 0.0), step=end - step["t0"])
             out.write(json.dumps(line) + "\n")
