@@ -111,3 +111,20 @@ def test_shapes_vocab_reads_a_block_drafter_through_its_method(trained, toy_smok
     r = check_shapes_vocab(Context.from_run_dir(run))
     H = draft.config.target_hidden_size
     assert r.status == FAIL and f"does not take 1 x {H} = {H} inputs" in r.measured, r
+
+
+def test_the_embedded_sweep_serves_every_k_of_a_chain_draft_and_the_block_of_a_block_drafter(trained, toy_smoke,
+                                                                                              tmp_path):
+    """04's default ``ks``: a chain draft (the suite's EAGLE-3) is served at k = 1..max_k, so the best k per
+    concurrency has a choice; a block drafter (DFlash, read from its config.json) only at its block's k."""
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import run_params
+
+    from worlds import write_run
+
+    block = write_config(tmp_path / "dflash", "dflash", json.loads((toy_smoke / "config.json").read_text()))
+    for draft, want in ((trained["stages"]["04_acceptance"]["draft_dir"], [1, 2, 3, 4, 5]), (block, [3])):
+        stages = {"04_acceptance": {**trained["stages"]["04_acceptance"], "draft_dir": draft, "k": 3, "max_k": 5}}
+        P = from_dict("04_acceptance", run_params(write_run(tmp_path / draft.name / "run", stages), "04_acceptance"))
+        assert P.sweep_ks == want
+        assert P.model_copy(update={"ks": [2]}).sweep_ks == [2]  # a listed ks is served as listed

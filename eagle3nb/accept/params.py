@@ -3,12 +3,14 @@ the costs the prediction uses (docs/ARCHITECTURE.md "04_acceptance output")."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle3nb.data.prompts import NAMED_SETS, PromptsError, named_set
+from eagle3nb.drafts import method_of, rules
 from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
 
@@ -63,9 +65,9 @@ class AcceptParams(TargetParams):
                                                                                     "draft) or a list of {label, url}; "
                                                                                     "the first is the speedup baseline")
     ks: list[int] | None = Field(None, description="embedded: draft lengths k to sweep, one speculative server started "
-                                                   "per k (a server's k is fixed at its start); null = [k] (a block "
-                                                   "drafter serves its block's k only). Listed endpoints declare "
-                                                   "their own k instead")
+                                                   "per k (a server's k is fixed at its start); null = 1..max_k (a "
+                                                   "block drafter: [k], it serves its block's k only). Listed "
+                                                   "endpoints declare their own k instead")
     concurrency_levels: list[int] = Field([1, 2, 4, 8, 16], description="concurrent requests per benchmark level "
                                                                         "(where speculation stops paying, by k)")
     num_prompts: int = Field(16, ge=1, description="requests per concurrency level")
@@ -110,8 +112,14 @@ class AcceptParams(TargetParams):
 
     @property
     def sweep_ks(self) -> list[int]:
-        """The draft lengths the embedded benchmark serves: ``ks``, else just ``k``."""
-        return self.ks or [self.k]
+        """The draft lengths the embedded benchmark serves: ``ks``, else k = 1..max_k for a chain drafter (the best k
+        changes with the concurrency: ``best_k_by_concurrency``), just ``k`` for a block drafter (it serves its
+        block's k only)."""
+        if self.ks:
+            return self.ks
+        config = self.draft_path / "config.json"
+        block = config.exists() and rules(method_of(json.loads(config.read_text()), str(config)).name).block
+        return [self.k] if block else list(range(1, self.max_k + 1))
 
     @property
     def draft_path(self) -> Path:
