@@ -936,3 +936,31 @@ def test_03_calibrates_dsparks_confidence_head_into_its_export(staged):
         torch.testing.assert_close(getattr(draft.confidence_head.proj, name),
                                    best[f"confidence_head.proj.{name}"] * scale)
     assert "calibration" not in staged("dflash")[1] and not (staged("dflash")[0] / "calibration.png").exists()
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_a_block_trained_long_is_exported_and_read_as_the_block_it_is_served_with(method, toy_smoke, tmp_path):
+    """Trained at block 8 and served at k = 3, as the papers train at 16 and serve at 8 (vLLM 0.32's DFlash runs
+    the anchor and k masks whatever the trained block): 03 accepts it, the export's config is the served block of
+    k + 1 slots, and the draft read back drafts k tokens a round with the trained weights unchanged."""
+    from eagle3nb.drafts import load_draft
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+    from eagle3nb.params import from_dict
+
+    k, trained = 3, 8
+    heads = {"dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 2}}
+    P = from_dict("03_train", {"method": method, "block_size": trained, "num_speculative_tokens": k,
+                               **heads.get(method, {})}, check_paths=False)
+    assert (P.block_size, P.num_speculative_tokens) == (trained, k)
+    target = json.loads((toy_smoke / "config.json").read_text())
+    draft = DFlashDraft(from_target(target, block_size=trained, **heads.get(method, {})))
+    folder = save_draft(draft, tmp_path / "draft", num_speculative_tokens=k)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["block_size"] == config["dflash_config"]["block_size"] == k + 1
+    again = load_draft(folder, embed_tokens=draft.embed_tokens.weight, lm_head=draft.lm_head.weight)
+    assert again.config.drafts_per_block == k and again.config.block_size == k + 1
+    assert all(torch.equal(v, again.state_dict()[n]) for n, v in draft.state_dict().items())
+    full = json.loads((save_draft(draft, tmp_path / "full", num_speculative_tokens=trained - 1) / "config.json")
+                      .read_text())
+    assert full["block_size"] == trained  # served at the trained block: written as trained

@@ -41,7 +41,10 @@ def test_wrong_type_names_key_and_file():
 
 
 @pytest.mark.parametrize("method, over, names", [
-    ("dflash", {"block_size": 8, "num_speculative_tokens": 3}, ["num_speculative_tokens", "must be 7"]),
+    ("dflash", {"block_size": 8, "num_speculative_tokens": 8}, ["num_speculative_tokens", "must be at most 7"]),
+    ("dspark", {"block_size": 8, "num_speculative_tokens": 4}, ["num_speculative_tokens", "must be exactly 8"]),
+    ("dflash2", {"block_size": 8, "num_speculative_tokens": 2, "conv_kernel_size": 4},
+     ["conv_kernel_size to at most 3"]),
     ("dspark", {"block_size": 4, "num_speculative_tokens": 4, "parallel_drafting": True}, ["parallel_drafting"]),
     ("dflash", {"block_size": 4, "num_speculative_tokens": 3, "loss": "opd"}, ["loss: opd", "block_loss"]),
 ])
@@ -50,8 +53,8 @@ def test_a_block_drafter_refuses_eagle3s_own_settings_before_work(method, over, 
     with pytest.raises(ParamsError) as e:
         from_dict("03_train", {"params_file": "p.yaml", "method": method, **over}, check_paths=False)
     assert all(n in str(e.value) for n in names), str(e.value)
-    ok = {k: v for k, v in over.items() if k not in ("parallel_drafting", "loss")}
-    ok["num_speculative_tokens"] = ok["block_size"] - (method == "dflash")
+    ok = {k: v for k, v in over.items() if k not in ("parallel_drafting", "loss", "conv_kernel_size")}
+    ok["num_speculative_tokens"] = ok["block_size"] - (method != "dspark")
     assert from_dict("03_train", {"method": method, **ok}, check_paths=False).method == method
 
 
@@ -203,7 +206,7 @@ def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
                                     cwd=ROOT).stdout)
     assert got["torch"] is False
     assert (got["method"], got["num_layers"]) == ("fake", 3)
-    assert "a block of 5 drafts 4 tokens" in got["k_refused"] and "must be 4" in got["k_refused"]
+    assert "a block of 5 drafts 4 tokens" in got["k_refused"] and "must be exactly 4" in got["k_refused"]
     assert "Input should be 'eagle3', 'dflash', 'dspark', 'dflash2' or 'fake'" in got["unknown"]
     assert "candidate selector) or fake (a test's block drafter); " in got["help"]
     assert got["markov_help"].startswith("dspark / fake: rank r of the Markov head")

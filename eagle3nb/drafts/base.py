@@ -137,6 +137,10 @@ class MethodRules:
     # EAGLE-3's own settings (parallel_drafting, draft_attention, loss) are not its
     block: bool = False
     samples_from_anchor: bool = False  # a block drafter whose anchor slot drafts too (DSpark): block_size drafts
+    # a block drafter vLLM serves at fewer drafts than its block (vLLM 0.32's DFlash proposer runs the anchor and
+    # num_speculative_tokens masks whatever block it was trained with; its DSpark checks k against the block): the
+    # papers train at 16 and serve at 8, and the export is the served block
+    serves_shorter: bool = False
     # 03's settings it reads that EAGLE-3, the first method, does not (their help names the methods reading them;
     # another method's are left out of its runs' resume check)
     params: tuple[str, ...] = ()

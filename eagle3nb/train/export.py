@@ -28,7 +28,7 @@ def export(draft, P: TrainParams, verifier: str | None = None) -> dict[str, Any]
     k = P.num_speculative_tokens
     if P.export_format in ("eagle3", "both"):
         vllm_dir = method.save(draft, out / "draft", format=method.layouts[0], dtype=dtype,
-                               include_embed=P.export_embed_tokens)
+                               include_embed=P.export_embed_tokens, num_speculative_tokens=k)
         paths["draft_dir"] = str(vllm_dir)
         if "sglang" in method.layouts:
             sglang_dir = out / "draft-sglang"

@@ -134,7 +134,8 @@ class TrainParams(StageParams):
                                                  "acceptance grows (the paper's best: 3)")
     block_size: int = Field(8, ge=2, description=f"{readers('block_size')}: block slots per draft forward (the "
                                                  "anchor then masks); DFlash drafts block_size-1 tokens a round, "
-                                                 "DSpark block_size: num_speculative_tokens must be that")
+                                                 "DSpark block_size: num_speculative_tokens is that (DFlash, "
+                                                 "DFlash2: or fewer, exported as the served block of k+1)")
     anchors_per_seq: int = Field(512, ge=1, description=f"{readers('anchors_per_seq')}: blocks trained per sequence, "
                                                         "anchored at random generated tokens (all of them when fewer)")
     block_loss: Literal["kl", "ce"] = Field("kl", description=f"{readers('block_loss')}: per slot KL to the target's "
@@ -214,11 +215,17 @@ class TrainParams(StageParams):
                              f"export_format: eagle3, not {self.export_format}")
         if rules(self.method).block:
             n = rules(self.method).drafts_per_block(self.block_size)
-            if self.num_speculative_tokens != n:  # vLLM sizes the block it runs by num_speculative_tokens
+            k = self.num_speculative_tokens
+            if rules(self.method).serves_shorter and k < n:  # trained at block_size, exported and served at k + 1
+                if "conv_kernel_size" in rules(self.method).params and self.conv_kernel_size > k + 1:
+                    raise ValueError(f"method {self.method}: served at num_speculative_tokens {k}, a block of {k + 1} "
+                                     f"slots, shorter than conv_kernel_size ({self.conv_kernel_size}): set "
+                                     f"conv_kernel_size to at most {k + 1}")
+            elif k != n:  # vLLM sizes the block it runs by num_speculative_tokens
+                most = "at most" if rules(self.method).serves_shorter else "exactly"
                 raise ValueError(f"method {self.method}: a block of {self.block_size} drafts {n} tokens, so "
-                                 f"num_speculative_tokens ({self.num_speculative_tokens}) must be {n} (vLLM would "
-                                 f"run a block of {self.num_speculative_tokens} drafts, not the one trained; our "
-                                 f"decoder and 04 draft the trained block): set block_size or num_speculative_tokens")
+                                 f"num_speculative_tokens ({k}) must be {most} {n} (vLLM would run a block of {k} "
+                                 f"drafts, not the one trained): set block_size or num_speculative_tokens")
             if self.parallel_drafting or self.draft_attention != "llama":
                 raise ValueError(f"parallel_drafting and draft_attention shape an EAGLE-3 draft; method "
                                  f"{self.method} has its own (leave them at false / llama)")

@@ -30,6 +30,8 @@ The configs differ:
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 from typing import Any
@@ -126,10 +128,15 @@ def config_from_json(d: dict[str, Any], path: Path | str = "config.json") -> DFl
 
 def draft_config_json(model: DFlashDraft, format: str = "vllm", dtype: torch.dtype | None = None,
                       verifier: str | None = None, num_speculative_tokens: int | None = None) -> dict[str, Any]:
-    """The config.json of ``format`` (one of :data:`LAYOUTS`) with the weights' dtype; speculators' proposal
-    drafts the whole block whatever ``num_speculative_tokens`` says."""
+    """The config.json of ``format`` (one of :data:`LAYOUTS`) with the weights' dtype, for the block it is served
+    with: ``num_speculative_tokens`` under the trained block's drafts (a DFlash trained at 16 served at 8, as the
+    papers do) writes the served block, k + 1 slots, which vLLM runs whatever the config says and speculators'
+    proposal, our decoder and 04 read from it."""
     dtype = dtype or model.fc.weight.dtype
-    return {**layout_config(model.config, format, verifier), "torch_dtype": str(dtype).removeprefix("torch.")}
+    cfg = model.config
+    if num_speculative_tokens is not None and num_speculative_tokens < cfg.drafts_per_block:
+        cfg = dataclasses.replace(cfg, block_size=num_speculative_tokens + 1)
+    return {**layout_config(cfg, format, verifier), "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
 def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype: torch.dtype | None = None,
@@ -143,7 +150,8 @@ def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = draft_config_json(model, format, dtype, verifier)
+    config = draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
+
     def cast(t: torch.Tensor) -> torch.Tensor:
         return (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous()
 
