@@ -29,8 +29,8 @@ def part(costs: dict, name: str, r: float) -> float:
 def level_lines(costs: dict, c: int, per_step: float, t0: float) -> list[dict]:
     """A level's profile from t0: each request's prefill, then decode steps of c requests making c x per_step
     tokens; each line's gap is the engine's time before it."""
-    lines = [{"width": 30, "reqs": 1, "drafted": 0, "decoding": 0, "decode": False, "gap": PREFILL[1], "forward": PREFILL[0],
-              "sample": 0.0, "draft": 0.0, "step": PREFILL[0]} for _ in range(REQUESTS)]
+    lines = [{"width": 30, "reqs": 1, "drafted": 0, "decoding": 0, "decode": False, "gap": PREFILL[1],
+              "forward": PREFILL[0], "sample": 0.0, "draft": 0.0, "step": PREFILL[0]} for _ in range(REQUESTS)]
     for _ in range(round(REQUESTS * (TOKENS - 1) / (c * per_step))):
         p = {n: part(costs, n, c) for n in costs}
         lines.append({"width": c * (K + 1 if per_step > 1 else 1), "reqs": c, "drafted": 0, "decoding": c,
@@ -48,8 +48,8 @@ def level_lines(costs: dict, c: int, per_step: float, t0: float) -> list[dict]:
 def engine_speedup(c: float) -> float:
     """The engine's own speedup at concurrency c: both sides' seconds for the same requests and tokens."""
     def seconds(costs, per_step):
-        return BEFORE + AFTER + REQUESTS * sum(PREFILL) - PREFILL[1] + REQUESTS * (TOKENS - 1) / (c * per_step) * sum(part(costs, n, c)
-                                                                                    for n in costs)
+        decode = REQUESTS * (TOKENS - 1) / (c * per_step) * sum(part(costs, n, c) for n in costs)
+        return BEFORE + AFTER + REQUESTS * sum(PREFILL) - PREFILL[1] + decode
     return seconds(PLAIN, 1.0) / seconds(SPEC, TAU)
 
 

@@ -12,10 +12,11 @@ concurrency c then follows from costs, not from the measured speedup::
 
 with r the requests decoding in a step, ``period = forward + draft + sample + other + gap`` the cost of one decode
 step (plain) or round (spec), prefill chunks riding along included, ``arrival`` the time a request spends in steps
-where nothing decodes (its prefill alone, the engine's idle wait for it) and ``outside`` its share of the level's wall time no engine step covers (the
-client's and the API server's time before the first step and after the last). Each part is a line in r fitted over the endpoint's measured levels; a level's
-prediction is made with that level left out of the fits (a leave-one-out forecast, so a measured level is never
-its own prediction), and the crossover is where the all-levels fit falls below 1x.
+where nothing decodes (its prefill alone, the engine's idle wait for it) and ``outside`` its share of the level's
+wall time no engine step covers (the client's and the API server's time before the first step and after the last).
+Each part is a line in r fitted over the endpoint's measured levels; a level's prediction is made with that level
+left out of the fits (a leave-one-out forecast, so a measured level is never its own prediction), and the crossover
+is where the all-levels fit falls below 1x.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ only windowed gauges (``sglang:spec_accept_length``/``spec_accept_rate``), read 
 from __future__ import annotations
 
 import asyncio
-import json
 import concurrent.futures
+import json
 import math
 import os
 import time

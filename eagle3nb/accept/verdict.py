@@ -114,8 +114,8 @@ def concurrency_rows(conc: dict[str, Any]) -> list[tuple[str, str]]:
 def engine_why(series: dict[str, Any]) -> str:
     """A profiled series' rounds in plain words at its lowest and highest measured concurrency: what a round costs
     in plain decode steps, part by part, against the tokens it yields (``eagle3nb.accept.engine``)."""
-    names = {"forward": "the verify forward", "draft": "the draft", "sample": "sampling", "other": "the rest of the step",
-             "gap": "the engine loop"}
+    names = {"forward": "the verify forward", "draft": "the draft", "sample": "sampling",
+             "other": "the rest of the step", "gap": "the engine loop"}
     out = []
     for lv in (series["levels"][0], series["levels"][-1]):
         parts = ", ".join(f"{names[p]} {v:.2f}" for p, v in lv["round_parts"].items())

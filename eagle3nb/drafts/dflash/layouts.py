@@ -31,7 +31,6 @@ The configs differ:
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 from typing import Any
