@@ -302,6 +302,7 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
     """04's server sweep at one k against the real vLLM (each k is a restart; the embedded server sweeps k in
     tests/test_accept_sweep.py): the declared k checked against vLLM's per-position counters, the rows' k, the
     acceptance bounded by it and tied to the rate by vLLM's definitions, the speedup over the baseline's row."""
+    from eagle3nb.accept.engine import read_rounds
     from eagle3nb.accept.online import bench_endpoint, run_online
     from eagle3nb.errors import InputError
     from eagle3nb.params import from_dict
@@ -328,8 +329,11 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
         # the profile of the served rounds (the plugin's rounds.py): the level's rounds verify K+1 tokens per
         # request, the drafter and the target's forward are timed, and the steps fit inside the level's wall time
         e = spec["engine"]
-        assert e["decode_steps"] > 0 and 1 <= e["reqs"] <= c and e["width"] == pytest.approx((K + 1) * e["reqs"])
+        assert e["decode_steps"] > 0 and 1 <= e["reqs"] <= c
         assert e["forward"] > 0 and e["draft"] > 0 and e["period"] > e["forward"] + e["draft"]
+        rounds = read_rounds(spec_servers.rounds("eagle3"), spec["started_at"], spec["ended_at"])
+        pure = [x for x in rounds if x["decode"] and x["drafted"]]  # rounds with no prefill chunk beside them
+        assert pure and all(x["width"] == (K + 1) * x["reqs"] == (K + 1) / K * x["drafted"] for x in pure)
         assert e["decode_steps"] * e["period"] + 4 * e["arrival"] <= spec["duration_s"]
         assert "engine" not in base  # an endpoint without a profile has none
 
