@@ -92,18 +92,20 @@ def test_smoke_pipeline_produces_every_stage(smoke_run, out):
     # online: every endpoint at every concurrency level of the params, real throughput, and the speculative
     # endpoint's acceptance read from its vLLM counters
     P = yaml.safe_load((ROOT / "params" / "smoke" / "04_acceptance.yaml").read_text())
-    rows = {(r["endpoint"], r["concurrency"]): r for r in acc["online"]}
-    assert sorted(rows) == sorted((e, c) for e in ("baseline", "eagle3") for c in P["concurrency_levels"])
-    for (endpoint, _), r in rows.items():
+    rows = {(r["endpoint"], r["k"], r["concurrency"]): r for r in acc["online"]}
+    assert sorted(rows, key=str) == sorted([("baseline", None, c) for c in P["concurrency_levels"]] +
+                                           [("eagle3", k, c) for k in P["ks"] for c in P["concurrency_levels"]],
+                                           key=str)
+    for (endpoint, k, _), r in rows.items():
         assert r["errors"] == 0 and r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0, r
         if endpoint == "eagle3":
             assert r["metrics_engine"] == "vllm" and r["acceptance_length"] > TRAINED_TAU, r
-            assert 0.0 <= r["acceptance_rate"] <= 1.0 and len(r["per_position"]) == P["k"], r
+            assert 0.0 <= r["acceptance_rate"] <= 1.0 and len(r["per_position"]) == k, r
         else:
             assert r["acceptance_length"] is None and r["speedup"] == 1.0, r
     # up to which concurrency the draft pays: every measured level mapped to its best k (0: plain wins there)
     assert sorted(acc["best_k_by_concurrency"], key=int) == [str(c) for c in P["concurrency_levels"]]
-    assert all(k in (0, P["k"]) for k in acc["best_k_by_concurrency"].values())
+    assert all(k in (0, *P["ks"]) for k in acc["best_k_by_concurrency"].values())
     assert set(acc["concurrency"]["serve_flags"]) == set(acc["best_k_by_concurrency"])
     # per-dataset rows for the public sets the params name, as the report's table shows them
     sets = acc["benchmarks"]["datasets"]
