@@ -1,0 +1,289 @@
+"""Where block drafters overtake EAGLE-3.1: acceptance against the amount of training data (issue 43, item 4).
+
+Every point trains through 03 itself (``eagle3nb.train.stage.run``, bench_recipes' settings) on the first ``n`` of
+the toy's own greedy answers to ``toy:train`` prompts (through 02: ``testkit.heldout``; the prompt sets are
+nested, so the 48 answers are the first 48 of the 500), and is judged by 04's offline acceptance (the draft
+package's offline simulation) at T=0 and T=1 on one fixed held-out set for every point: the toy's greedy answers
+to the first ``--heldout`` ``toy:heldout`` prompts, questions no training answer asks. Every method trains on the
+same data at the whole vocabulary (a block drafter has no reduced one, so the EAGLE drafts get it too) for the same
+steps: ``max(--min-steps, --epochs passes over the set's tokens at TRAIN's batch_tokens a step)``; 03 holds out a
+tenth of the set by id hash for its own end-of-run check, so a point trains on about 0.9 n answers. The methods:
+EAGLE-3.1 at k=3 (3 TTT steps) and k=7 (7 TTT steps), and every registered block drafter (DFlash, DSpark,
+DFlash2) at each ``--blocks`` size, judged at its block's k (DFlash, DFlash2: block - 1; DSpark: block). Served
+speedup is not measured here (``bench_recipes.py`` serves a trained draft on the real vLLM; its CPU build serves
+EAGLE-3 and DFlash only).
+
+The crossover, per toy, depth, block and temperature: the smallest data size at which a block drafter's mean beats
+an EAGLE-3.1 row's by more than both half ranges over the seeds together; with none, each curve's slope per decade
+of data and where the fitted lines would cross. Writes ``results.json`` and, per toy and depth,
+``crossover-<toy>-<depth>L.png`` (tau against training answers, one line per method, T=0 and T=1 panels) under
+``--out``.
+
+    python benchmarks/bench_crossover.py --quick   # the reduced grid docs/recipes.md reports (~30 min here)
+    python benchmarks/bench_crossover.py           # the full grid (~34 h here: the projection in docs/recipes.md)
+    python benchmarks/bench_crossover.py --quick --sizes 500 --depths 2 --methods dflash,dspark --out /tmp/xo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_recipes import TOYS, TRAIN, judge, spread  # noqa: E402
+
+from eagle3nb.data.reader import HiddenStates  # noqa: E402
+from eagle3nb.drafts import block_methods, rules  # noqa: E402
+from eagle3nb.errors import UserError  # noqa: E402
+from eagle3nb.params import from_dict  # noqa: E402
+from eagle3nb.toy import shipped  # noqa: E402
+from eagle3nb.train.stage import run  # noqa: E402
+from testkit.heldout import greedy_hidden_states  # noqa: E402
+
+EAGLE = {"eagle3.1/k3": 3, "eagle3.1/k7": 7}  # EAGLE-3.1 rows: k drafts a round, trained with k TTT steps
+METHODS = (*EAGLE, *block_methods())
+# The full grid (issue 43): 10,000 answers are out of it because the toy generator has only 2,213 distinct
+# toy:train prompts (eagle3nb/toy/dialogues.py refuses more).
+FULL = {"toys": "smoke,kimi", "sizes": "48,500,2000", "depths": "1,2,3,5", "blocks": "4,8", "seeds": 3,
+        "heldout": 227, "epochs": 8, "min_steps": 200}
+# The reduced grid docs/recipes.md reports: the data-size axis at one depth, both blocks, two seeds.
+QUICK = {"toys": "smoke", "sizes": "48,500,2000", "depths": "1", "blocks": "4,8", "seeds": 2, "heldout": 227,
+         "epochs": 3, "min_steps": 100}
+TEMPS = ("t0", "t1")
+
+
+def recipe(method: str, depth: int, block: int) -> dict:
+    """03's settings for ``method`` beyond bench_recipes' TRAIN, at ``depth`` draft layers (and ``block``)."""
+    if method in EAGLE:
+        k = EAGLE[method]
+        return {"fc_norm": True, "norm_output": True, "ttt_steps": k, "num_speculative_tokens": k,
+                "num_layers": depth}
+    return {"method": method, "block_size": block, "num_speculative_tokens": rules(method).drafts_per_block(block),
+            "num_layers": depth}
+
+
+def steps_for(tokens: int, epochs: int, min_steps: int, batch_tokens: int) -> int:
+    """Optimizer steps for a data set of ``tokens``: ``epochs`` passes at ``batch_tokens`` a step, at least
+    ``min_steps`` (small sets need many passes before held-out acceptance stops moving)."""
+    return max(min_steps, math.ceil(epochs * tokens / batch_tokens))
+
+
+def curves(points: list[dict], temp: str) -> dict[str, dict[int, list[float]]]:
+    """Per label (method, or method/block), per data size, the seeds' acceptance at ``temp``."""
+    out: dict[str, dict[int, list[float]]] = {}
+    for p in points:
+        if temp in p:
+            out.setdefault(p["label"], {}).setdefault(p["n"], []).append(p[temp])
+    return out
+
+
+def half_range(xs: list[float]) -> float:
+    return (max(xs) - min(xs)) / 2
+
+
+def overtakes(block: dict[int, list[float]], eagle: dict[int, list[float]]) -> int | None:
+    """The smallest data size at which ``block``'s mean is above ``eagle``'s by more than both half ranges together
+    (None: at no size both measured); one seed has no spread, so it needs only a higher mean."""
+    for n in sorted(set(block) & set(eagle)):
+        gap = statistics.mean(block[n]) - statistics.mean(eagle[n])
+        if gap > half_range(block[n]) + half_range(eagle[n]):
+            return n
+    return None
+
+
+def fit(curve: dict[int, list[float]]) -> tuple[float, float]:
+    """Least squares of the seeds' mean acceptance on log10(answers): (intercept, slope per decade)."""
+    xs = [math.log10(n) for n in sorted(curve)]
+    ys = [statistics.mean(curve[n]) for n in sorted(curve)]
+    if len(xs) < 2:
+        return ys[0], 0.0
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def crossing(block: dict[int, list[float]], eagle: dict[int, list[float]]) -> float | None:
+    """Where ``block``'s fitted line would pass ``eagle``'s (answers), when it starts below and climbs faster; None
+    when the lines never meet ahead (it is above already, or climbs no faster)."""
+    (a_b, s_b), (a_e, s_e) = fit(block), fit(eagle)
+    if s_b <= s_e:
+        return None
+    x = (a_e - a_b) / (s_b - s_e)
+    return 10 ** min(x, 300) if x > math.log10(max(block)) else None  # near-parallel lines meet absurdly far
+
+
+def verdicts(points: list[dict]) -> list[str]:
+    """One line per (block drafter, EAGLE row, temperature) of one toy and depth: where it overtakes, or its slope
+    and fitted crossing."""
+    lines = []
+    for temp in TEMPS:
+        cs = curves(points, temp)
+        for e in EAGLE:
+            for label in (lb for lb in cs if lb.split("/")[0] in block_methods()):
+                if e not in cs:
+                    continue
+                n = overtakes(cs[label], cs[e])
+                if n is not None:
+                    lines.append(f"{temp}: {label} overtakes {e} at {n} answers")
+                    continue
+                (_, s_b), (_, s_e) = fit(cs[label]), fit(cs[e])
+                x = crossing(cs[label], cs[e])
+                lines.append(f"{temp}: {label} does not overtake {e} up to {max(cs[label])} answers; slopes per decade "
+                             f"{s_b:+.3f} against {s_e:+.3f}; fitted lines " +
+                             (f"cross at ~{x:.2g} answers" if x else "do not cross ahead"))
+    return lines
+
+
+def table(points: list[dict]) -> str:
+    """The markdown table docs/recipes.md carries: one row per (label, size), mean ± half range over the seeds."""
+    rows = ["| method | layers | k | answers | steps | offline T=0 | offline T=1 | train tok/s | seeds |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    groups: dict[tuple[int, int, str, int], list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["depth"], METHODS.index(p["method"]), p["label"], p["n"]), []).append(p)
+    for (depth, _, label, n), ps in sorted(groups.items()):
+        if "error" in ps[0]:
+            rows.append(f"| {label} | {depth} | {ps[0]['k']} | {n} | — | 03 refuses it: {ps[0]['error']} | — | — | — |")
+            continue
+        rows.append(f"| {label} | {depth} | {ps[0]['k']} | {n} | {ps[0]['steps']} | {spread([p['t0'] for p in ps])} | "
+                    f"{spread([p['t1'] for p in ps])} | {statistics.mean(p['tps'] for p in ps):.0f} | {len(ps)} |")
+    return "\n".join(rows)
+
+
+def plot(points: list[dict], path: Path, title: str) -> None:
+    """tau against training answers (log axis), one line per label with the seeds' range, T=0 and T=1 panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, temp, name in zip(axes, TEMPS, ("T=0", "T=1")):
+        for label, curve in curves(points, temp).items():
+            ns = sorted(curve)
+            means = [statistics.mean(curve[n]) for n in ns]
+            ax.errorbar(ns, means, yerr=[half_range(curve[n]) for n in ns], marker="o", capsize=3, label=label,
+                        linestyle="--" if label in EAGLE else "-")
+        ax.set_xscale("log")
+        ax.set_xlabel("training answers (the toy's greedy answers)")
+        ax.set_title(f"{title}, {name}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("offline acceptance length tau (held-out)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def data_for(model_dir: Path, prompts: str, n: int, out: Path, vocab: int) -> Path:
+    """The toy's greedy answers to the first ``n`` of ``prompts`` through 02, kept under ``out`` and reused."""
+    if (out / "02" / "index.json").exists():
+        return out / "02"
+    return greedy_hidden_states(model_dir, prompts, n, 96, out, draft_vocab_size=vocab)
+
+
+def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict]) -> None:
+    """Every (size, depth, block, method, seed) point on ``toy``, appended to ``points`` and saved as it lands."""
+    model_dir = shipped(toy)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    t0 = time.perf_counter()
+    held = HiddenStates(data_for(model_dir, "toy:heldout", args.heldout, root / "data" / toy / "heldout", vocab))
+    datas = {n: data_for(model_dir, "toy:train", n, root / "data" / toy / str(n), vocab) for n in args.sizes}
+    print(f"{toy}: {len(held)} held-out answers, training sets {args.sizes}, {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    for seed in range(args.seeds):  # seeds outside: a machine's load drifts over the whole grid
+        for n in args.sizes:
+            data = HiddenStates(datas[n])
+            tokens = sum(int(data[i]["input_ids"].shape[0]) for i in range(len(data)))
+            steps = steps_for(tokens, args.epochs, args.min_steps, TRAIN["batch_tokens"])
+            for depth in args.depths:
+                for block in args.blocks:
+                    for method in args.methods:
+                        if method in EAGLE and block != args.blocks[0]:
+                            continue  # EAGLE has no block: once per depth
+                        label = method if method in EAGLE else f"{method}/{block}"
+                        point = {"toy": toy, "n": n, "tokens": tokens, "depth": depth, "block": block,
+                                 "method": method, "label": label, "seed": seed, "steps": steps,
+                                 "k": recipe(method, depth, block)["num_speculative_tokens"]}
+                        points.append(point)
+                        train_point(point, toy, datas[n], held, root)
+                        (root / "results.json").write_text(json.dumps(points, indent=1))
+
+
+def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root: Path) -> None:
+    """Train one point through 03 and judge it on the fixed held-out answers (or record 03's one-line refusal)."""
+    out = root / "runs" / toy / str(point["n"]) / point["label"] / str(point["seed"])
+    t0 = time.perf_counter()
+    extra = TOYS[toy] if point["method"] in EAGLE else {}
+    try:
+        metrics = run(from_dict("03_train", {**TRAIN, "holdout_fraction": 0.1, **extra,
+                                             **recipe(point["method"], point["depth"], point["block"]),
+                                             "data_dir": str(data_dir), "output_dir": str(out),
+                                             "seed": point["seed"], "max_steps": point["steps"]}))
+    except UserError as e:
+        point["error"] = str(e).splitlines()[0]
+        print(f"{toy} {point['label']}: 03 refuses it: {point['error']}", flush=True)
+        return
+    point["t0"], point["t1"] = judge(out, held, list(range(len(held))), point["k"])
+    point["tps"], point["seconds"] = metrics["tokens_per_s"], time.perf_counter() - t0
+    print(f"{toy} n={point['n']} {point['label']} seed {point['seed']} ({point['steps']} steps, "
+          f"{point['seconds']:.0f} s): tau T=0 {point['t0']:.3f}, T=1 {point['t1']:.3f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the reduced grid (QUICK) instead of the full one (FULL)")
+    ap.add_argument("--toys", help="comma-separated shipped toys (default: the grid's): " + ", ".join(TOYS))
+    ap.add_argument("--sizes", help="comma-separated training answers (default: the grid's)")
+    ap.add_argument("--depths", help="comma-separated draft layers (default: the grid's)")
+    ap.add_argument("--blocks", help="comma-separated block sizes of the block drafters (default: the grid's)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
+    ap.add_argument("--seeds", type=int, help="seeds per point (0..N-1; default: the grid's)")
+    ap.add_argument("--heldout", type=int, help="toy:heldout prompts answered for judging (at most 227)")
+    ap.add_argument("--epochs", type=int, help="passes over a training set's tokens (default: the grid's)")
+    ap.add_argument("--min-steps", type=int, help="the fewest optimizer steps a point trains (default: the grid's)")
+    ap.add_argument("--out", type=Path, help="where results.json, crossover.png, data and runs go (default: a "
+                                             "temporary folder; data already there is reused)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = ap.parse_args()
+    grid = QUICK if args.quick else FULL
+    for key in ("toys", "sizes", "depths", "blocks", "seeds", "heldout", "epochs", "min_steps"):
+        if getattr(args, key) is None:
+            setattr(args, key, grid[key])
+    try:
+        toys, methods = args.toys.split(","), args.methods.split(",")
+        args.sizes, args.depths, args.blocks = ([int(x) for x in str(v).split(",")]
+                                                for v in (args.sizes, args.depths, args.blocks))
+    except ValueError as e:
+        sys.exit(f"--sizes, --depths and --blocks take comma-separated integers ({e})")
+    for flag, given, known in (("--toys", toys, TOYS), ("--methods", methods, METHODS)):
+        if unknown := [x for x in given if x not in known]:
+            sys.exit(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    args.methods = methods
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.out or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        points: list[dict] = []
+        for toy in toys:
+            bench_toy(toy, args, root, points)
+        done = [p for p in points if "error" not in p]
+        for toy in toys:
+            print(f"\n{toy}:\n{table([p for p in points if p['toy'] == toy])}")
+            for depth in args.depths:
+                mine = [p for p in done if p["toy"] == toy and p["depth"] == depth]
+                print(f"\n{toy}, {depth} layer(s):\n" + "\n".join(verdicts(mine)))
+                plot(mine, root / f"crossover-{toy}-{depth}L.png", f"toy:{toy}, {depth} layer(s)")
+        print(f"\nresults and figures in {root}" + ("" if args.out else " (a temporary folder, now removed)"))
+
+
+if __name__ == "__main__":
+    main()
