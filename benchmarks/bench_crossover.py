@@ -19,9 +19,9 @@ of data and where the fitted lines would cross. Writes ``results.json`` and, per
 ``crossover-<toy>-<depth>L.png`` (tau against training answers, one line per method, T=0 and T=1 panels) under
 ``--out``.
 
-    python benchmarks/bench_crossover.py --quick   # the reduced grid docs/recipes.md reports (~30 min here)
-    python benchmarks/bench_crossover.py           # the full grid (~34 h here: the projection in docs/recipes.md)
-    python benchmarks/bench_crossover.py --quick --sizes 500 --depths 2 --methods dflash,dspark --out /tmp/xo
+    python benchmarks/bench_crossover.py          # the reduced grid docs/recipes.md reports (~30 min here)
+    python benchmarks/bench_crossover.py --full   # the full grid (~34 h here: the projection in docs/recipes.md)
+    python benchmarks/bench_crossover.py --sizes 500 --depths 2 --methods dflash,dspark --out /tmp/xo
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the reduced grid (QUICK) instead of the full one (FULL)")
+    ap.add_argument("--full", action="store_true", help="the full grid (FULL, ~34 h here) instead of the reduced one "
+                                                        "(QUICK, the default: `make bench` runs it)")
     ap.add_argument("--toys", help="comma-separated shipped toys (default: the grid's): " + ", ".join(TOYS))
     ap.add_argument("--sizes", help="comma-separated training answers (default: the grid's)")
     ap.add_argument("--depths", help="comma-separated draft layers (default: the grid's)")
@@ -254,7 +255,7 @@ def main() -> None:
                                              "temporary folder; data already there is reused)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args()
-    grid = QUICK if args.quick else FULL
+    grid = FULL if args.full else QUICK
     for key in ("toys", "sizes", "depths", "blocks", "seeds", "heldout", "epochs", "min_steps"):
         if getattr(args, key) is None:
             setattr(args, key, grid[key])
