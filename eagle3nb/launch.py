@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,10 +58,21 @@ class ServerHandle:
         return f"ServerHandle({self.base_url}, pid={self.proc.pid})"
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now and never handed out before by this process: servers started side by side (threads) each
+    get their own, where the OS may offer one twice before the first server binds it (then ``launch`` refuses)."""
+    with _HANDED_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,

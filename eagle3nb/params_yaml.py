@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from eagle3nb.params import COMMON, ParamsError, schema_for
+from eagle3nb.drafts import DEFAULT, PACKAGES
+from eagle3nb.params import COMMON, ParamsError, StageError, schema_for
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -85,3 +86,20 @@ def stage_values(stage: str, source: Path, overrides: list[str]) -> dict:
             raise ParamsError(f"--set {item!r}: use KEY=VALUE")
         values[key] = yaml.safe_load(value)
     return values
+
+
+TRAIN_STAGE = "03_train"  # the stage whose method 02's default layers are for
+
+
+def run_method(params_file: str | None) -> tuple[str, int | None]:
+    """The 03 ``method`` and ``num_layers`` of the run whose parameter folder holds ``params_file`` (02's or 03's):
+    the draft 02's states are for. EAGLE-3 (the registry's default) outside a run folder or where 03 names none."""
+    folder = Path(params_file).parent if params_file else None
+    if folder is None or not (folder / f"{TRAIN_STAGE}.yaml").is_file():
+        return DEFAULT, None
+    raw = run_params(folder, TRAIN_STAGE)
+    method = raw.get("method") or DEFAULT
+    if method not in PACKAGES:
+        raise StageError(f"{folder / TRAIN_STAGE}.yaml: method {method!r} is not one of {', '.join(PACKAGES)}; 02 "
+                         "extracts the layers that method reads: fix 03's method, or set 02's aux_layer_ids")
+    return method, raw.get("num_layers")

@@ -495,7 +495,7 @@ def test_04_probes_its_endpoints_before_the_offline_work(trained, tmp_path, caps
     dead = f"http://127.0.0.1:{free_port()}/v1"
     out = trained["out"]
     _, argv = stage("04", tmp_path, draft_dir=out / "03_train" / "draft", data_dir=out / "02_hidden_states",
-                    output_dir=tmp_path / "o", local_prompts=0, cost_ratio=0.05, overhead=0.1,
+                    output_dir=tmp_path / "o", local_prompts=0, cost_ratio=0.05, overhead=0.1, ks=None,
                     endpoints=[{"label": "baseline", "url": dead}, {"label": "eagle3", "url": dead}])
     assert run_command(STAGE["04"], argv) == 2
     err = capsys.readouterr().err

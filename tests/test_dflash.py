@@ -802,9 +802,10 @@ def test_03_trains_a_block_drafter_online_as_from_stored_states(staged, stage_da
 
     folder = tmp_path / "params" / "test"
     folder.mkdir(parents=True)
+    stored_layers = json.loads((stage_data / "index.json").read_text())["layer_ids"]  # the stored run's taps
     (folder / "02_hidden_states.yaml").write_text(yaml.safe_dump({
         "run_name": "test", "synth_dir": str(stage_data.parent / "01"), "model_path": str(toy_smoke),
-        "draft_vocab_size": 546, "storage": "fp32"}))
+        "draft_vocab_size": 546, "storage": "fp32", "aux_layer_ids": stored_layers}))
     values = {**STAGE, **stage_method("dflash"), "data_dir": str(tmp_path / "no-02"),
               "output_dir": str(tmp_path / "out"), "data_source": "online"}
     (folder / "03_train.yaml").write_text(yaml.safe_dump(values))

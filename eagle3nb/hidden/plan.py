@@ -19,15 +19,13 @@ from eagle3nb.data.reader import INDEX_FILE
 from eagle3nb.data.samples import latest, sample_files
 from eagle3nb.data.shards import ShardError, bytes_per_token, check_shard, shard_name
 from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, keep_draft_vocab
-from eagle3nb.drafts import DEFAULT, PACKAGES, method_layer_ids
+from eagle3nb.drafts import method_layer_ids
 from eagle3nb.hidden.params import HiddenParams
 from eagle3nb.layers import check_layer_ids
 from eagle3nb.params import StageError
-from eagle3nb.params_yaml import run_params
+from eagle3nb.params_yaml import run_method
 from eagle3nb.paths import resolve
 from eagle3nb.progress import read_progress, write_json_atomic
-
-TRAIN_STAGE = "03_train"  # the stage whose method 02's default layers are for
 
 PLAN_FILE = "plan.json"
 GB = 1e9
@@ -227,21 +225,6 @@ def aux_layer_ids(P: HiddenParams, num_layers: int) -> list[int]:
         return check_layer_ids(P.aux_layer_ids, num_layers)
     method, draft_layers = run_method(P.params_file)
     return check_layer_ids(method_layer_ids(method, num_layers, draft_layers), num_layers)
-
-
-def run_method(params_file: str | None) -> tuple[str, int | None]:
-    """The 03 ``method`` and ``num_layers`` of the run whose parameter folder holds ``params_file`` (02's or 03's):
-    the draft 02's states are for. EAGLE-3 (the registry's default) outside a run folder or where 03 names none."""
-    folder = Path(params_file).parent if params_file else None
-    if folder is None or not (folder / f"{TRAIN_STAGE}.yaml").is_file():
-        return DEFAULT, None
-    raw = run_params(folder, TRAIN_STAGE)
-    method = raw.get("method") or DEFAULT
-    if method not in PACKAGES:
-        raise StageError(f"{folder / TRAIN_STAGE}.yaml: method {method!r} is not one of {', '.join(PACKAGES)}; 02 "
-                         "extracts the layers that method reads: fix 03's method, or set 02's aux_layer_ids")
-    return method, raw.get("num_layers")
-
 
 
 def make_plan(P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]) -> Plan:

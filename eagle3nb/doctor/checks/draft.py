@@ -15,9 +15,9 @@ from eagle3nb.doctor.context import Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, WARN, CheckResult
 from eagle3nb.drafts import DraftMismatchError, Serving, method_layer_ids, method_of, serving_problems
 from eagle3nb.formulas import speedup
-from eagle3nb.hidden.plan import run_method
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
+from eagle3nb.params_yaml import run_method
 
 # shapes_vocab: share of the target's argmax tokens (held-out, loss-masked) inside the draft vocabulary
 COVERAGE_WARN = 0.90
