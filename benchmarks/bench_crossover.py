@@ -38,10 +38,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_recipes import TOYS, TRAIN, judge, spread  # noqa: E402
+from bench_recipes import TOYS, TRAIN, judge, serve_drafts, spread  # noqa: E402
 
+from eagle3nb.data.prompts import load_prompts  # noqa: E402
 from eagle3nb.data.reader import HiddenStates  # noqa: E402
-from eagle3nb.drafts import block_methods, rules  # noqa: E402
+from eagle3nb.drafts import block_methods, rules, served_method  # noqa: E402
 from eagle3nb.errors import UserError  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
 from eagle3nb.toy import shipped  # noqa: E402
@@ -52,7 +53,7 @@ EAGLE = {"eagle3.1/k3": 3, "eagle3.1/k7": 7}  # EAGLE-3.1 rows: k drafts a round
 METHODS = (*EAGLE, *block_methods())
 # The full grid (issue 43): 10,000 answers are out of it because the toy generator has only 2,213 distinct
 # toy:train prompts (eagle3nb/toy/dialogues.py refuses more).
-FULL = {"toys": "smoke,kimi", "sizes": "48,500,2000", "depths": "1,2,3,5", "blocks": "4,8", "seeds": 3,
+FULL = {"toys": "smoke,demo,kimi", "sizes": "48,500,2000", "depths": "1,2,3,5", "blocks": "4,8,16:8", "seeds": 3,
         "heldout": 227, "epochs": 8, "min_steps": 200}
 # The reduced grid docs/recipes.md reports: the data-size axis at one depth, both blocks, two seeds.
 QUICK = {"toys": "smoke", "sizes": "48,500,2000", "depths": "1", "blocks": "4,8", "seeds": 2, "heldout": 227,
@@ -60,14 +61,15 @@ QUICK = {"toys": "smoke", "sizes": "48,500,2000", "depths": "1", "blocks": "4,8"
 TEMPS = ("t0", "t1")
 
 
-def recipe(method: str, depth: int, block: int) -> dict:
-    """03's settings for ``method`` beyond bench_recipes' TRAIN, at ``depth`` draft layers (and ``block``)."""
+def recipe(method: str, depth: int, block: int, served: int | None = None) -> dict:
+    """03's settings for ``method`` beyond bench_recipes' TRAIN, at ``depth`` draft layers (and ``block``, served
+    as a block of ``served`` slots: the papers' train at 16, serve at 8)."""
     if method in EAGLE:
         k = EAGLE[method]
         return {"fc_norm": True, "norm_output": True, "ttt_steps": k, "num_speculative_tokens": k,
                 "num_layers": depth}
-    return {"method": method, "block_size": block, "num_speculative_tokens": rules(method).drafts_per_block(block),
-            "num_layers": depth}
+    return {"method": method, "block_size": block,
+            "num_speculative_tokens": rules(method).drafts_per_block(served or block), "num_layers": depth}
 
 
 def steps_for(tokens: int, epochs: int, min_steps: int, batch_tokens: int) -> int:
@@ -146,10 +148,10 @@ def table(points: list[dict]) -> str:
     """The markdown table docs/recipes.md carries: one row per (label, size), mean ± half range over the seeds."""
     rows = ["| method | layers | k | answers | steps | offline T=0 | offline T=1 | train tok/s | seeds |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    groups: dict[tuple[int, int, str, int], list[dict]] = {}
+    groups: dict[tuple[int, int, str, int, int], list[dict]] = {}
     for p in points:
-        groups.setdefault((p["depth"], METHODS.index(p["method"]), p["label"], p["n"]), []).append(p)
-    for (depth, _, label, n), ps in sorted(groups.items()):
+        groups.setdefault((p["depth"], METHODS.index(p["method"]), p["label"], p["n"], p["steps"]), []).append(p)
+    for (depth, _, label, n, _), ps in sorted(groups.items()):
         if "error" in ps[0]:
             rows.append(f"| {label} | {depth} | {ps[0]['k']} | {n} | — | 03 refuses it: {ps[0]['error']} | — | — | — |")
             continue
@@ -183,20 +185,28 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def data_for(model_dir: Path, prompts: str, n: int, out: Path, vocab: int) -> Path:
-    """The toy's greedy answers to the first ``n`` of ``prompts`` through 02, kept under ``out`` and reused."""
+def data_for(model_dir: Path, prompts: str, n: int, out: Path, vocab: int, longer: Path | None = None) -> Path:
+    """The toy's greedy answers to the first ``n`` of ``prompts`` through 02, kept under ``out`` and reused;
+    ``longer``: the folder of a longer run of the same prompts, whose first ``n`` answers these are."""
     if (out / "02" / "index.json").exists():
         return out / "02"
-    return greedy_hidden_states(model_dir, prompts, n, 96, out, draft_vocab_size=vocab)
+    return greedy_hidden_states(model_dir, prompts, n, 96, out, draft_vocab_size=vocab, answers_from=longer)
 
 
-def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict]) -> None:
-    """Every (size, depth, block, method, seed) point on ``toy``, appended to ``points`` and saved as it lands."""
+KEY = ("toy", "n", "depth", "label", "seed", "steps")  # what makes two points the same run
+
+
+def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict], done: list[dict]) -> None:
+    """Every (size, depth, block, method, seed) point on ``toy``, appended to ``points`` and saved as it lands;
+    a point ``done`` already holds (an earlier run's results.json in the same ``--out``) is taken from there."""
     model_dir = shipped(toy)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
     held = HiddenStates(data_for(model_dir, "toy:heldout", args.heldout, root / "data" / toy / "heldout", vocab))
-    datas = {n: data_for(model_dir, "toy:train", n, root / "data" / toy / str(n), vocab) for n in args.sizes}
+    top = max(args.sizes)  # answered once: the smaller sets are its first answers
+    datas = {top: data_for(model_dir, "toy:train", top, root / "data" / toy / str(top), vocab)}
+    datas |= {n: data_for(model_dir, "toy:train", n, root / "data" / toy / str(n), vocab, datas[top].parent)
+              for n in args.sizes if n != top}
     print(f"{toy}: {len(held)} held-out answers, training sets {args.sizes}, {time.perf_counter() - t0:.0f} s",
           flush=True)
     for seed in range(args.seeds):  # seeds outside: a machine's load drifts over the whole grid
@@ -205,27 +215,32 @@ def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict]
             tokens = sum(int(data[i]["input_ids"].shape[0]) for i in range(len(data)))
             steps = steps_for(tokens, args.epochs, args.min_steps, TRAIN["batch_tokens"])
             for depth in args.depths:
-                for block in args.blocks:
+                for block, served in args.blocks:
                     for method in args.methods:
-                        if method in EAGLE and block != args.blocks[0]:
+                        if method in EAGLE and (block, served) != args.blocks[0]:
                             continue  # EAGLE has no block: once per depth
-                        label = method if method in EAGLE else f"{method}/{block}"
+                        label = method if method in EAGLE else f"{method}/{block}" + (f"->{served}" if served else "")
                         point = {"toy": toy, "n": n, "tokens": tokens, "depth": depth, "block": block,
-                                 "method": method, "label": label, "seed": seed, "steps": steps,
-                                 "k": recipe(method, depth, block)["num_speculative_tokens"]}
-                        points.append(point)
-                        train_point(point, toy, datas[n], held, root)
+                                 "served": served, "method": method, "label": label, "seed": seed, "steps": steps,
+                                 "k": recipe(method, depth, block, served)["num_speculative_tokens"]}
+                        earlier = [d for d in done if all(d.get(key) == point[key] for key in KEY)]
+                        points.append(earlier[0] if earlier else point)
+                        if not earlier:
+                            train_point(point, toy, datas[n], held, root)
                         (root / "results.json").write_text(json.dumps(points, indent=1))
 
 
 def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root: Path) -> None:
     """Train one point through 03 and judge it on the fixed held-out answers (or record 03's one-line refusal)."""
-    out = root / "runs" / toy / str(point["n"]) / point["label"] / str(point["seed"])
+    out = root / "runs" / toy / str(point["n"]) / f"{point['depth']}L-{point['steps']}steps" / point["label"] / \
+        str(point["seed"])
+    point["run"] = str(out)
     t0 = time.perf_counter()
     extra = TOYS[toy] if point["method"] in EAGLE else {}
     try:
         metrics = run(from_dict("03_train", {**TRAIN, "holdout_fraction": 0.1, **extra,
-                                             **recipe(point["method"], point["depth"], point["block"]),
+                                             **recipe(point["method"], point["depth"], point["block"],
+                                                      point["served"]),
                                              "data_dir": str(data_dir), "output_dir": str(out),
                                              "seed": point["seed"], "max_steps": point["steps"]}))
     except UserError as e:
@@ -238,6 +253,30 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
           f"{point['seconds']:.0f} s): tau T=0 {point['t0']:.3f}, T=1 {point['t1']:.3f}", flush=True)
 
 
+def serve_points(toy: str, points: list[dict], root: Path, n: int, depth: int, prompts: int) -> str:
+    """Seed 0's ``depth``-layer draft of every label trained on ``n`` answers (its longest run), served by the
+    real vLLM beside the plain target (bench_recipes' ``serve_drafts``: T=0 speedup at c=1 and c=4, the counters'
+    tau) on ``prompts`` held-out prompts; the markdown table docs/recipes.md carries."""
+    mine = sorted((p for p in points if (p["toy"], p["n"], p["depth"], p["seed"]) == (toy, n, depth, 0)
+                   and "error" not in p), key=lambda p: p["steps"])
+    mine = list({p["label"]: p for p in mine}.values())
+    drafts = {}
+    for p in mine:
+        d = Path(p["run"]) / "draft"
+        drafts[p["label"]] = (d, served_method(d), p["k"])
+    served = serve_drafts(toy, drafts, load_prompts("toy:heldout", prompts), 64, levels=(1, 4))
+    rows = ["| method | layers | k | offline T=0 | vLLM T=0 | vLLM T=1 | speedup c=1 | speedup c=4 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in mine:
+        v = served[p["label"]]
+        cells = (f"not served: {v} | — | — | —" if isinstance(v, str) else
+                 f"{v['v0']:.3f} | {v['v1']:.3f} | {v['speedup'][1]:.2f}x | {v['speedup'][4]:.2f}x")
+        rows.append(f"| {p['label']} | {p['depth']} | {p['k']} | {p['t0']:.3f} | {cells} |")
+        p["vllm"] = v
+    (root / "results.json").write_text(json.dumps(points, indent=1))
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the full grid (FULL, ~34 h here) instead of the reduced one "
@@ -245,14 +284,19 @@ def main() -> None:
     ap.add_argument("--toys", help="comma-separated shipped toys (default: the grid's): " + ", ".join(TOYS))
     ap.add_argument("--sizes", help="comma-separated training answers (default: the grid's)")
     ap.add_argument("--depths", help="comma-separated draft layers (default: the grid's)")
-    ap.add_argument("--blocks", help="comma-separated block sizes of the block drafters (default: the grid's)")
+    ap.add_argument("--blocks", help="comma-separated block sizes of the block drafters, TRAINED:SERVED for a block "
+                                     "trained long and served shorter, e.g. 8,16:8 (default: the grid's)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
     ap.add_argument("--seeds", type=int, help="seeds per point (0..N-1; default: the grid's)")
     ap.add_argument("--heldout", type=int, help="toy:heldout prompts answered for judging (at most 227)")
     ap.add_argument("--epochs", type=int, help="passes over a training set's tokens (default: the grid's)")
     ap.add_argument("--min-steps", type=int, help="the fewest optimizer steps a point trains (default: the grid's)")
     ap.add_argument("--out", type=Path, help="where results.json, crossover.png, data and runs go (default: a "
-                                             "temporary folder; data already there is reused)")
+                                             "temporary folder; data and points already there are reused, so a "
+                                             "stopped run resumes)")
+    ap.add_argument("--serve", type=int, metavar="N", help="then serve seed 0's drafts trained on N answers on the "
+                                                           "real vLLM: T=0 speedup at c=1 and c=4 (time it alone)")
+    ap.add_argument("--serve-prompts", type=int, default=32, help="toy:heldout prompts sent to vLLM per level")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args()
     grid = FULL if args.full else QUICK
@@ -261,10 +305,11 @@ def main() -> None:
             setattr(args, key, grid[key])
     try:
         toys, methods = args.toys.split(","), args.methods.split(",")
-        args.sizes, args.depths, args.blocks = ([int(x) for x in str(v).split(",")]
-                                                for v in (args.sizes, args.depths, args.blocks))
+        args.sizes, args.depths = ([int(x) for x in str(v).split(",")] for v in (args.sizes, args.depths))
+        args.blocks = [(int(b.split(":")[0]), int(b.split(":")[1]) if ":" in b else None)
+                       for b in str(args.blocks).split(",")]
     except ValueError as e:
-        sys.exit(f"--sizes, --depths and --blocks take comma-separated integers ({e})")
+        sys.exit(f"--sizes, --depths and --blocks take comma-separated integers, a block maybe TRAINED:SERVED ({e})")
     for flag, given, known in (("--toys", toys, TOYS), ("--methods", methods, METHODS)):
         if unknown := [x for x in given if x not in known]:
             sys.exit(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -274,8 +319,10 @@ def main() -> None:
         root = args.out or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         points: list[dict] = []
+        earlier = root / "results.json"
+        landed = [p for p in json.loads(earlier.read_text()) if "t0" in p or "error" in p] if earlier.exists() else []
         for toy in toys:
-            bench_toy(toy, args, root, points)
+            bench_toy(toy, args, root, points, landed)
         done = [p for p in points if "error" not in p]
         for toy in toys:
             print(f"\n{toy}:\n{table([p for p in points if p['toy'] == toy])}")
@@ -283,6 +330,9 @@ def main() -> None:
                 mine = [p for p in done if p["toy"] == toy and p["depth"] == depth]
                 print(f"\n{toy}, {depth} layer(s):\n" + "\n".join(verdicts(mine)))
                 plot(mine, root / f"crossover-{toy}-{depth}L.png", f"toy:{toy}, {depth} layer(s)")
+            if args.serve:
+                print(f"\n{toy}, served (seed 0, {args.serve} answers, {args.depths[0]} layer(s)):\n"
+                      f"{serve_points(toy, points, root, args.serve, args.depths[0], args.serve_prompts)}")
         print(f"\nresults and figures in {root}" + ("" if args.out else " (a temporary folder, now removed)"))
 
 

@@ -98,7 +98,7 @@ TRAIN = {"run_name": "bench", "ttt_steps": 3, "lr": 5e-3, "warmup_ratio": 0.05, 
          "batch_tokens": 1024, "eval_every": 0, "save_every": 1000, "holdout_fraction": 0.25}
 # What every EAGLE run on a toy sets beyond TRAIN: an MLA target's EAGLE drafts are MLA drafts
 # (params/vllm-cpu-kimi); a block drafter has its own (Qwen3) attention on every target.
-TOYS: dict[str, dict] = {"smoke": {}, "kimi": {"draft_attention": "mla"}}
+TOYS: dict[str, dict] = {"smoke": {}, "demo": {}, "kimi": {"draft_attention": "mla"}}
 K = 3  # the EAGLE recipes' k; a block drafter's is its block's drafts (``k_of``)
 TEMPERATURES = (0.0, 1.0)
 # Offline (t0, t1), local (l0, l1) acceptance lengths and train tokens/s per seed; vLLM's (v0, v1, speedup) at
@@ -229,41 +229,56 @@ def root_cause(e: Exception) -> str:
     return (causes[0] if causes else text.splitlines()[-1]).split(". ")[0][:200]  # its first sentence
 
 
-def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[dict], max_tokens: int,
-              fixes: bool = True) -> None:
-    """Seed 0's draft of every recipe on the real vLLM, one server at a time beside one plain server: the
-    counters' acceptance at T=0 and T=1, and the output tokens/s at T=0, c=1 over the plain server's measured just
-    before (each pair side by side in time, so the machine's load drifts between pairs, not within one)."""
+def serve_drafts(toy: str, drafts: dict[str, tuple[Path, str, int]], prompts: list[dict], max_tokens: int,
+                 fixes: bool = True, levels: tuple[int, ...] = (1,)) -> dict[str, dict | str]:
+    """Each draft (name: folder, method, k) on the real vLLM, one server at a time beside one plain server: the
+    counters' acceptance at T=0 (``v0``) and T=1 (``v1``, at c=4), and the speedup at T=0 per concurrency level
+    (``speedup``: output tokens/s over the plain server's at that level, measured just before, so the machine's
+    load drifts between pairs, not within one). A draft vLLM does not serve, or a level with failed requests, gets
+    the one-line reason instead."""
+    out: dict[str, dict | str] = {}
     t0 = time.perf_counter()
     with start_vllm(f"toy:{toy}", "plain") as plain:
         print(f"{toy} vLLM plain server up in {time.perf_counter() - t0:.0f} s", flush=True)
-        for name, row in rows.items():
-            if isinstance(row, str):
-                continue
-            draft_dir = root / toy / "runs" / name / "0" / "draft"
+        for name, (draft_dir, method, k) in drafts.items():
             t0 = time.perf_counter()
-            k, method = k_of(name), RECIPES[name].get("method", DEFAULT)
             try:  # DSpark on a CPU: vLLM's own refusal (its V1 runner has no dspark, V2 needs Triton) goes in the row
                 server = start_vllm(f"toy:{toy}", method, draft_dir=draft_dir, num_speculative_tokens=k,
                                     speculative={"draft_sample_method": "probabilistic"}, fixes=fixes)
             except (RuntimeError, UserError) as e:  # a draft vLLM does not start on: its reason goes in the row
-                row["vllm"] = root_cause(e)
-                print(f"{toy} {name}: vLLM did not serve it: {row['vllm']}", flush=True)
+                out[name] = root_cause(e)
+                print(f"{toy} {name}: vLLM did not serve it: {out[name]}", flush=True)
                 continue
             with server:
                 up = time.perf_counter() - t0
-                base = bench_endpoint("plain", plain.base_url, prompts, [1], max_tokens, 0.0, warmup=1)[0]
-                greedy = bench_endpoint(name, server.base_url, prompts, [1], max_tokens, 0.0, warmup=1, k=k)[0]
+                base = bench_endpoint("plain", plain.base_url, prompts, levels, max_tokens, 0.0, warmup=1)
+                greedy = bench_endpoint(name, server.base_url, prompts, levels, max_tokens, 0.0, warmup=1, k=k)
                 sampled = bench_endpoint(name, server.base_url, prompts, [4], max_tokens, 1.0, warmup=0, k=k)[0]
-            errors = base["errors"] + greedy["errors"] + sampled["errors"]
+            errors = sum(r["errors"] for r in base + greedy) + sampled["errors"]
             if errors:
-                row["vllm"] = f"{errors} request(s) failed: {(greedy.get('first_error') or sampled.get('first_error'))}"
+                first = next((r["first_error"] for r in greedy + [sampled] if r.get("first_error")), None)
+                out[name] = f"{errors} request(s) failed: {first}"
                 continue
-            row["v0"], row["v1"] = [greedy["acceptance_length"]], [sampled["acceptance_length"]]
-            row["speedup"] = [greedy["output_tokens_per_s"] / base["output_tokens_per_s"]]
-            print(f"{toy} {name} seed 0 on vLLM (up in {up:.0f} s): tau T=0 {row['v0'][0]:.3f}, "
-                  f"T=1 {row['v1'][0]:.3f}; {greedy['output_tokens_per_s']:.1f} vs plain "
-                  f"{base['output_tokens_per_s']:.1f} tok/s = {row['speedup'][0]:.2f}x", flush=True)
+            speedup = {c: g["output_tokens_per_s"] / b["output_tokens_per_s"] for c, b, g in zip(levels, base, greedy)}
+            out[name] = {"v0": greedy[0]["acceptance_length"], "v1": sampled["acceptance_length"], "speedup": speedup}
+            print(f"{toy} {name} on vLLM (up in {up:.0f} s): tau T=0 {out[name]['v0']:.3f}, T=1 {out[name]['v1']:.3f}; "
+                  "speedup " + ", ".join(f"c={c} {x:.2f}x ({g['output_tokens_per_s']:.1f} vs plain "
+                                         f"{b['output_tokens_per_s']:.1f} tok/s)"
+                                         for (c, x), b, g in zip(speedup.items(), base, greedy)), flush=True)
+    return out
+
+
+def serve_toy(toy: str, rows: dict[str, Row | str], root: Path, prompts: list[dict], max_tokens: int,
+              fixes: bool = True) -> None:
+    """Seed 0's draft of every recipe on the real vLLM (:func:`serve_drafts`, c=1), its cells added to its row."""
+    drafts = {name: (root / toy / "runs" / name / "0" / "draft", RECIPES[name].get("method", DEFAULT), k_of(name))
+              for name, row in rows.items() if not isinstance(row, str)}
+    for name, served in serve_drafts(toy, drafts, prompts, max_tokens, fixes).items():
+        if isinstance(served, str):
+            rows[name]["vllm"] = served
+        else:
+            rows[name]["v0"], rows[name]["v1"], rows[name]["speedup"] = [served["v0"]], [served["v1"]], \
+                [served["speedup"][1]]
 
 
 def print_table(toy: str, rows: dict[str, Row | str], args: argparse.Namespace) -> None:

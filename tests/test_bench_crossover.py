@@ -46,3 +46,22 @@ def test_verdicts_name_the_size_or_the_slopes():
 def test_steps_cover_the_epochs_with_a_floor():
     assert steps_for(tokens=10_000, epochs=4, min_steps=100, batch_tokens=1024) == 100
     assert steps_for(tokens=100_000, epochs=4, min_steps=100, batch_tokens=1024) == math.ceil(400_000 / 1024)
+
+
+def test_smaller_sets_reuse_the_longer_runs_answers(tmp_path, toy_smoke):
+    """A nested prompt set's data is the longer run's first answers, read, not generated again (and a longer
+    set than the answers held is refused)."""
+    from eagle3nb.data.reader import HiddenStates
+    from testkit.heldout import greedy_hidden_states
+
+    longer = greedy_hidden_states(toy_smoke, "toy:train", 3, 8, tmp_path / "3", draft_vocab_size=96).parent
+    samples = longer / "01" / "samples-00000.jsonl"
+    samples.write_text(samples.read_text().replace('"id": "', '"id": "read-', 1))  # marks the row as read, not made
+    shorter = greedy_hidden_states(toy_smoke, "toy:train", 2, 8, tmp_path / "2", draft_vocab_size=96,
+                                   answers_from=longer)
+    rows = [(longer / "01" / "samples-00000.jsonl").read_text().splitlines(),
+            (shorter.parent / "01" / "samples-00000.jsonl").read_text().splitlines()]
+    assert rows[1] == rows[0][:2] and '"id": "read-' in rows[1][0]
+    assert len(HiddenStates(shorter)) == 2
+    with pytest.raises(ValueError, match="holds 3 answers, fewer than the 5"):
+        greedy_hidden_states(toy_smoke, "toy:train", 5, 8, tmp_path / "5", answers_from=longer)
