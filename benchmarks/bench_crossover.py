@@ -320,7 +320,8 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         points: list[dict] = []
         earlier = root / "results.json"
-        landed = [p for p in json.loads(earlier.read_text()) if "t0" in p or "error" in p] if earlier.exists() else []
+        # the points that landed (a refusal runs again)
+        landed = [p for p in json.loads(earlier.read_text()) if "t0" in p] if earlier.exists() else []
         for toy in toys:
             bench_toy(toy, args, root, points, landed)
         done = [p for p in points if "error" not in p]

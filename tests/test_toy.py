@@ -305,6 +305,23 @@ def test_prompt_sets_are_disjoint_and_well_formed(tmp_path):
     assert write_prompts(tmp_path / "t2.jsonl", 300, "train").read_text() == (tmp_path / "t.jsonl").read_text()
 
 
+def test_prompts_past_the_single_questions_carry_an_earlier_exchange(tmp_path):
+    """Past the split's single questions the prompts add one earlier exchange (so a run can ask for 10,000): the
+    single ones stay first and unchanged, every prompt is distinct, and both questions keep to the split."""
+    rows = [json.loads(x) for x in write_prompts(tmp_path / "h.jsonl", 600, "heldout").read_text().splitlines()]
+    singles = sum(len(r["messages"]) == 1 for r in rows)
+    assert 0 < singles < 600 and all(len(r["messages"]) == 1 for r in rows[:singles])
+    alone = write_prompts(tmp_path / "s.jsonl", singles, "heldout").read_text().splitlines()
+    assert [json.loads(x) for x in alone] == rows[:singles]
+    later = rows[singles:]
+    assert [[m["role"] for m in r["messages"]] for r in later] == [["user", "assistant", "user"]] * len(later)
+    assert all(r["messages"][1]["content"].startswith("The answer is") for r in later)
+    assert len({json.dumps(r["messages"]) for r in rows}) == 600 and len({r["id"] for r in rows}) == 600
+    train_questions = {r["messages"][0]["content"] for r in (json.loads(x) for x in write_prompts(
+        tmp_path / "t.jsonl", 300, "train").read_text().splitlines())}
+    assert not train_questions & {m["content"] for r in later for m in r["messages"] if m["role"] == "user"}
+
+
 def test_resolve_prompts_and_cli(tmp_path):
     from eagle3nb.cli import main
 
