@@ -203,10 +203,12 @@ def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict]
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
     held = HiddenStates(data_for(model_dir, "toy:heldout", args.heldout, root / "data" / toy / "heldout", vocab))
-    top = max(args.sizes)  # answered once: the smaller sets are its first answers
-    datas = {top: data_for(model_dir, "toy:train", top, root / "data" / toy / str(top), vocab)}
+    made = [n for n in args.sizes if n not in args.data]
+    top = max(made, default=0)  # answered once: the smaller sets are its first answers
+    datas = {top: data_for(model_dir, "toy:train", top, root / "data" / toy / str(top), vocab)} if made else {}
     datas |= {n: data_for(model_dir, "toy:train", n, root / "data" / toy / str(n), vocab, datas[top].parent)
-              for n in args.sizes if n != top}
+              for n in made if n != top}
+    datas |= {n: Path(folder) for n, folder in args.data.items()}
     print(f"{toy}: {len(held)} held-out answers, training sets {args.sizes}, {time.perf_counter() - t0:.0f} s",
           flush=True)
     for seed in range(args.seeds):  # seeds outside: a machine's load drifts over the whole grid
@@ -294,6 +296,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="where results.json, crossover.png, data and runs go (default: a "
                                              "temporary folder; data and points already there are reused, so a "
                                              "stopped run resumes)")
+    ap.add_argument("--data", action="append", default=[], metavar="N=DIR",
+                    help="a training set made elsewhere: 02's output DIR holding N answers of the toy, e.g. "
+                         "10000=outputs/smoke-10k/02_hidden_states (params/smoke-10k, by papermill); N joins --sizes")
     ap.add_argument("--serve", type=int, metavar="N", help="then serve seed 0's drafts trained on N answers on the "
                                                            "real vLLM: T=0 speedup at c=1 and c=4 (time it alone)")
     ap.add_argument("--serve-prompts", type=int, default=32, help="toy:heldout prompts sent to vLLM per level")
@@ -306,10 +311,15 @@ def main() -> None:
     try:
         toys, methods = args.toys.split(","), args.methods.split(",")
         args.sizes, args.depths = ([int(x) for x in str(v).split(",")] for v in (args.sizes, args.depths))
+        args.data = {int(n): Path(d) for n, d in (item.split("=", 1) for item in args.data)}
+        args.sizes = sorted(set(args.sizes) | set(args.data))
         args.blocks = [(int(b.split(":")[0]), int(b.split(":")[1]) if ":" in b else None)
                        for b in str(args.blocks).split(",")]
     except ValueError as e:
-        sys.exit(f"--sizes, --depths and --blocks take comma-separated integers, a block maybe TRAINED:SERVED ({e})")
+        sys.exit(f"--sizes, --depths and --blocks take comma-separated integers, a block maybe TRAINED:SERVED; "
+                 f"--data N=DIR ({e})")
+    if missing := [str(d) for d in args.data.values() if not (d / "index.json").exists()]:
+        sys.exit(f"--data: no 02 output (index.json) in {', '.join(missing)}; run 02_hidden_states there first")
     for flag, given, known in (("--toys", toys, TOYS), ("--methods", methods, METHODS)):
         if unknown := [x for x in given if x not in known]:
             sys.exit(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
