@@ -61,14 +61,14 @@ QUICK = {"toys": "smoke", "sizes": "48,500,2000", "depths": "1", "blocks": "4,8"
 TEMPS = ("t0", "t1")
 
 
-def recipe(method: str, depth: int, block: int, served: int | None = None) -> dict:
+def recipe(method: str, depth: int, block: int, served: int | None = None, causal: bool = False) -> dict:
     """03's settings for ``method`` beyond bench_recipes' TRAIN, at ``depth`` draft layers (and ``block``, served
-    as a block of ``served`` slots: the papers' train at 16, serve at 8)."""
+    as a block of ``served`` slots: the papers' train at 16, serve at 8; ``causal``: ``block_causal``)."""
     if method in EAGLE:
         k = EAGLE[method]
         return {"fc_norm": True, "norm_output": True, "ttt_steps": k, "num_speculative_tokens": k,
                 "num_layers": depth}
-    return {"method": method, "block_size": block,
+    return {"method": method, "block_size": block, "block_causal": causal,
             "num_speculative_tokens": rules(method).drafts_per_block(served or block), "num_layers": depth}
 
 
@@ -221,9 +221,11 @@ def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict]
                     for method in args.methods:
                         if method in EAGLE and (block, served) != args.blocks[0]:
                             continue  # EAGLE has no block: once per depth
-                        label = method if method in EAGLE else f"{method}/{block}" + (f"->{served}" if served else "")
+                        label = method if method in EAGLE else \
+                            f"{method}/{block}" + (f"->{served}" if served else "") + ("c" if args.causal else "")
                         point = {"toy": toy, "n": n, "tokens": tokens, "depth": depth, "block": block,
                                  "served": served, "method": method, "label": label, "seed": seed, "steps": steps,
+                                 "causal": args.causal and method not in EAGLE,
                                  "k": recipe(method, depth, block, served)["num_speculative_tokens"]}
                         earlier = [d for d in done if all(d.get(key) == point[key] for key in KEY)]
                         points.append(earlier[0] if earlier else point)
@@ -242,7 +244,7 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
     try:
         metrics = run(from_dict("03_train", {**TRAIN, "holdout_fraction": 0.1, **extra,
                                              **recipe(point["method"], point["depth"], point["block"],
-                                                      point["served"]),
+                                                      point["served"], point["causal"]),
                                              "data_dir": str(data_dir), "output_dir": str(out),
                                              "seed": point["seed"], "max_steps": point["steps"]}))
     except UserError as e:
@@ -288,6 +290,8 @@ def main() -> None:
     ap.add_argument("--depths", help="comma-separated draft layers (default: the grid's)")
     ap.add_argument("--blocks", help="comma-separated block sizes of the block drafters, TRAINED:SERVED for a block "
                                      "trained long and served shorter, e.g. 8,16:8 (default: the grid's)")
+    ap.add_argument("--causal", action="store_true", help="train the block drafters with block_causal (DFlash, "
+                                                          "DFlash2; labels end in c)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
     ap.add_argument("--seeds", type=int, help="seeds per point (0..N-1; default: the grid's)")
     ap.add_argument("--heldout", type=int, help="toy:heldout prompts answered for judging (at most 227)")

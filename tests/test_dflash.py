@@ -965,3 +965,40 @@ def test_a_block_trained_long_is_exported_and_read_as_the_block_it_is_served_wit
     full = json.loads((save_draft(draft, tmp_path / "full", num_speculative_tokens=trained - 1) / "config.json")
                       .read_text())
     assert full["block_size"] == trained  # served at the trained block: written as trained
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_a_causal_block_served_shorter_drafts_what_its_first_slots_drafted(method, toy_smoke, tmp_path):
+    """block_causal: 03's run builds a causal draft, the export says so to vLLM (dflash_config.causal), and a block
+    served shorter than trained gives its first slots exactly the states the trained block gave them; a
+    whole-block draft's first slots change when the later slots go (what serving a long-trained block shorter
+    costs it)."""
+    import dataclasses
+
+    from eagle3nb.drafts import get
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+    from eagle3nb.params import from_dict
+
+    heads = {"dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 2}}
+    P = from_dict("03_train", {"method": method, "block_size": 8, "num_speculative_tokens": 3, "block_causal": True,
+                               **heads.get(method, {})}, check_paths=False)
+    target = json.loads((toy_smoke / "config.json").read_text())
+    meta = {"vocab_size": target["vocab_size"], "hidden_size": target["hidden_size"], "layer_ids": [1]}
+    data = type("Data", (), {"meta": meta, "embed_tokens": lambda self: torch.randn(target["vocab_size"], 64),
+                             "lm_head": lambda self: torch.randn(target["vocab_size"], 64)})()
+    draft = get(method).fresh(P, data, target)
+    assert draft.config.causal and draft.config.block_size == 8
+    config = json.loads((save_draft(draft, tmp_path / "draft", num_speculative_tokens=3) / "config.json").read_text())
+    assert config["dflash_config"]["causal"] is True and config["block_size"] == 4
+    torch.manual_seed(0)
+    ctx, anchors, pos = torch.randn(1, 12, 64), torch.tensor([[5, 9]]), torch.tensor([[6, 10]])
+    for causal in (True, False):
+        model = DFlashDraft(from_target(target, block_size=8, causal=causal, **heads.get(method, {}))).eval()
+        with torch.no_grad():
+            for p in model.parameters():  # every weight live (DFlash2's convolutions start as the identity)
+                p.add_(0.1 * torch.randn_like(p))
+            served = DFlashDraft(dataclasses.replace(model.config, block_size=4)).eval()
+            served.load_state_dict(model.state_dict())
+            long, short = model(ctx, anchors, pos), served(ctx, anchors, pos)  # shape: [1, 2, 8 | 4, H]
+        assert torch.allclose(long[:, :, :4], short, atol=1e-5) == causal

@@ -47,13 +47,15 @@ def test_wrong_type_names_key_and_file():
      ["conv_kernel_size to at most 3"]),
     ("dspark", {"block_size": 4, "num_speculative_tokens": 4, "parallel_drafting": True}, ["parallel_drafting"]),
     ("dflash", {"block_size": 4, "num_speculative_tokens": 3, "loss": "opd"}, ["loss: opd", "block_loss"]),
+    ("dspark", {"block_size": 4, "num_speculative_tokens": 4, "block_causal": True},
+     ["block_causal is read by dflash / dflash2 only"]),
 ])
 def test_a_block_drafter_refuses_eagle3s_own_settings_before_work(method, over, names):
     """Settings the block objective or vLLM's block would not honour stop 03 with a line that names them."""
     with pytest.raises(ParamsError) as e:
         from_dict("03_train", {"params_file": "p.yaml", "method": method, **over}, check_paths=False)
     assert all(n in str(e.value) for n in names), str(e.value)
-    ok = {k: v for k, v in over.items() if k not in ("parallel_drafting", "loss", "conv_kernel_size")}
+    ok = {k: v for k, v in over.items() if k not in ("parallel_drafting", "loss", "conv_kernel_size", "block_causal")}
     ok["num_speculative_tokens"] = ok["block_size"] - (method != "dspark")
     assert from_dict("03_train", {"method": method, **ok}, check_paths=False).method == method
 

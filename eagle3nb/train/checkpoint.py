@@ -19,7 +19,8 @@ from eagle3nb.train.params import CURVE_KEYS, METHOD_KEYS, TrainParams
 # The recipes' choices at the value every run had before they existed: a run config leaves them out at that value, so
 # older runs still resume, and a checkpoint without one was made with that value. num_layers' 1 is also EAGLE-3's
 # depth; a block drafter's null now resolves to its own depth (2), so its run saved with 1 is refused, naming it.
-BEFORE = {"num_layers": 1, "loss": "forward_kl", "optimizer": "adamw", "parallel_drafting": False, "method": DEFAULT}
+BEFORE = {"num_layers": 1, "loss": "forward_kl", "optimizer": "adamw", "parallel_drafting": False, "method": DEFAULT,
+          "block_causal": False}
 
 
 class ResumeMismatch(StageError, ValueError):
@@ -42,7 +43,7 @@ def run_config(P: TrainParams, world: int, source: dict[str, Any] | None = None)
         del cfg["lk_eta"]  # only lk_lambda reads it
     for key in METHOD_KEYS:  # another method's settings, which do not shape this run
         if key not in rules(P.method).params:
-            del cfg[key]
+            cfg.pop(key, None)
     cfg.update(source or {})
     cfg["data_dir"], cfg["init_from"] = str(P.data_path), str(P.init_path) if P.init_path else None
     cfg["global_micro_batches"] = P.grad_accum * world

@@ -136,6 +136,10 @@ class TrainParams(StageParams):
                                                  "anchor then masks); DFlash drafts block_size-1 tokens a round, "
                                                  "DSpark block_size: num_speculative_tokens is that (DFlash, "
                                                  "DFlash2: or fewer, exported as the served block of k+1)")
+    block_causal: bool = Field(False, description=f"{readers('block_causal')}: each slot attends only to the slots "
+                                                   "before it in its block (vLLM's dflash_config.causal), so a block "
+                                                   "served shorter than trained drafts what its first slots drafted "
+                                                   "in training; false = the whole block (the papers')")
     anchors_per_seq: int = Field(512, ge=1, description=f"{readers('anchors_per_seq')}: blocks trained per sequence, "
                                                         "anchored at random generated tokens (all of them when fewer)")
     block_loss: Literal["kl", "ce"] = Field("kl", description=f"{readers('block_loss')}: per slot KL to the target's "
@@ -229,6 +233,9 @@ class TrainParams(StageParams):
             if self.parallel_drafting or self.draft_attention != "llama":
                 raise ValueError(f"parallel_drafting and draft_attention shape an EAGLE-3 draft; method "
                                  f"{self.method} has its own (leave them at false / llama)")
+            if self.block_causal and "block_causal" not in rules(self.method).params:
+                raise ValueError(f"block_causal is read by {readers('block_causal')} only; method {self.method} "
+                                 "trains its whole block (leave block_causal at false)")
             if self.loss != "forward_kl":  # the block objective reads block_loss; loss would be ignored
                 raise ValueError(f"loss: {self.loss} is EAGLE-3's training-time-test loss; method {self.method} "
                                  "trains with block_loss (kl | ce) and block_weighting: leave loss at forward_kl")

@@ -22,12 +22,13 @@ NUM_LAYERS = 2
 BLOCK = ("block_size", "anchors_per_seq", "block_loss", "block_weighting", "block_gamma", "dpace_alpha")
 RULES = {
     "dflash": MethodRules(summary="a block drafter: one forward drafts a block from the target's states, "
-                                  "docs/block-drafters.md", block=True, params=BLOCK,
+                                  "docs/block-drafters.md", block=True, params=(*BLOCK, "block_causal"),
                           layer_ids=spread_layer_ids, serves_shorter=True),
     "dspark": MethodRules(summary="DFlash with a Markov and a confidence head", block=True, samples_from_anchor=True,
                           params=(*BLOCK, "markov_rank", "confidence_weight"), layer_ids=spread_layer_ids),
     "dflash2": MethodRules(summary="DFlash with grouped dynamic convolutions and a candidate selector", block=True,
-                           params=(*BLOCK, "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+                           params=(*BLOCK, "block_causal", "conv_kernel_size", "conv_group_size", "selector_rank",
+                                   "selector_top_k"),
                            served_as="dflash", layer_ids=spread_layer_ids, serves_shorter=True),
 }
 

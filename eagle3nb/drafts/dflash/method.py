@@ -6,8 +6,8 @@ from eagle3nb.drafts.dflash import calibration, drafting, layouts, model, object
 
 
 def _method(name: str, title: str, heads_of, calibrate=None, confidences=None) -> DraftMethod:
-    """``heads_of(P)``: the shape of the method's additions to the backbone from 03's params (``DFlashConfig``
-    fields: DSpark's ``markov_rank``, DFlash2's convolutions and selector)."""
+    """``heads_of(P)``: the method's own ``DFlashConfig`` fields from 03's params (DSpark's ``markov_rank``, DFlash2's
+    convolutions and selector, DFlash's and DFlash2's ``causal`` block)."""
     return DraftMethod(
         name=name, title=title, claims=layouts.claimer(name), load=layouts.load_draft, save=layouts.save_draft,
         config_json=layouts.draft_config_json, objective=objective.BlockObjective.from_params,
@@ -20,8 +20,9 @@ def _method(name: str, title: str, heads_of, calibrate=None, confidences=None) -
 
 
 METHODS = {
-    "dflash": _method("dflash", "DFlash", lambda P: {}),
+    "dflash": _method("dflash", "DFlash", lambda P: {"causal": P.block_causal}),
     "dspark": _method("dspark", "DSpark", lambda P: {"markov_rank": P.markov_rank},
                       calibration.calibrate, offline.block_confidences),  # its confidence head
-    "dflash2": _method("dflash2", "DFlash2", lambda P: {k: getattr(P, k) for k in layouts.DFLASH2_KEYS}),
+    "dflash2": _method("dflash2", "DFlash2", lambda P: {"causal": P.block_causal,
+                                                        **{k: getattr(P, k) for k in layouts.DFLASH2_KEYS}}),
 }
