@@ -253,6 +253,11 @@ def test_the_resume_check_holds_the_settings_of_the_runs_method_and_no_other_met
     assert (cfg["dflash"]["method"], cfg["dflash"]["block_size"]) == ("dflash", 4)
     assert not {"markov_rank", "confidence_weight"} & cfg["dflash"].keys()
     assert (cfg["dspark"]["markov_rank"], cfg["dspark"]["block_size"]) == (32, 4)
+    # block_causal: left out at false, as every block run had before it existed (theirs resume), held when true
+    assert "block_causal" not in cfg["dflash"]
+    causal = run_config(from_dict("03_train", {"method": "dflash", **over["dflash"], "block_causal": True},
+                                  check_paths=False), 1)
+    assert causal["block_causal"] is True
 
 
 def free_port() -> int:
