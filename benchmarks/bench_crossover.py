@@ -225,7 +225,7 @@ def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict]
                             f"{method}/{block}" + (f"->{served}" if served else "") + ("c" if args.causal else "")
                         point = {"toy": toy, "n": n, "tokens": tokens, "depth": depth, "block": block,
                                  "served": served, "method": method, "label": label, "seed": seed, "steps": steps,
-                                 "causal": args.causal and method not in EAGLE,
+                                 "causal": args.causal and method not in EAGLE, "eval_every": args.eval_every,
                                  "k": recipe(method, depth, block, served)["num_speculative_tokens"]}
                         earlier = [d for d in done if all(d.get(key) == point[key] for key in KEY)]
                         points.append(earlier[0] if earlier else point)
@@ -242,7 +242,8 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
     t0 = time.perf_counter()
     extra = TOYS[toy] if point["method"] in EAGLE else {}
     try:
-        metrics = run(from_dict("03_train", {**TRAIN, "holdout_fraction": 0.1, **extra,
+        metrics = run(from_dict("03_train", {**TRAIN, "holdout_fraction": 0.1, "eval_every": point["eval_every"],
+                                             **extra,
                                              **recipe(point["method"], point["depth"], point["block"],
                                                       point["served"], point["causal"]),
                                              "data_dir": str(data_dir), "output_dir": str(out),
@@ -252,6 +253,8 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
         print(f"{toy} {point['label']}: 03 refuses it: {point['error']}", flush=True)
         return
     point["t0"], point["t1"] = judge(out, held, list(range(len(held))), point["k"])
+    point["evals"] = [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").open())
+                      if r.get("kind") == "eval"]  # 03's held-out loss: where the curve flattens
     point["tps"], point["seconds"] = metrics["tokens_per_s"], time.perf_counter() - t0
     print(f"{toy} n={point['n']} {point['label']} seed {point['seed']} ({point['steps']} steps, "
           f"{point['seconds']:.0f} s): tau T=0 {point['t0']:.3f}, T=1 {point['t1']:.3f}", flush=True)
@@ -290,6 +293,8 @@ def main() -> None:
     ap.add_argument("--depths", help="comma-separated draft layers (default: the grid's)")
     ap.add_argument("--blocks", help="comma-separated block sizes of the block drafters, TRAINED:SERVED for a block "
                                      "trained long and served shorter, e.g. 8,16:8 (default: the grid's)")
+    ap.add_argument("--eval-every", type=int, default=0, help="03's held-out evaluation every N steps (0: at the "
+                                                                  "start and end), kept per point as evals")
     ap.add_argument("--causal", action="store_true", help="train the block drafters with block_causal (DFlash, "
                                                           "DFlash2; labels end in c)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
