@@ -515,6 +515,48 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
         (row_t1["acceptance_length"], local_t1["acceptance_length"])
 
 
+@requires_vllm()
+def test_vllm_serves_a_causal_block_shorter_than_trained_as_local_decoding_does(trained, target, data, toy_smoke,
+                                                                                  tmp_path):
+    """block_causal's path through the real vLLM: the trained block-of-4 weights as a causal draft, exported at
+    k = 2 (a served block of 3, shorter than trained): vLLM reads ``dflash_config.causal`` and picks causal
+    attention for the draft, and greedy its counters count exactly the drafts and accepted tokens of our local block
+    decoding of the same export on the same prompts (a whole-block attention in either engine would propose other
+    blocks), its completions the target's own."""
+    import dataclasses
+
+    import httpx
+
+    from eagle3nb.accept.online import metrics_url, scrape
+    from eagle3nb.drafts import load_draft
+    from eagle3nb.drafts.dflash.drafting import generate
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft
+    from eagle3nb.formulas import spec_counters, spec_delta
+    from eagle3nb.serve.vllm import start_vllm
+
+    m = trained(0, "decay")[0]
+    causal = DFlashDraft(dataclasses.replace(m.config, causal=True)).eval()
+    causal.load_state_dict(m.state_dict())
+    k = m.config.drafts_per_block - 1
+    folder = save_draft(causal, tmp_path / "draft", num_speculative_tokens=k)
+    served_draft = load_draft(folder, embed_tokens=m.embed_tokens.weight, lm_head=m.lm_head.weight)
+    assert served_draft.config.causal and served_draft.config.drafts_per_block == k
+    prompts = [prompt_of(r) for r in data["heldout"]]
+    local = [generate(target, served_draft, p, NEW_TOKENS) for p in prompts]
+    local_accepted = [n for d in local for n in d.accepted]
+    with start_vllm(toy_smoke, "dflash", draft_dir=folder, num_speculative_tokens=k) as handle:
+        model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
+        murl = metrics_url(handle.base_url)
+        before = spec_counters(scrape(murl))
+        served = [httpx.post(handle.base_url + "/completions", timeout=300, json={
+            "model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}).json()["choices"][0]["token_ids"] for ids in prompts]
+        acc = spec_delta(before, spec_counters(scrape(murl)))
+    assert [d.tokens for d in local] == served
+    assert acc["drafts"] > 0 and (acc["drafts"], acc["accepted"]) == (len(local_accepted), sum(local_accepted)), acc
+
+
 # ---- through the registry: 03 trains and exports a block drafter, 04 and the batched decoder judge it -------------
 
 # num_layers left out: the block drafters' own depth (2), which test_03_trains_a_block_drafter checks reached the draft
