@@ -11,7 +11,7 @@ from pathlib import Path
 from eagle3nb import paths
 from eagle3nb.errors import InputError
 from eagle3nb.toy.build import SIZES, build, is_shipped
-from eagle3nb.toy.dialogues import write_prompts
+from eagle3nb.toy.prompt_sets import write_prompts
 from eagle3nb.toy.shipped import ShippedToyError, shipped
 
 __all__ = ["build", "resolve_model_path", "write_prompts", "resolve_prompts", "shipped", "ShippedToyError"]
