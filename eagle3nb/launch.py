@@ -8,7 +8,6 @@ so a stage that needs a server for its run (01's and 04's ``embedded`` endpoints
 from __future__ import annotations
 
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -63,33 +62,17 @@ _HANDED_OUT: set[int] = set()
 _HANDED_LOCK = threading.Lock()
 
 
-def ephemeral_floor() -> int:
-    """The lowest port the kernel hands out for ``bind(0)`` and outgoing connections (Linux's
-    ``ip_local_port_range``; 32768, its default, elsewhere)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(host: str) -> int:
-    """A port free now, never handed out before by this process, drawn at random below the kernel's ephemeral
-    range. ``bind(0)`` offers the same port again to whoever asks next until a server binds it: threads of one
-    process and processes side by side (pytest's workers) got the same one, and ``launch`` refused the second.
-    Below the ephemeral range no outgoing connection takes it meanwhile either."""
-    floor = ephemeral_floor()
+    """A port free now and never handed out before by this process: servers started side by side (threads) each
+    get their own, where the OS may offer one twice before the first server binds it (then ``launch`` refuses)."""
     with _HANDED_LOCK:
         while True:
-            port = random.randint(min(10000, floor // 2), floor - 1)
-            if port in _HANDED_OUT:
-                continue
             with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue  # held by another process
-            _HANDED_OUT.add(port)
-            return port
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
