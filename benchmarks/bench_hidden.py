@@ -71,7 +71,7 @@ def main() -> None:
 
     from eagle3nb.data.shards import STORAGES, bytes_per_token
     from eagle3nb.hf import STATES, load_target
-    from eagle3nb.hidden.plan import prepare_samples
+    from eagle3nb.hidden.prepare import prepare_samples
     from eagle3nb.hidden.stage import run as extract
     from eagle3nb.params import from_dict
 

@@ -9,7 +9,7 @@ temperature 1 (sampled drafting):
 
 - offline: 04's acceptance length at k=3 on the samples 03 held out (T=1: the expected acceptance of rejection
   sampling, sum min(p, q));
-- local: our speculative decoder (``eagle3nb.specdec``, lossless: at T=0 every output is checked against the
+- local: our speculative decoder (``eagle3nb.decoder``, lossless: at T=0 every output is checked against the
   target's own greedy tokens) on held-out prompts (``toy:heldout``), acceptance length from its counters;
 - vLLM (seed 0 only, one server per draft, ``draft_sample_method: probabilistic`` so T=1 drafts by sampling):
   the real vLLM's spec-decode counters on the same prompts, and the served speedup: output tokens/s with the draft
@@ -57,16 +57,16 @@ from eagle3nb.data.prompts import load_prompts  # noqa: E402
 from eagle3nb.data.reader import HiddenStates  # noqa: E402
 from eagle3nb.data.split import split_holdout  # noqa: E402
 from eagle3nb.data.stream import Template  # noqa: E402
-from eagle3nb.decoding.verify import SpecCounters  # noqa: E402
+from eagle3nb.decoder.batch import SpecDecoder  # noqa: E402
+from eagle3nb.decoder.reference import plain_generate  # noqa: E402
 from eagle3nb.drafts import DEFAULT, block_methods, load_draft, rules  # noqa: E402
 from eagle3nb.errors import UserError  # noqa: E402
 from eagle3nb.hf import DECODER, load_target  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
 from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
-from eagle3nb.specdec.batch import SpecDecoder  # noqa: E402
-from eagle3nb.specdec.reference import plain_generate  # noqa: E402
 from eagle3nb.toy import shipped  # noqa: E402
 from eagle3nb.train.stage import run  # noqa: E402
+from eagle3nb.verification.verify import SpecCounters  # noqa: E402
 from testkit.heldout import greedy_hidden_states  # noqa: E402
 
 # One factor each, against the EAGLE-3.0 baseline (one Llama layer, no 3.1 norms, forward KL, AdamW).

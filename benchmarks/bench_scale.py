@@ -63,7 +63,7 @@ def train_params(root: Path):
 
 def model_parts(P):
     from eagle3nb.data.head import target_info
-    from eagle3nb.hidden.plan import aux_layer_ids
+    from eagle3nb.hidden.prepare import aux_layer_ids
 
     info = target_info(P.model_dir)
     return P.model_dir, info, aux_layer_ids(P, info["num_layers"])
@@ -79,7 +79,7 @@ def build(root: Path, n: int, tokens: int, seed: int = 0) -> dict:
     from eagle3nb.data.shards import write_shard
     from eagle3nb.data.vocab import VOCAB_FILE, save_draft_vocab
     from eagle3nb.hidden.extract import write_index
-    from eagle3nb.hidden.plan import make_plan
+    from eagle3nb.hidden.prepare import make_plan
 
     rng = random.Random(seed)
     P = hidden_params(root)
@@ -134,8 +134,8 @@ def measure(op: str, root: Path) -> dict:
     from eagle3nb.data.samples import latest
     from eagle3nb.data.split import split_holdout
     from eagle3nb.hidden.extract import write_index
-    from eagle3nb.hidden.plan import make_plan, prepare_samples
-    from eagle3nb.synth.plan import needs_request
+    from eagle3nb.hidden.prepare import make_plan, prepare_samples
+    from eagle3nb.synth.resume import needs_request
     from eagle3nb.train.loop import Layout
 
     P = hidden_params(root)

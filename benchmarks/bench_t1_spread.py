@@ -27,11 +27,11 @@ from bench_recipes import RECIPES, TOYS, TRAIN, Local, full_vocab, k_of  # noqa:
 
 from eagle3nb.accept.online import bench_endpoint  # noqa: E402
 from eagle3nb.data.prompts import load_prompts  # noqa: E402
-from eagle3nb.decoding.verify import SpecCounters  # noqa: E402
 from eagle3nb.params import from_dict  # noqa: E402
 from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
 from eagle3nb.toy import shipped  # noqa: E402
 from eagle3nb.train.stage import run  # noqa: E402
+from eagle3nb.verification.verify import SpecCounters  # noqa: E402
 from testkit.heldout import greedy_hidden_states  # noqa: E402
 
 SEED_STRIDE = 1000  # seed set s seeds prompt i with i + SEED_STRIDE * s (set 0 is the benchmark's)

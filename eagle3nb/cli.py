@@ -16,7 +16,7 @@ CLI_MODULES = [
     "eagle3nb.toy.cli",    # toy build, toy prompts
     "eagle3nb.serve.cli",  # serve
     "eagle3nb.doctor",     # doctor
-    "eagle3nb.plan",       # plan
+    "eagle3nb.sizing",       # plan
 ]
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.stream import Template
+from eagle3nb.decoder.reference import plain_generate
 from eagle3nb.hidden.stage import run as extract_hidden_states
 from eagle3nb.params import from_dict
-from eagle3nb.specdec.reference import plain_generate
 
 
 def greedy_hidden_states(model_dir: Path, prompts: str, n: int, max_new_tokens: int, out_dir: Path,

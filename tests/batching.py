@@ -10,7 +10,7 @@ def join_and_leave(batch, prompts: list[list[int]], finished: Callable[[int, lis
     """Run ``prompts`` through ``batch`` (a ``SpecBatch``, greedy rows); ``finished(i, tokens)`` returns row i's
     final tokens once it is done, else None. Returns (each row's tokens, batch size per round, rounds whose rows
     accepted runs of different lengths)."""
-    from eagle3nb.decoding.verify import Sampling
+    from eagle3nb.verification.verify import Sampling
 
     outs: dict[int, list[int]] = {}
     active: list[int] = []

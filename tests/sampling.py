@@ -74,8 +74,8 @@ def spread_prompt(model_dir: Path) -> SpreadPrompt:
     p(t) p(. | t)."""
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.specdec.reference import plain_generate
 
     tpl, target = Template(model_dir, True), load_target(model_dir, trust_remote_code=False, use=DECODER)
     for p in load_prompts("toy:heldout", 8):
@@ -129,11 +129,11 @@ def same_distribution(a: list[int], b_tokens: list[int], sp: SpreadPrompt) -> fl
 
 @torch.inference_mode()
 def decoded_second_tokens(model_dir: Path, draft_dir: Path, ids: list[int], k: int, seeds: range) -> list[int]:
-    """Our decoder's (``eagle3nb.specdec``) second generated token of one seeded T=1 decode of ``ids`` per seed,
+    """Our decoder's (``eagle3nb.decoder``) second generated token of one seeded T=1 decode of ``ids`` per seed,
     ``k`` drafts a round; asserts every decode verified drafts for it (a round, not the prefill, decided it)."""
+    from eagle3nb.decoder.batch import SpecDecoder
     from eagle3nb.drafts import load_draft
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.specdec.batch import SpecDecoder
 
     target = load_target(model_dir, trust_remote_code=False, use=DECODER)
     draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach(),

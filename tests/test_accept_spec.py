@@ -44,7 +44,7 @@ def world(toy_smoke, tmp_path_factory, one_thread) -> dict:
 
 
 def test_greedy_speculative_decoding_is_identical_to_the_target_on_many_prompts(world):
-    from eagle3nb.specdec.batch import SpecDecoder
+    from eagle3nb.decoder.batch import SpecDecoder
 
     target, draft = world["target"], world["draft"]
     for k in (1, 4):
@@ -62,8 +62,8 @@ def test_greedy_speculative_decoding_is_identical_to_the_target_on_many_prompts(
 def test_sampled_speculative_decoding_keeps_the_target_distribution(world):
     """Chi-square test on the first two generated tokens of one prompt, speculative vs the target's own
     distribution (exact, from its logits): the second token comes from a draft-and-verify round."""
-    from eagle3nb.decoding.verify import probs_at
-    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.decoder.batch import SpecBatch, SpecDecoder
+    from eagle3nb.verification.verify import probs_at
 
     target, draft, p = world["target"], world["draft"], world["prompts"][0]
     T = 1.0
@@ -100,8 +100,8 @@ def test_sampled_verification_keeps_the_targets_distribution_g_test(world, sprea
     """Token-wise and block verification side by side: at T=1 the second generated token (the first one a round
     verifies) of N seeded rows, decoded together (k=3), fits the target's own distribution of that token
     (tests/sampling.py's G-test at ALPHA), and every row verified drafts for it. ~5 s each."""
-    from eagle3nb.decoding.verify import Sampling
-    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.decoder.batch import SpecBatch, SpecDecoder
+    from eagle3nb.verification.verify import Sampling
 
     from sampling import ALPHA, N, fits_target
 
@@ -242,8 +242,8 @@ def test_benchmark_sets_answer_later_turns_on_policy(world):
     decoder's output), the counters split by turn and category adding up to the set's."""
     from eagle3nb.accept.bench import answer_of, decode_set
     from eagle3nb.data.prompts import load_prompts
-    from eagle3nb.decoding.verify import SpecCounters
-    from eagle3nb.specdec.batch import SpecDecoder
+    from eagle3nb.decoder.batch import SpecDecoder
+    from eagle3nb.verification.verify import SpecCounters
 
     target, draft, tpl, eos = world["target"], world["draft"], world["tpl"], world["eos"]
     dec = SpecDecoder(target, draft, 3)

@@ -15,9 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3nb"
 STAGES = ("synth", "hidden", "train", "accept")
-CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "decoding", "drafts", "specdec",
+CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers", "verification", "drafts", "decoder",
         "vllm_config", "hf", "launch", "stage_cli", "toy", "tokenview", "figures", "errors",
-        "plan", "track", "params_yaml", "params_notebook")
+        "sizing", "track", "params_yaml", "params_notebook")
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 # 05 refresh has a stage's roles (params, run(P), report) but runs 01-04's stages on its own data: it sits on top of
 # them, as the runner does.
@@ -158,7 +158,7 @@ def test_no_package_both_imports_and_is_imported_by_the_drafts():
     below = {d for m, d in edges if m == "drafts"}
     above = {m for m, d in edges if d == "drafts"}
     assert sorted(below & above) == []
-    assert "decoding" in below and "specdec" in above
+    assert "verification" in below and "decoder" in above
 
 
 def test_no_folder_of_the_package_is_named_like_a_test_folder():

@@ -397,9 +397,9 @@ def test_training_lifts_offline_acceptance_and_decoding_stays_lossless(trained, 
     """A few seconds of training on the toy's states: the loss falls, held-out offline acceptance (by block
     position, tau for the block) rises above the untrained draft's, greedy block decoding returns the target's own
     greedy tokens, and the offline simulation of that decode replays its rounds exactly."""
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.drafts.dflash.drafting import generate
     from eagle3nb.drafts.dflash.offline import block_hits, offline_acceptance, rounds
-    from eagle3nb.specdec.reference import plain_generate
 
     m, losses, before = trained(markov_rank, weighting)
     after = offline_acceptance(m, items(data["heldout"], m.config.aux_layer_ids))
@@ -471,11 +471,11 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     from eagle3nb.accept.local import compare_with_plain
     from eagle3nb.accept.online import bench_endpoint, metrics_url, scrape
     from eagle3nb.data.stream import Template
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.drafts.dflash.drafting import generate
     from eagle3nb.drafts.dflash.layouts import save_draft
     from eagle3nb.formulas import spec_counters, spec_delta
     from eagle3nb.serve.vllm import start_vllm
-    from eagle3nb.specdec.reference import plain_generate
 
     m = trained(0, "decay")[0]
     k = m.config.drafts_per_block
@@ -734,9 +734,9 @@ def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_i
     from eagle3nb.accept.local import measure_costs
     from eagle3nb.accept.offline import offline_acceptance, simulate_rounds
     from eagle3nb.accept.predict import predict
+    from eagle3nb.decoder.batch import SpecDecoder
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.drafts import one_forward_per_round
-    from eagle3nb.specdec.batch import SpecDecoder
-    from eagle3nb.specdec.reference import plain_generate
 
     draft = staged(method)[2]
     k = draft.config.drafts_per_block
@@ -780,9 +780,9 @@ def test_the_embedded_server_serves_a_block_drafter_losslessly(staged, target, t
 
     from eagle3nb.accept.online import metrics_url, scrape
     from eagle3nb.data.prompts import load_prompts
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.formulas import spec_counters, spec_delta
     from eagle3nb.launch import start_server
-    from eagle3nb.specdec.reference import plain_generate
 
     out, _, draft = staged(method)
     k = draft.config.drafts_per_block
@@ -806,8 +806,8 @@ def test_the_batched_decoder_samples_the_targets_distribution_with_a_block_draft
     """At T=1 the second generated token (the first one a block drafts) of N seeded rows, decoded together, fits
     the target's own distribution of that token (tests/sampling.py's G-test), at a position where the first token
     is near-certain and the second spread; rows do draft it (~2 s each)."""
-    from eagle3nb.decoding.verify import Sampling
-    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.decoder.batch import SpecBatch, SpecDecoder
+    from eagle3nb.verification.verify import Sampling
 
     from sampling import ALPHA, N, SpreadPrompt, fits_target
 
@@ -877,8 +877,8 @@ def test_04s_views_draw_a_block_drafters_rounds_as_blocks(staged, stage_data, ta
     from eagle3nb import drafts
     from eagle3nb.accept import misses, views
     from eagle3nb.accept.offline import position_record
+    from eagle3nb.decoder.batch import SpecDecoder
     from eagle3nb.families import detect
-    from eagle3nb.specdec.batch import SpecDecoder
 
     draft = staged("dflash")[2]
     k, unit = draft.config.drafts_per_block, drafts.of(draft).unit

@@ -19,7 +19,7 @@ from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.shards import STORAGES, ShardError, bytes_per_token
 from eagle3nb.data.vocab import build_draft_vocab
 from eagle3nb.hidden.cost import compare_targets
-from eagle3nb.hidden.plan import HiddenStatesError
+from eagle3nb.hidden.prepare import HiddenStatesError
 from eagle3nb.hidden.stage import preview, run
 from eagle3nb.layers import LayerIdError, check_layer_ids, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.params import from_dict
@@ -336,7 +336,7 @@ def test_resume_with_other_data_settings_is_refused_and_force_starts_over(fp32_r
 def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypatch, capsys):
     from collections import namedtuple
 
-    from eagle3nb.hidden import plan
+    from eagle3nb.hidden import prepare as plan
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
@@ -375,7 +375,7 @@ def test_samples_hash_is_the_one_of_the_whole_json():
     """02's config hash is fed in chunks (no whole-run JSON text in memory) and equals the one-shot digest."""
     import hashlib
 
-    from eagle3nb.hidden.plan import samples_sha256
+    from eagle3nb.hidden.prepare import samples_sha256
 
     rng = random.Random(0)
     for n in (0, 1, 1023, 1024, 2500):

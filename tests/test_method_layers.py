@@ -24,7 +24,7 @@ def run_folder(tmp: Path, hidden: dict, train: dict) -> Path:
 
 def layers_02(folder: Path) -> list[int]:
     """The layers 02 would extract for the run in ``folder`` from an L-layer target."""
-    from eagle3nb.hidden.plan import aux_layer_ids
+    from eagle3nb.hidden.prepare import aux_layer_ids
     from eagle3nb.params import from_dict
     from eagle3nb.params_yaml import run_params
 
@@ -42,7 +42,7 @@ def test_02_extracts_a_block_drafters_spread_for_its_run(method, tmp_path):
 
 
 def test_02_keeps_eagle3s_layers_for_an_eagle3_run_and_outside_a_run_folder(tmp_path):
-    from eagle3nb.hidden.plan import aux_layer_ids
+    from eagle3nb.hidden.prepare import aux_layer_ids
     from eagle3nb.params import from_dict
 
     assert layers_02(run_folder(tmp_path / "e", {}, {})) == default_aux_layer_ids(L)

@@ -104,9 +104,9 @@ def test_our_decoder_drafts_the_one_pass_losslessly_and_batched_rows_as_alone(to
 
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
+    from eagle3nb.decoder.batch import SpecDecoder
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.specdec.batch import SpecDecoder
-    from eagle3nb.specdec.reference import plain_generate
 
     m = smoke_draft(toy_smoke, 1)
     mask_id = m.config.vocab_size - 1

@@ -10,7 +10,7 @@ import pytest
 
 from eagle3nb.cli import main
 from eagle3nb.errors import InputError
-from eagle3nb.plan import plan_run
+from eagle3nb.sizing import plan_run
 
 N, T, TPS, BPT, GPUS = 1_000_000, 1444, 3165.0, 57_349, 8
 

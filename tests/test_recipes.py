@@ -146,9 +146,9 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
     batch (padding, merges, holes in every layer's cache) draft exactly the tokens they draft alone."""
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
+    from eagle3nb.decoder.batch import SpecDecoder
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.specdec.batch import SpecDecoder
-    from eagle3nb.specdec.reference import plain_generate
 
     draft = load_draft(save_draft(smoke_draft(toy_smoke, 2), tmp_path / "draft"))
     assert draft.config.num_layers == 2
@@ -164,8 +164,8 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
 def assert_batched_rows_draft_as_alone(dec, prompts: list[list[int]], runs) -> None:
     """Two rows start a batch, a third joins at the second round (padding, merges, holes in every layer's cache):
     each drafts in its first rounds exactly what it drafted alone (``runs``: ``dec.generate`` of each prompt)."""
-    from eagle3nb.decoding.verify import Sampling
-    from eagle3nb.specdec.batch import SpecBatch
+    from eagle3nb.decoder.batch import SpecBatch
+    from eagle3nb.verification.verify import Sampling
 
     alone = [r.drafted_per_round for r in runs]
     batch = SpecBatch(dec)

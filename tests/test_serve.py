@@ -44,7 +44,7 @@ class InProcessServer:
         import uvicorn
 
         from eagle3nb.serve.app import Server, create_app
-        from eagle3nb.serve.engine import Engine
+        from eagle3nb.serve.batcher import Engine
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

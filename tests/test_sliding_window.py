@@ -1,6 +1,6 @@
 """Local speculative decoding of sliding-window targets with attention sinks (issue 22): gpt-oss alternates
 sliding and full layers, and ``PaddedKV``'s holes, left padding and packing make a row's window differ from the
-last columns, so ``eagle3nb.specdec`` keeps full cache layers and applies each window over the row's real tokens.
+last columns, so ``eagle3nb.decoder`` keeps full cache layers and applies each window over the row's real tokens.
 
 Greedy speculative decoding must be lossless: every row's tokens equal transformers' own ``generate`` of that
 prompt alone, with rows of different lengths joining and leaving, drafts rejected and accepted, prompts longer
@@ -157,7 +157,7 @@ def _hint(draft, sequences: list[list[int]]):
 def _continuous(target, draft, prompts: list[list[int]], limits: list[int]):
     """Rows join one or two per other round and leave at their own limit: (outputs, batch sizes, ragged rounds,
     counters)."""
-    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.decoder.batch import SpecBatch, SpecDecoder
 
     batch = SpecBatch(SpecDecoder(target, draft, K))
     outs, sizes, ragged = join_and_leave(batch, prompts, lambda i, out: out[: limits[i]] if len(out) >= limits[i]
@@ -190,7 +190,7 @@ def test_greedy_continuous_batching_equals_generate_across_the_window(name, prom
 @torch.inference_mode()
 def test_one_sequence_generate_equals_generate(gpt_oss, prompts):
     """``SpecDecoder.generate`` (compare_with_plain's path, a batch of one) on the longest prompt."""
-    from eagle3nb.specdec.batch import SpecDecoder
+    from eagle3nb.decoder.batch import SpecDecoder
 
     ref = _generate(gpt_oss, prompts[-1], 30)
     draft = _hint(_draft(gpt_oss), [prompts[-1] + ref])
@@ -202,7 +202,7 @@ def test_one_sequence_generate_equals_generate(gpt_oss, prompts):
 def _serve_in_two_waves(engine, prompts: list[list[int]]) -> list:
     """Greedy requests of ``LIMITS`` tokens on a started Engine: three first, the rest once the shortest has
     finished (so they join a running batch); every request finished, the engine shut down and error-free."""
-    from eagle3nb.serve.engine import Request, SamplingParams
+    from eagle3nb.serve.batcher import Request, SamplingParams
 
     done = [threading.Event() for _ in prompts]
     reqs = []
@@ -229,8 +229,8 @@ def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, toke
     """The embedded server's ``--draft`` path: its Engine thread with a SpecEngine over a saved draft, requests
     submitted in two waves (the second joins a running batch), each request's token ids equal generate's."""
     from eagle3nb.drafts.eagle3.layouts import save_draft
-    from eagle3nb.serve.engine import Engine, Metrics
-    from eagle3nb.serve.spec_engine import SpecEngine
+    from eagle3nb.serve.batcher import Engine, Metrics
+    from eagle3nb.serve.spec_batcher import SpecEngine
 
     with torch.inference_mode():
         refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
@@ -248,7 +248,7 @@ def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, toke
 def test_embedded_plain_server_engine_answers_gpt_oss_like_generate(gpt_oss, tokenizer, prompts):
     """The embedded server without a draft (its BatchDecoder): requests in two waves, the second joining a
     running batch whose rows have crossed the window, each request's token ids equal generate's."""
-    from eagle3nb.serve.engine import Engine
+    from eagle3nb.serve.batcher import Engine
 
     with torch.inference_mode():
         refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]

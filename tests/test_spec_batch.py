@@ -1,4 +1,4 @@
-"""Continuous batching of speculative decoding (``eagle3nb.specdec.batch.SpecBatch``, the embedded server's ``--draft``
+"""Continuous batching of speculative decoding (``eagle3nb.decoder.batch.SpecBatch``, the embedded server's ``--draft``
 engine): rows of different lengths that accept different numbers of drafts, join and leave between rounds, and
 still decode exactly what they would alone."""
 
@@ -37,8 +37,8 @@ def _prompts(toy_smoke, n: int) -> list[list[int]]:
 
 def test_rows_joining_and_leaving_between_rounds_decode_like_the_target_alone(pair, toy_smoke):
     """Greedy rows admitted at different rounds, each stopping at its own EOS or length, equal plain decoding."""
-    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
-    from eagle3nb.specdec.reference import plain_generate
+    from eagle3nb.decoder.batch import SpecBatch, SpecDecoder
+    from eagle3nb.decoder.reference import plain_generate
 
     target, draft, eos = pair
     prompts, limits = _prompts(toy_smoke, 6), [60, 9, 60, 17, 60, 33]
@@ -58,8 +58,8 @@ def test_rows_joining_and_leaving_between_rounds_decode_like_the_target_alone(pa
 
 def test_a_seeded_sampled_row_does_not_depend_on_its_batch(pair, toy_smoke):
     """Rejection sampling per row with the row's own generator: the same tokens alone and among other rows."""
-    from eagle3nb.decoding.verify import Sampling
-    from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
+    from eagle3nb.decoder.batch import SpecBatch, SpecDecoder
+    from eagle3nb.verification.verify import Sampling
 
     target, draft, _ = pair
     dec = SpecDecoder(target, draft, K)
@@ -100,7 +100,7 @@ def test_spec_server_batches_concurrent_requests_and_answers_like_the_plain_serv
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.formulas import parse_prometheus
     from eagle3nb.launch import start_server
-    from eagle3nb.serve.spec_engine import BATCH_ROUNDS
+    from eagle3nb.serve.spec_batcher import BATCH_ROUNDS
 
     questions = [r["messages"][0]["content"] for r in load_prompts("toy:heldout", 6)]
     limits = [120, 12, 80, 30, 120, 50]
@@ -120,12 +120,12 @@ def test_spec_server_batches_concurrent_requests_and_answers_like_the_plain_serv
 
 
 def test_the_reference_decoder_decodes_like_the_batched_one(pair, toy_smoke):
-    """``eagle3nb.specdec.reference`` (one sequence, no padding, no draft cache) and the batched decoder give the same
+    """``eagle3nb.decoder.reference`` (one sequence, no padding, no draft cache) and the batched decoder give the same
     tokens and the same accepted drafts every round: greedy (both the target's own output), and sampled with the
     same seed (both draw from the generator in the same order: first token, k drafts, verification), with
     token-wise and with block verification (greedy: identical to the target either way)."""
-    from eagle3nb.specdec.batch import SpecDecoder
-    from eagle3nb.specdec.reference import plain_generate, reference_generate
+    from eagle3nb.decoder.batch import SpecDecoder
+    from eagle3nb.decoder.reference import plain_generate, reference_generate
 
     target, draft, eos = pair
     dec = SpecDecoder(target, draft, K)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from eagle3nb.decoding.verify import SpecCounters, verify_greedy, verify_sampling
+from eagle3nb.verification.verify import SpecCounters, verify_greedy, verify_sampling
 
 
 def test_greedy_accepts_the_agreeing_prefix_and_returns_the_targets_next_token():
@@ -105,7 +105,7 @@ def test_expected_acceptance_is_one_minus_total_variation():
     assert abs(acc / total - expected) < 4 * math.sqrt(expected * (1 - expected) / total)
 
 
-# -- block verification (eagle3nb.decoding.block), exact on the Markov chains above --------------------------------
+# -- block verification (eagle3nb.verification.block), exact on the Markov chains above --------------------------------
 
 def _rounds(p: torch.Tensor, q: torch.Tensor, k: int, start: int = 0):
     """Every draft block of one round after ``start``: (drafts [k], its draft probability, draft rows [k, V], target
@@ -119,7 +119,7 @@ def _rounds(p: torch.Tensor, q: torch.Tensor, k: int, start: int = 0):
 def _block_outcomes(xs, qs, ps, correction_of=None):
     """Exact (tau, P(tau), correction distribution) of block verification on one block: tau is the last prefix
     whose eta_i <= h_i, so P(tau = i) = h_i prod_{j > i} (1 - h_j)."""
-    from eagle3nb.decoding.block import block_weights, correction
+    from eagle3nb.verification.block import block_weights, correction
 
     w, h = block_weights(xs, qs, ps)
     k = len(xs)
@@ -180,7 +180,7 @@ def test_block_verification_is_exactly_lossless(k):
     """One block-verified round followed by the target gives exactly the target's distribution of k+1 tokens, on
     the fixed chains and on random ones; the same harness holds token-wise verification lossless, and rejects
     block verification with token-wise's correction (w_tau dropped), so it has the power to see a wrong rule."""
-    from eagle3nb.decoding.block import correction
+    from eagle3nb.verification.block import correction
 
     for p, q in [(P.double(), Q.double()), _random_chains(k), _random_chains(10 + k)]:
         want = _target_dist(p, k)
@@ -221,7 +221,7 @@ def test_block_verification_accepts_at_least_as_many_drafts_as_token_wise():
 def test_verify_block_samples_what_the_exact_rule_says():
     """``verify_block`` (the sampler the decoders call) reproduces the target's sequences on the chains above, as
     token-wise does, and accepts per round what the exact computation expects."""
-    from eagle3nb.decoding.block import verify_block
+    from eagle3nb.verification.block import verify_block
 
     g = torch.Generator().manual_seed(2)
     n, total = 3, 6000
@@ -241,8 +241,8 @@ def test_verify_block_samples_what_the_exact_rule_says():
 
 
 def test_a_sequence_names_its_verification_or_is_refused():
-    from eagle3nb.decoding.verify import Sampling
     from eagle3nb.errors import InputError
+    from eagle3nb.verification.verify import Sampling
 
     assert Sampling(1.0, verification="block").verification == "block"
     with pytest.raises(InputError, match="standard, block"):

@@ -302,7 +302,7 @@ def test_04_sweep_reads_the_k_of_a_real_vllm_server(spec_servers, trained, tmp_p
     """04's server sweep at one k against the real vLLM (each k is a restart; the embedded server sweeps k in
     tests/test_accept_sweep.py): the declared k checked against vLLM's per-position counters, the rows' k, the
     acceptance bounded by it and tied to the rate by vLLM's definitions, the speedup over the baseline's row."""
-    from eagle3nb.accept.engine import read_rounds
+    from eagle3nb.accept.forecast import read_rounds
     from eagle3nb.accept.online import bench_endpoint, run_online
     from eagle3nb.errors import InputError
     from eagle3nb.params import from_dict

@@ -1,5 +1,5 @@
 """Lossless sampling, held on every engine that verifies drafts by rejection sampling: here our decoder
-(``eagle3nb.specdec``) and the fix for the real vLLM's CPU build; the embedded speculative server in
+(``eagle3nb.decoder``) and the fix for the real vLLM's CPU build; the embedded speculative server in
 tests/test_bench_server.py, the real vLLM in tests/test_vllm.py and on the MLA + MoE target in
 tests/test_family_kimi.py (beside the servers they already run).
 

@@ -44,7 +44,7 @@ The CUDA paths (where the code picks or follows a device), and what each check c
 - ``embedded_server``: ``hf.load_target(use=DECODER)`` moves the embedded server's target to cuda: 01
   ``synth.run`` against it, greedy, gives the CPU target's greedy token ids (>= 90% of samples identical) and
   server ids == template ids.
-- ``embedded_spec_server``: ``serve.spec_engine`` (draft on the target's device and dtype): 04's
+- ``embedded_spec_server``: ``serve.spec_batcher`` (draft on the target's device and dtype): 04's
   ``bench_endpoint`` greedy and at temperature 0.8 without errors, acceptance length within 15% of CPU local.
 - ``block_drafter``: seeded DFlash and DFlash2 drafts (``drafts.dflash``) on cuda vs the same weights on CPU fp32: one
   micro-batch's block loss within 1e-4 (relative), and greedy block decoding on cuda equal to the target's greedy
@@ -365,7 +365,7 @@ class World:
         local = self.local_cpu_of(draft_dir or self.draft_dir)["acceptance_length"]
         return expect(tau > 1.0 and abs(tau - local) <= share * local,
                       f"acceptance length {tau:.3f} vs CPU local decoding {local:.3f} (within {share:.0%})",
-                      f"{what} reads the draft differently from eagle3nb.specdec on CPU (layer ids, norms, vocab map, "
+                      f"{what} reads the draft differently from eagle3nb.decoder on CPU (layer ids, norms, vocab map, "
                       "dtype); compare the two on one prompt")
 
 
@@ -579,14 +579,14 @@ def check_spec_decoding(w: World) -> str:
     _, ids, eos = w.prompts
     greedy = compare_with_plain(target, draft, ids, K, MAX_TOKENS, 0.0, eos)
     expect(greedy["identical_to_target"], f"greedy speculative output differs from the target's on prompts "
-           f"{greedy['mismatched_prompts']}", "SpecDecoder on CUDA is not lossless: check eagle3nb/specdec/batch.py")
-    measured = "greedy lossless, " + w.within_local(greedy["acceptance_length"], 0.05, "eagle3nb.specdec on cuda")
+           f"{greedy['mismatched_prompts']}", "SpecDecoder on CUDA is not lossless: check eagle3nb/decoder/batch.py")
+    measured = "greedy lossless, " + w.within_local(greedy["acceptance_length"], 0.05, "eagle3nb.decoder on cuda")
     try:
         sampled = compare_with_plain(target, draft, ids[:4], K, MAX_TOKENS, 0.8, eos)
     except Exception as e:
         print(f"\n--- spec_decoding, temperature 0.8 ---\n{traceback.format_exc()}", file=w.log, flush=True)
         raise Mismatch(f"{measured}; but sampling (temperature 0.8) raised {type(e).__name__}: {_first_line(e)}",
-                       "sampled speculative decoding fails on CUDA: fix eagle3nb/specdec/ and "
+                       "sampled speculative decoding fails on CUDA: fix eagle3nb/decoder/ and "
                        "eagle3nb/drafts/eagle3/drafting.py (traceback in gpu_check.log; e.g. a CPU "
                        "torch.Generator drawing from CUDA probabilities)") from e
     costs = measure_costs(target, draft, K)
@@ -614,7 +614,7 @@ def check_embedded_server(w: World) -> str:
     measured = (f"{len(rows)} greedy samples from the server on cuda: {same} equal the CPU target's greedy ids "
                 f"(>= 90%), server ids == template ids on {matched}")
     return expect(matched == len(rows) == N_SAMPLES and same >= 0.9 * len(rows), measured,
-                  "the embedded server on GPU decodes differently: check BatchDecoder in eagle3nb/serve/engine.py, "
+                  "the embedded server on GPU decodes differently: check BatchDecoder in eagle3nb/serve/batcher.py, "
                   "load_target in eagle3nb/hf.py")
 
 
@@ -629,7 +629,7 @@ def check_embedded_spec_server(w: World) -> str:
     for r, how in ((greedy, "greedy"), (sampled, "temperature 0.8")):
         expect(r["errors"] == 0, f"{r['errors']} of {r['requests']} {how} requests failed: {r.get('first_error')}",
                "the speculative engine fails on GPU: see the server log named in gpu_check.log "
-               "(eagle3nb/serve/spec_engine.py, eagle3nb/specdec/)")
+               "(eagle3nb/serve/spec_batcher.py, eagle3nb/decoder/)")
     return w.within_local(greedy["acceptance_length"] or 0.0, 0.15, "the embedded speculative server") + \
         f"; sampled acceptance length {fmt(sampled['acceptance_length'])}"
 
@@ -644,12 +644,12 @@ def check_block_drafter(w: World) -> str:
 
     import torch
 
+    from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.drafts.dflash.drafting import generate
     from eagle3nb.drafts.dflash.layouts import load_draft, save_draft
     from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
     from eagle3nb.drafts.dflash.objective import block_loss
     from eagle3nb.hf import DECODER, load_target
-    from eagle3nb.specdec.reference import plain_generate
 
     _, ids, eos = w.prompts
     targets = {GPU: load_target(w.toy, trust_remote_code=False, use=DECODER).to(GPU)}
@@ -784,7 +784,7 @@ def check_vllm_block_verification(w: World) -> str:
                   f"T=1, {len(rows)} prompts: vLLM block verification acceptance length {tau:.3f} vs ours "
                   f"{ours:.3f} (within 10%; our token-wise {standard:.3f}), errors {row['errors']}, "
                   f"{row['output_tokens_per_s']:.0f} tok/s",
-                  "vLLM's block verification accepts differently from eagle3nb/decoding/block.py: compare the two "
+                  "vLLM's block verification accepts differently from eagle3nb/verification/block.py: compare the two "
                   "rules on one round's probabilities (vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py)")
 
 
@@ -830,7 +830,7 @@ def block_drafter_served(w: World, name: str) -> str:
     local = w.local_block(draft)
     expect(local["identical_to_target"], f"{name}: our CPU block decoding differs from the target's greedy output "
            f"on prompts {local['mismatched_prompts']}", "our block decoding is not lossless: see "
-           "eagle3nb/drafts/dflash/drafting.py (BlockDrafting) and eagle3nb/specdec/batch.py")
+           "eagle3nb/drafts/dflash/drafting.py (BlockDrafting) and eagle3nb/decoder/batch.py")
     served, acc, tps = serve_greedy(w, served_as(name), draft, local["k"])  # DFlash2 is vLLM's dflash
     same = sum(a == b for a, b in zip(served, local["outputs"]))
     tau, ref = acc.get("acceptance_length") or 0.0, local["acceptance_length"]
@@ -938,15 +938,15 @@ PATHS: list[CudaPath] = [
     CudaPath("draft_sanity", check_draft_sanity, ("eagle3nb/doctor/checks/draft.py",),
              "see eagle3nb/doctor/checks/draft.py check_draft_sanity"),
     CudaPath("spec_decoding", check_spec_decoding,
-             ("eagle3nb/specdec/batch.py", "eagle3nb/decoding/padded.py", "eagle3nb/specdec/reference.py",
+             ("eagle3nb/decoder/batch.py", "eagle3nb/verification/padded.py", "eagle3nb/decoder/reference.py",
               "eagle3nb/drafts/eagle3/drafting.py", "eagle3nb/accept/local.py", "eagle3nb/accept/models.py",
               "eagle3nb/hf.py"),
-             "see eagle3nb/specdec/batch.py and eagle3nb/drafts/eagle3/drafting.py"),
-    CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/engine.py", "eagle3nb/hf.py"),
-             "see eagle3nb/serve/engine.py and eagle3nb/hf.py load_target"),
+             "see eagle3nb/decoder/batch.py and eagle3nb/drafts/eagle3/drafting.py"),
+    CudaPath("embedded_server", check_embedded_server, ("eagle3nb/serve/batcher.py", "eagle3nb/hf.py"),
+             "see eagle3nb/serve/batcher.py and eagle3nb/hf.py load_target"),
     CudaPath("embedded_spec_server", check_embedded_spec_server,
-             ("eagle3nb/serve/spec_engine.py", "eagle3nb/specdec/batch.py"),
-             "see eagle3nb/serve/spec_engine.py and eagle3nb/specdec/batch.py"),
+             ("eagle3nb/serve/spec_batcher.py", "eagle3nb/decoder/batch.py"),
+             "see eagle3nb/serve/spec_batcher.py and eagle3nb/decoder/batch.py"),
     CudaPath("block_drafter", check_block_drafter,
              ("eagle3nb/drafts/dflash/model.py", "eagle3nb/drafts/dflash/dflash2.py",
               "eagle3nb/drafts/dflash/objective.py", "eagle3nb/drafts/dflash/layouts.py",
@@ -958,8 +958,8 @@ PATHS: list[CudaPath] = [
     CudaPath("vllm_eagle3", check_vllm_eagle3, ("eagle3nb/serve/vllm.py", "eagle3nb/vllm_config.py"),
              "see eagle3nb/serve/vllm.py vllm_args", needs="vllm_install"),
     CudaPath("vllm_block_verification", check_vllm_block_verification,
-             ("eagle3nb/serve/vllm.py", "eagle3nb/decoding/block.py", "eagle3nb/accept/verification.py"),
-             "see eagle3nb/serve/vllm.py V2_SPECULATIVE and eagle3nb/decoding/block.py", needs="vllm_install"),
+             ("eagle3nb/serve/vllm.py", "eagle3nb/verification/block.py", "eagle3nb/accept/verification.py"),
+             "see eagle3nb/serve/vllm.py V2_SPECULATIVE and eagle3nb/verification/block.py", needs="vllm_install"),
     CudaPath("vllm_recipes", check_vllm_recipes, ("eagle3nb/serve/vllm.py", "eagle3nb/drafts/eagle3/layouts.py"),
              "see eagle3nb/drafts/eagle3/layouts.py save_draft (the layers and fc_norm names)", needs="vllm_install"),
     CudaPath("vllm_block_drafters", check_vllm_block_drafters,

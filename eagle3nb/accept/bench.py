@@ -17,9 +17,9 @@ from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.reasoning import split_inline
 from eagle3nb.data.stream import Template
 from eagle3nb.data.turns import answer_message, turn_inputs
-from eagle3nb.decoding.verify import SpecCounters
+from eagle3nb.decoder.batch import SpecDecoder
 from eagle3nb.progress import Progress
-from eagle3nb.specdec.batch import SpecDecoder
+from eagle3nb.verification.verify import SpecCounters
 
 TURN_GROUPS = ("first turn", "later turns")
 

@@ -26,7 +26,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from eagle3nb.accept.engine import line_fit, predict_profiled, profiled
+from eagle3nb.accept.forecast import line_fit, predict_profiled, profiled
 from eagle3nb.vllm_config import draft_spec
 
 # A predicted crossover is searched up to this concurrency (past the measured levels: a forecast, said so).

@@ -1,5 +1,5 @@
 """04's local check: the target and the draft decode the same prompts here, plainly and speculatively
-(``eagle3nb.specdec``, greedy), so the output must be token-for-token the target's (``compare_with_plain``); it also
+(``eagle3nb.decoder``, greedy), so the output must be token-for-token the target's (``compare_with_plain``); it also
 measures the costs the prediction uses (draft step / target step: ``measure_costs``, and a real round's cost beyond
 them: ``predict.round_costs``)."""
 
@@ -19,10 +19,10 @@ from eagle3nb.accept.params import AcceptParams
 from eagle3nb.accept.predict import round_costs
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.stream import Template
-from eagle3nb.decoding.verify import SpecCounters, is_greedy
+from eagle3nb.decoder.batch import SpecDecoder
+from eagle3nb.decoder.reference import plain_generate
 from eagle3nb.progress import Progress
-from eagle3nb.specdec.batch import SpecDecoder
-from eagle3nb.specdec.reference import plain_generate
+from eagle3nb.verification.verify import SpecCounters, is_greedy
 
 
 def prompt_token_ids(P: AcceptParams, n: int) -> tuple[list[list[int]], list[int]]:

@@ -36,7 +36,7 @@ def simulate_rounds(greedy, valid, mask, k: int) -> list[int]:
     """Accepted drafts per round when decoding the sample greedily with chains of ``k``: the first round starts
     where generation starts, each next one n+1 tokens later, as in real decoding. Rounds whose chain would run
     past the sample's generated tokens are not simulated. On the target's own greedy output this reproduces
-    the rounds of real speculative decoding exactly (``eagle3nb.specdec.batch``)."""
+    the rounds of real speculative decoding exactly (``eagle3nb.decoder.batch``)."""
     gen = mask.nonzero()
     if len(gen) == 0:
         return []

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from eagle3nb.accept.cache import cached_rows, fingerprint
-from eagle3nb.accept.engine import read_rounds, summarize
+from eagle3nb.accept.forecast import read_rounds, summarize
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.prompts import load_prompts
 from eagle3nb.drafts import method_of
@@ -132,7 +132,7 @@ def bench_endpoint(label: str, base_url: str, prompts: list[dict], concurrency_l
     ``extra_body`` goes with every request (e.g. ``chat_template_kwargs`` for the thinking switch). ``k`` is the
     draft length the server was started with; null = the number of draft positions its counters show (none for
     a server without a draft). A declared k that its counters contradict is an InputError before the level's load.
-    ``rounds``: the server's profile of its rounds (``eagle3nb.accept.engine``); each row then carries ``engine``,
+    ``rounds``: the server's profile of its rounds (``eagle3nb.accept.forecast``); each row then carries ``engine``,
     the summary of the steps inside its level's window."""
     model = model or first_model(base_url, api_key)
     murl = metrics or metrics_url(base_url)

@@ -113,7 +113,7 @@ def concurrency_rows(conc: dict[str, Any]) -> list[tuple[str, str]]:
 
 def engine_why(series: dict[str, Any]) -> str:
     """A profiled series' rounds in plain words at its lowest and highest measured concurrency: what a round costs
-    in plain decode steps, part by part, against the tokens it yields (``eagle3nb.accept.engine``)."""
+    in plain decode steps, part by part, against the tokens it yields (``eagle3nb.accept.forecast``)."""
     names = {"forward": "the verify forward", "draft": "the draft", "sample": "sampling",
              "other": "the rest of the step", "gap": "the engine loop"}
     out = []

@@ -1,5 +1,5 @@
 """04's verification comparison: local speculative decoding of the same prompts, sampled, with token-wise rejection
-sampling (``standard``) and with block verification (``block``, Sun et al.: ``eagle3nb.decoding.block``), at T=1
+sampling (``standard``) and with block verification (``block``, Sun et al.: ``eagle3nb.verification.block``), at T=1
 and at the stage's own temperature when that is another positive one (at T=0 both are the target's greedy
 output, so the greedy local check's tau is both). Each rule decodes every prompt with :data:`SEEDS` seeds (the
 same seeds for both rules); the mean acceptance length over them goes to ``metrics.json`` as
@@ -17,8 +17,8 @@ import torch
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.local import prompt_token_ids, timed_threads
 from eagle3nb.accept.params import AcceptParams
-from eagle3nb.decoding.verify import VERIFIERS, SpecCounters, is_greedy
-from eagle3nb.specdec.batch import SpecDecoder
+from eagle3nb.decoder.batch import SpecDecoder
+from eagle3nb.verification.verify import VERIFIERS, SpecCounters, is_greedy
 
 SEEDS = 4  # seeded repeats of every prompt per rule: their spread says how far apart the two taus may be by chance
 

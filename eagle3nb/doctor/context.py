@@ -170,7 +170,7 @@ class Context:
     def projected_tokens(self) -> tuple[int, str]:
         """Tokens 02 will store for the whole run and how that was estimated: 02's own sample plan over 01's
         output (scaled up to max_samples while 01 is unfinished), else an upper bound from 01's budget."""
-        from eagle3nb.hidden.plan import HiddenStatesError, prepare_samples
+        from eagle3nb.hidden.prepare import HiddenStatesError, prepare_samples
 
         P1, P2 = self.p("01_synth"), self.p("02_hidden_states")
         caps = [x for x in (P1.max_samples, P2.max_samples) if x]

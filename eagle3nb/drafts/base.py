@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from eagle3nb.decoding.padded import PaddedKV
-    from eagle3nb.decoding.verify import Sampling
+    from eagle3nb.verification.padded import PaddedKV
+    from eagle3nb.verification.verify import Sampling
 
 WEIGHTS_FILE = "model.safetensors"
 # A loss_mask value past 1: a drafted token the target rejected, in 05's on-policy distillation records (1 there: one
@@ -66,7 +66,7 @@ class Serving:
 
 
 class Drafting(Protocol):
-    """A draft's step inside the batched decoder (``eagle3nb.specdec.batch.SpecBatch``), for rows of different lengths
+    """A draft's step inside the batched decoder (``eagle3nb.decoder.batch.SpecBatch``), for rows of different lengths
     sharing one ``PaddedKV``. Each row's *pending* state is the target's aux states of its verified tokens not yet
     fed to the draft (1..k+1 of them, right-padded), paired with the token after each."""
 

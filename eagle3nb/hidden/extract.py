@@ -16,7 +16,7 @@ from eagle3nb.data.shards import FORMAT, bytes_per_token, encode, write_shard
 from eagle3nb.data.vocab import VOCAB_FILE, draft_target_ids, save_draft_vocab
 from eagle3nb.hf import compute_device
 from eagle3nb.hidden.params import STAGE, HiddenParams
-from eagle3nb.hidden.plan import Plan
+from eagle3nb.hidden.prepare import Plan
 from eagle3nb.hidden.sources import VllmSource
 from eagle3nb.layers import to_sglang
 from eagle3nb.progress import Progress, write_json_atomic

@@ -38,7 +38,7 @@ from eagle3nb.data.vocab import VOCAB_FILE, build_draft_vocab, draft_target_ids,
 from eagle3nb.hf import compute_device
 from eagle3nb.hidden.extract import write_head
 from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.plan import HiddenStatesError, aux_layer_ids, data_key, prepare_samples
+from eagle3nb.hidden.prepare import HiddenStatesError, aux_layer_ids, data_key, prepare_samples
 from eagle3nb.hidden.sources import TransformersSource, VllmSource
 from eagle3nb.hidden.vllm_backend import assigned_urls
 from eagle3nb.layers import to_sglang

@@ -13,7 +13,7 @@ from eagle3nb.data.head import TargetHead
 from eagle3nb.hf import STATES, load_target
 from eagle3nb.hidden.capture import capture_batch
 from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.plan import HiddenStatesError
+from eagle3nb.hidden.prepare import HiddenStatesError
 from eagle3nb.hidden.vllm_backend import VllmClient
 
 

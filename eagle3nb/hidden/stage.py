@@ -22,7 +22,7 @@ from eagle3nb.hidden import report
 from eagle3nb.hidden.cost import cost_table
 from eagle3nb.hidden.extract import extract, stage_metrics, write_index, write_vocab_and_head
 from eagle3nb.hidden.params import HiddenParams
-from eagle3nb.hidden.plan import GB, aux_layer_ids, make_plan, prepare_samples
+from eagle3nb.hidden.prepare import GB, aux_layer_ids, make_plan, prepare_samples
 from eagle3nb.hidden.sources import TransformersSource, VllmSource
 from eagle3nb.hidden.vllm_backend import vllm_command
 from eagle3nb.layers import to_sglang

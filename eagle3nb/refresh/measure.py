@@ -32,9 +32,9 @@ class Measure:
     def decoder(self, draft_dir: Path):
         """(the draft beside the target as a ``SpecDecoder`` at k, the chat template, the end-of-turn ids)."""
         from eagle3nb.data.stream import Template
+        from eagle3nb.decoder.batch import SpecDecoder
         from eagle3nb.drafts import load_draft
         from eagle3nb.hf import DECODER, load_target
-        from eagle3nb.specdec.batch import SpecDecoder
 
         P = self.P
         if self._loaded is None:

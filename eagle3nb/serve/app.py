@@ -40,7 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from eagle3nb import __version__
 from eagle3nb.data.turns import template_messages
 from eagle3nb.families import Family, detect, harmony_split
-from eagle3nb.serve.engine import Engine, Request, SamplingParams, Update
+from eagle3nb.serve.batcher import Engine, Request, SamplingParams, Update
 from eagle3nb.serve.errors import APIError
 from eagle3nb.serve.extract import handle_completion_extract
 from eagle3nb.serve.requests import Body, ChatBody, CompletionBody

@@ -15,7 +15,7 @@ from pathlib import Path
 from eagle3nb.data.head import served_target
 from eagle3nb.drafts import PACKAGES, Serving, check_serving, method_of, served_as
 from eagle3nb.errors import UserError
-from eagle3nb.serve.spec_engine import SpecEngine
+from eagle3nb.serve.spec_batcher import SpecEngine
 from eagle3nb.toy import resolve_model_path
 
 
@@ -109,7 +109,7 @@ def check_options(args: argparse.Namespace) -> tuple[Path, str | None]:
         raise ServeError(f"--model {args.model}: {model_dir} has no config.json; pass a Hugging Face model folder "
                          f"(or toy:smoke / toy:demo)")
     if args.draft:
-        _require_module("eagle3nb.serve.spec_engine", "--draft")
+        _require_module("eagle3nb.serve.spec_batcher", "--draft")
         if args.num_speculative_tokens < 1:
             raise ServeError("--num-speculative-tokens must be at least 1")
         config = Path(args.draft) / "config.json"
@@ -134,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from eagle3nb.hf import DECODER, load_target, load_tokenizer
     from eagle3nb.serve.app import Server, create_app
-    from eagle3nb.serve.engine import Engine, Metrics
+    from eagle3nb.serve.batcher import Engine, Metrics
 
     torch.set_num_threads(max(1, args.threads))
     name = args.served_model_name or args.model

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 from eagle3nb.drafts import served_method
 from eagle3nb.errors import InputError
-from eagle3nb.hidden.plan import aux_layer_ids
+from eagle3nb.hidden.prepare import aux_layer_ids
 from eagle3nb.params import from_dict
 from eagle3nb.params_yaml import run_params
 from eagle3nb.serve.vllm import start_vllm

@@ -9,7 +9,7 @@ from typing import Any
 
 from eagle3nb.data.samples import STATUSES
 from eagle3nb.data.turns import turn_inputs
-from eagle3nb.synth.plan import history_records, plan_conversation, planned_ids
+from eagle3nb.synth.resume import history_records, plan_conversation, planned_ids
 from eagle3nb.synth.session import Session
 
 

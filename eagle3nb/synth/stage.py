@@ -18,7 +18,7 @@ from eagle3nb.progress import Progress, write_json_atomic
 from eagle3nb.synth import report
 from eagle3nb.synth.metrics import collect_metrics
 from eagle3nb.synth.params import STAGE, SynthParams
-from eagle3nb.synth.plan import history_records, needs_request, plan_conversation, planned_ids
+from eagle3nb.synth.resume import history_records, needs_request, plan_conversation, planned_ids
 from eagle3nb.synth.session import Session, SynthError
 
 

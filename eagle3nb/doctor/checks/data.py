@@ -139,7 +139,7 @@ def _free_bytes(path: Path) -> tuple[int, Path]:
 
 def check_disk(ctx: Context) -> CheckResult:
     from eagle3nb.data.shards import bytes_per_token
-    from eagle3nb.hidden.plan import head_bytes
+    from eagle3nb.hidden.prepare import head_bytes
 
     P2 = ctx.p("02_hidden_states")
     source = getattr(ctx.params.get("03_train"), "data_source", "stored")

@@ -1,11 +1,11 @@
 """Local decoding with a block drafter, as vLLM's DFlash proposer runs it: each round the target's states at
 every verified position are the context, the block is the last verified token (the anchor, at the next
 position) then masks, one draft forward proposes the block's tokens, and one target forward verifies them
-(greedy: ``eagle3nb.decoding.verify_greedy``, so the output is the target's own greedy output). The context's keys and
-values are re-projected every round (vLLM keeps them in its KV cache: the same numbers, fewer FLOPs), fine for
+(greedy: ``eagle3nb.verification.verify_greedy``, so the output is the target's own greedy output). The context's
+keys and values are re-projected every round (vLLM keeps them in its KV cache: the same numbers, fewer FLOPs), fine for
 local checks.
 
-``BlockDrafting`` is that step inside the batched decoder (``eagle3nb.specdec.batch``: every row its own length,
+``BlockDrafting`` is that step inside the batched decoder (``eagle3nb.decoder.batch``: every row its own length,
 sampling and acceptance; its rounds verified by rejection sampling at T > 0); ``generate`` is the same greedy
 decode of one sequence with transformers' cache, the reference the tests hold it to.
 """
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle3nb.decoding.padded import PaddedKV
-from eagle3nb.decoding.verify import Sampling, probs_at, verify_greedy
 from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.dflash.model import DFlashDraft
+from eagle3nb.verification.padded import PaddedKV
+from eagle3nb.verification.verify import Sampling, probs_at, verify_greedy
 
 
 class ContextCache:

@@ -57,7 +57,7 @@ class DraftCache:
                 c.k, c.v = c.k[:, :, :n], c.v[:, :, :n]
 
     def map_kv(self, fn) -> None:
-        """Every layer's keys and values become ``fn`` of them (``eagle3nb.decoding.padded.PaddedKV``'s edits)."""
+        """Every layer's keys and values become ``fn`` of them (``eagle3nb.verification.padded.PaddedKV``'s edits)."""
         for layer in self.layers():
             layer.k, layer.v = fn(layer.k), fn(layer.v)
 

@@ -1,4 +1,4 @@
-"""EAGLE-3's drafting step inside the batched decoder (``eagle3nb.specdec.batch.SpecBatch``): the draft, fed the
+"""EAGLE-3's drafting step inside the batched decoder (``eagle3nb.decoder.batch.SpecBatch``): the draft, fed the
 target's aux hidden states of every verified token, proposes k tokens one at a time (its own KV cache, its own output
 hidden state fed back); rejected drafts leave its cache. A parallel-drafting (P-EAGLE) draft proposes its k tokens in
 the same forward that feeds it the verified tokens, as vLLM's ``parallel_drafting`` runs it: k-1 mask slots follow each
@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from eagle3nb.decoding.padded import PaddedKV, draft_mask
-from eagle3nb.decoding.verify import Sampling, probs_at
 from eagle3nb.drafts.eagle3.cache import DraftCache
 from eagle3nb.drafts.eagle3.model import Eagle3Draft
+from eagle3nb.verification.padded import PaddedKV, draft_mask
+from eagle3nb.verification.verify import Sampling, probs_at
 
 
 class Eagle3Drafting:

@@ -1,7 +1,7 @@
 """Two single-sequence decoders a newcomer reads in one sitting: the target alone (``plain_generate``, the baseline
 speculative decoding must reproduce), and speculative decoding of one sequence with a chain draft
 (``reference_generate``: EAGLE-3 without parallel drafting), with no padding, no holes and no draft KV cache: the
-draft re-reads its whole input every step. ``eagle3nb.specdec.batch.SpecBatch`` does the same for many sequences at
+draft re-reads its whole input every step. ``eagle3nb.decoder.batch.SpecBatch`` does the same for many sequences at
 once; a test holds the two token-equal, greedy and with the same seeds sampled.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from eagle3nb.decoding.verify import Sampling, is_greedy, pick, probs_at, verify_greedy
 from eagle3nb.layers import default_aux_layer_ids
+from eagle3nb.verification.verify import Sampling, is_greedy, pick, probs_at, verify_greedy
 
 
 @torch.inference_mode()

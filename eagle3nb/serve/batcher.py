@@ -1,7 +1,8 @@
 """Generation engine of the embedded server: one background thread batches every running request.
 
-Continuous batching: the running requests share one left-padded KV cache (``eagle3nb.decoding.padded.PaddedKV``, shared
-with the speculative decoder). Between decode steps the engine admits waiting requests (prefilled as their own
+Continuous batching: the running requests share one left-padded KV cache
+(``eagle3nb.verification.padded.PaddedKV``, shared with the speculative decoder).
+Between decode steps the engine admits waiting requests (prefilled as their own
 left-padded batch, then merged into the running cache) and drops finished ones, so each request stops
 independently and new ones never wait for a whole batch. Padding never changes a row's result: every forward
 gets the 2D attention mask and per-row position_ids (the count of real tokens before each one), so a request's
@@ -11,7 +12,7 @@ Hooks for other parts (keep these signatures):
 - The decoder is one swappable object with ``join(reqs)``, ``step()`` and ``leave(reqs)``; ``join`` and
   ``step`` return ``[(request, new_token_ids), ...]`` and may return several tokens per request (the engine
   applies stop conditions and drops tokens past a stop, as vLLM does). ``BatchDecoder`` is the plain one;
-  ``--draft`` builds ``eagle3nb.serve.spec_engine.SpecEngine(model, tokenizer, draft_dir,
+  ``--draft`` builds ``eagle3nb.serve.spec_batcher.SpecEngine(model, tokenizer, draft_dir,
   num_speculative_tokens, metrics)`` instead, which batches the running requests' rounds the same way.
 - ``Metrics`` is the /metrics registry: ``metrics.counter(name, help)`` returns a counter whose
   ``inc(value, **labels)`` adds to the labelled series (e.g. ``vllm:spec_decode_num_drafts_total``).
@@ -27,8 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from eagle3nb.decoding.padded import PaddedKV, left_padded
 from eagle3nb.families import Family, of_tokenizer
+from eagle3nb.verification.padded import PaddedKV, left_padded
 
 # ---------------------------------------------------------------------------------------------- metrics
 

@@ -1,7 +1,7 @@
 """Speculative decoding inside the embedded server (``eagle3nb serve --draft DIR --num-speculative-tokens k``).
 
-The engine's swappable decoder (``join`` / ``step`` / ``leave``, see ``eagle3nb.serve.engine``), batched like
-vLLM's: every running request sits in one ``eagle3nb.specdec.batch.SpecBatch``, so a step is one round for all of them
+The engine's swappable decoder (``join`` / ``step`` / ``leave``, see ``eagle3nb.serve.batcher``), batched like
+vLLM's: every running request sits in one ``eagle3nb.decoder.batch.SpecBatch``, so a step is one round for all of them
 (one batched draft run per drafted position, one target forward verifying every request's k drafts, each
 request accepting its own run) and requests join and leave between steps. Lossless per request: greedy is
 the plain server's output, sampling keeps the target's distribution with the request's own generator.
@@ -23,8 +23,8 @@ class SpecEngine:
     """Decoder for ``Engine``: chain speculative decoding of the running requests, k drafted tokens a step."""
 
     def __init__(self, model, tokenizer, draft_dir: Path, num_speculative_tokens: int, metrics):
+        from eagle3nb.decoder.batch import SpecBatch, SpecDecoder
         from eagle3nb.drafts import load_draft
-        from eagle3nb.specdec.batch import SpecBatch, SpecDecoder
 
         embed, head = model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
         draft = load_draft(draft_dir, embed_tokens=embed, lm_head=head, device=model.device, dtype=model.dtype)
@@ -44,7 +44,7 @@ class SpecEngine:
 
     def join(self, reqs: list) -> list:
         """Prefill the new requests together, add them to the batch and return their first tokens."""
-        from eagle3nb.decoding.verify import Sampling
+        from eagle3nb.verification.verify import Sampling
 
         first = self.batch.add([r.prompt_ids + r.output_ids for r in reqs],
                                [Sampling(r.params.temperature, r.params.top_p, r.generator) for r in reqs])

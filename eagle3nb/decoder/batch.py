@@ -3,9 +3,9 @@ for one sequence or a continuously batched set of them (``SpecBatch``, what the 
 
 One round: the draft proposes k tokens (its algorithm's ``Drafting`` step); the target scores the last verified
 token plus the k proposals in one forward pass (its KV cache); the longest agreeing prefix is kept plus one token
-from the target (``eagle3nb.decoding.verify``: sampled rows token-wise or by block verification, each row's
-``Sampling.verification``). Rejected drafts leave both caches (``eagle3nb.decoding.padded``).
-The same decoding for one sequence without any padding: ``eagle3nb.specdec.reference``.
+from the target (``eagle3nb.verification.verify``: sampled rows token-wise or by block verification, each row's
+``Sampling.verification``). Rejected drafts leave both caches (``eagle3nb.verification.padded``).
+The same decoding for one sequence without any padding: ``eagle3nb.decoder.reference``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3nb import drafts
-from eagle3nb.decoding.padded import PaddedKV, attention_windows, left_padded
-from eagle3nb.decoding.verify import Sampling, SpecCounters, pick, probs_at, verify_greedy
 from eagle3nb.errors import InputError
 from eagle3nb.layers import default_aux_layer_ids
+from eagle3nb.verification.padded import PaddedKV, attention_windows, left_padded
+from eagle3nb.verification.verify import Sampling, SpecCounters, pick, probs_at, verify_greedy
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Verification: which drafted tokens the target keeps. Greedy: agree = equal to the target's argmax, so the output
 is exactly the target's greedy output. Sampling: standard rejection sampling (accept d with min(1, p(d)/q(d)), else
 draw from the residual max(0, p - q)), so the output distribution is exactly the target's; or block verification
-(``eagle3nb.decoding.block``: the drafts judged as one block, lossless too and never fewer accepted in
+(``eagle3nb.verification.block``: the drafts judged as one block, lossless too and never fewer accepted in
 expectation). Also how one sequence picks its tokens (``Sampling``) and vLLM's spec-decode counters."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from eagle3nb.decoding.block import verify_block
 from eagle3nb.errors import InputError
 from eagle3nb.formulas import summarize_counts
+from eagle3nb.verification.block import verify_block
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""04's prediction of an engine endpoint from the profile of its served rounds (eagle3nb/accept/engine.py), on
+"""04's prediction of an engine endpoint from the profile of its served rounds (eagle3nb/accept/forecast.py), on
 profiles written by a known engine: every part of a step linear in the requests it serves, the level's wall time the
 sum of its steps. The summaries recover the parts, each level's left-out forecast is its measured speedup, and the
 crossover is where the engine's own speedup falls below 1x."""
@@ -55,7 +55,7 @@ def engine_speedup(c: float) -> float:
 
 def sweep(tmp_path) -> list[dict]:
     """Rows as 04's sweep writes them, each with its level's summary read back from a written profile."""
-    from eagle3nb.accept.engine import read_rounds, summarize
+    from eagle3nb.accept.forecast import read_rounds, summarize
 
     rows, t0 = [], 1000.0
     for label, costs, per_step in (("vllm", PLAIN, 1.0), ("vllm-eagle3", SPEC, TAU)):
