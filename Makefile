@@ -13,10 +13,11 @@ RUN ?= demo
 PYTEST_ARGS ?=
 # pytest-xdist workers side by side for `make test` (tests/conftest.py groups them: a module in one worker, the
 # real-vLLM modules sharing one); 0, the default, runs everything in one process: on two cores the vLLM servers of
-# one worker starve the other's (docs/testing.md, measured); the fast tier runs one too (FAST_WORKERS): two workers'
-# servers were handed one port (bind(0) offers it to both processes until one binds it) and launch refused the second
+# one worker starve the other's (docs/testing.md, measured). The fast tier (no vLLM) runs two workers (FAST_WORKERS):
+# the ports its servers get are drawn apart per process and a port taken before its server binds it is replaced
+# (eagle3nb/launch.py)
 PYTEST_WORKERS ?= 0
-FAST_WORKERS ?= 0
+FAST_WORKERS ?= 2
 # The run `make rehearse` plays against the real vLLM: the production recipe on Kimi-K2's own architecture
 # (toy:kimi, served in vLLM's MLA path); REHEARSE=params/vllm-cpu/ plays it on the Llama smoke toy.
 REHEARSE ?= params/vllm-cpu-kimi/

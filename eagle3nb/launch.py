@@ -8,6 +8,8 @@ so a stage that needs a server for its run (01's and 04's ``embedded`` endpoints
 from __future__ import annotations
 
 import os
+import random
+import re
 import socket
 import subprocess
 import sys
@@ -60,19 +62,37 @@ class ServerHandle:
 
 _HANDED_OUT: set[int] = set()
 _HANDED_LOCK = threading.Lock()
+# A port the project chooses is drawn below the kernel's ephemeral range (Linux: 32768-60999), where no process's
+# bind(0) lands (vLLM's workers bind ephemeral ports for their own sockets), with os.urandom's randomness, so two
+# processes (pytest's workers, two runs) draw apart; a draw taken anyway is retried by ``launch``.
+CHOSEN_PORTS = range(20000, 32768)
+# Starts of a server on a fresh chosen port when the last one was taken between the choice and the server's bind.
+PORT_TRIES = 5
 
 
 def free_port(host: str) -> int:
-    """A port free now and never handed out before by this process: servers started side by side (threads) each
-    get their own, where the OS may offer one twice before the first server binds it (then ``launch`` refuses)."""
+    """A port free now, never handed out before by this process, drawn at random from :data:`CHOSEN_PORTS` (bind(0)
+    offers the next ephemeral port to every process alike, and any process's own ephemeral binds may take it)."""
+    draw = random.SystemRandom()
     with _HANDED_LOCK:
         while True:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-            if port not in _HANDED_OUT:
-                _HANDED_OUT.add(port)
-                return port
+            port = draw.choice(CHOSEN_PORTS)
+            if port in _HANDED_OUT or _held(host, port):
+                continue
+            _HANDED_OUT.add(port)
+            return port
+
+
+def _held(host: str, port: int) -> bool:
+    """Whether another socket holds ``port`` on ``host`` (a closed server's TIME_WAIT does not: servers bind with
+    SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
@@ -84,11 +104,10 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
 
     ``model_dir`` is a Hugging Face folder or ``toy:smoke`` / ``toy:demo`` (built here first if not cached, so
     the build's progress shows in the caller and ``timeout`` covers only the server's start; it is served
-    under that name); ``port=0`` picks a free port; ``trust_remote_code`` lets the folder's own code run (the
-    stage's parameter). Raises RuntimeError with the end of the server's output if it exits or is not healthy
-    within ``timeout``.
+    under that name); ``port=0`` picks a free port (another, if it is taken before the server binds it: ``launch``);
+    ``trust_remote_code`` lets the folder's own code run (the stage's parameter). Raises InputError with the end of
+    the server's output if it exits or is not healthy within ``timeout``.
     """
-    port = port or free_port(host)
     model = str(model_dir)
     cmd = [sys.executable, "-m", "eagle3nb", "serve", "--host", host, "--port", str(port),
            "--reasoning-field", reasoning_field, "--exit-with-parent", str(os.getpid())]
@@ -112,17 +131,48 @@ def start_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port:
 
 def launch(cmd: list[str], host: str, port: int, name: str, timeout: float,
            env: dict[str, str] | None = None) -> ServerHandle:
-    """Start a server process (output to a log file) and wait until ``/health`` answers 200. Raises
-    RuntimeError with the end of its output if it exits or is not healthy within ``timeout``. A port another process
-    holds is refused first: the new server would fail to bind it while the old one answered ``/health``, and every
-    request meant for the new one would reach the old (a stale vLLM from a killed run did exactly that)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed one's TIME_WAIT is free
-        try:
-            s.bind((host, port))
-        except OSError:
+    """Start a server process (output to a log file) and wait until ``/health`` answers 200. Raises InputError with
+    the end of its output if it exits or is not healthy within ``timeout``.
+
+    ``port`` 0: the project chooses one (:func:`free_port`) and writes it after ``--port`` in ``cmd``. Any process may
+    take a free port between the choice and the server's bind, so a server that fails to bind a chosen port, or
+    finds it held before it starts, starts again on a fresh one (:data:`PORT_TRIES` in all). A port the caller named
+    is refused when another process holds it: the new server would fail to bind it while the old one answered
+    ``/health``, and every request meant for the new one would reach the old (a stale vLLM from a killed run did
+    exactly that)."""
+    chosen = port == 0
+    for _ in range(PORT_TRIES if chosen else 1):
+        if chosen:
+            port = free_port(host)
+            cmd = _with_port(cmd, port)
+        elif _held(host, port):
             raise InputError(f"{name}: port {port} on {host} is already in use (a server left running by an earlier "
-                             f"run? `ss -ltnp | grep :{port}` names it): stop it, or give another port") from None
+                             f"run? `ss -ltnp | grep :{port}` names it): stop it, or give another port")
+        handle = _start(cmd, host, port, name, timeout, env)
+        if handle is not None:
+            return handle
+        print(f"{name}: port {port} was taken before the server bound it; starting it on another", flush=True)
+    raise InputError(f"{name}: {PORT_TRIES} ports chosen on {host} were each taken before the server bound it; "
+                     "free some ports or give one (port)")
+
+
+def _with_port(cmd: list[str], port: int) -> list[str]:
+    """``cmd`` with the value after ``--port`` replaced by ``port``."""
+    if "--port" not in cmd:
+        raise ValueError(f"a server command launched on a chosen port needs --port: {cmd}")
+    i = cmd.index("--port") + 1
+    return [*cmd[:i], str(port), *cmd[i + 1:]]
+
+
+# What a server prints when another process took its port (uvicorn: "[Errno 98] error while attempting to bind ...
+# address already in use"; vLLM's own socket: "[Errno 98] Address already in use").
+BIND_FAILED = re.compile(r"address already in use|Errno 98\b", re.IGNORECASE)
+
+
+def _start(cmd: list[str], host: str, port: int, name: str, timeout: float,
+           env: dict[str, str] | None) -> ServerHandle | None:
+    """One start: the healthy server's handle, or None when it lost its (chosen) port to another process before it
+    bound it (it exited saying so, or another process answers on it)."""
     fd, log_name = tempfile.mkstemp(prefix=f"eagle3nb-{name.replace(' ', '-')}-{port}-", suffix=".log")
     log_path = Path(log_name)
     with os.fdopen(fd, "wb") as log:
@@ -131,19 +181,38 @@ def launch(cmd: list[str], host: str, port: int, name: str, timeout: float,
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
+            if BIND_FAILED.search(handle.log()):
+                return None
             raise InputError(f"{name} exited with code {proc.returncode} before it was ready; "
-                               f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
+                             f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
         try:
             with urllib.request.urlopen(handle.url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return handle
+                    if _listener_is_ours(proc, port):
+                        return handle
+                    handle.stop()
+                    return None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         if time.monotonic() > deadline:
             handle.stop()
             raise InputError(f"{name} did not answer {handle.url}/health within {timeout:.0f} s; "
-                               f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
+                             f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
         time.sleep(0.2)
+
+
+def _listener_is_ours(proc: subprocess.Popen, port: int) -> bool:
+    """Whether the socket listening on ``port`` belongs to ``proc`` or a child of it (True when the system does not
+    say): a server that lost its port must not be taken for the one that won it."""
+    import psutil
+
+    try:
+        ours = {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+        owners = {c.pid for c in psutil.net_connections("tcp")
+                  if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN}
+    except (psutil.Error, OSError):
+        return True
+    return not owners - {None} or bool(owners & ours)
 
 
 def _tail(text: str, lines: int = 30) -> str:

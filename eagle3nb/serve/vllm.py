@@ -29,7 +29,7 @@ from eagle3nb.data.head import served_target
 from eagle3nb.drafts import PACKAGES, Serving, check_serving, served_as
 from eagle3nb.errors import InputError
 from eagle3nb.families import AUTO, MLA_ARCHS, VLLM_EAGLE3_RELEASE, detect, is_mla, read_config, vllm_cpu_dtype
-from eagle3nb.launch import ServerHandle, free_port, launch
+from eagle3nb.launch import ServerHandle, launch
 from eagle3nb.toy import resolve_model_path
 from eagle3nb.toy.real_tokenizers import HARMONY_ENV, harmony_encodings
 from eagle3nb.vllm_config import connector_config, draft_spec, extract_spec
@@ -200,7 +200,6 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
         kw.setdefault("served_model_name", model)
         model = str(resolve_model_path(model))
     check_draft(model, mode, kw.get("draft_dir"), kw.get("num_speculative_tokens", NUM_SPECULATIVE_TOKENS))
-    port = port or free_port(host)
     args = vllm_args(model, mode, fixes=fixes, **kw) + (["--enable-log-requests"] if log_requests else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "PYTHONPATH": str(VLLM_EXT),
