@@ -63,8 +63,14 @@ def costs(P: RefreshParams) -> tuple[float, float]:
 
 def scores(shares: dict[str, float], before: dict[str, list[float]], after: dict[int, dict[str, list[float]]],
            seeds: list[int]) -> list[GroupScores]:
-    """The gate's input: per group, the current draft's acceptance and each seed's refreshed one."""
-    return [GroupScores(g, shares[g], before[g], [after[s][g] for s in seeds]) for g in sorted(before)]
+    """The gate's input: per group of the traffic (``shares``: ``Traffic.shares()``, every request read), the
+    current draft's acceptance and each seed's refreshed one on its held-out requests. A group measured on none
+    (its sampled requests all repeated another group's, which ``read_traffic`` keeps once) comes with empty lists,
+    so that the gate lists it as not judged and counts its share."""
+    unknown = sorted(set(before) - set(shares))
+    if unknown:
+        raise ValueError(f"groups {unknown} were measured but are not in the traffic's shares")
+    return [GroupScores(g, shares[g], before.get(g, []), [after[s].get(g, []) for s in seeds]) for g in sorted(shares)]
 
 
 def means(after: dict[int, dict[str, list[float]]]) -> dict[str, float]:

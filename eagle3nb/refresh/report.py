@@ -27,14 +27,15 @@ def verdict_lines(metrics: dict[str, Any]) -> list[str]:
 
 
 def gate_table(metrics: dict[str, Any]):
-    """Per group, on its judging requests: share of traffic, how many, acceptance length before and after (the
-    chosen seed), the change, its standard error and one-sided upper bound, and the status (held, fell, not
-    judged)."""
+    """Per group of the traffic (every one read, those with no held-out request left after de-duplication
+    included), on its judging requests: share of all traffic, how many, acceptance length before and after (the
+    chosen seed), the change, its standard error and one-sided upper bound, the status (held, fell, not judged) and
+    why a group is not judged."""
     import pandas as pd
 
     rows = [{"group": g["name"], "share": g["share"], "judged on": g["requests"], "before": g["before"],
              "after": g["after"], "change": g["change"], "se": g["se"], "upper bound": g["upper"],
-             "status": g["status"]} for g in metrics["gate"]["groups"]]
+             "status": g["status"], "why not judged": g.get("why") or ""} for g in metrics["gate"]["groups"]]
     return pd.DataFrame(rows).set_index("group").round(3)
 
 

@@ -40,6 +40,10 @@ def run(P: RefreshParams) -> dict[str, Any]:
     print(f"traffic: {traffic.requests} requests in {len(traffic.groups)} groups, {len(traffic.rows)} sampled "
           f"({len(heldout)} held out); dropped {dict(traffic.dropped) or 'none'}; {traffic.redacted} secrets redacted",
           flush=True)
+    empty = sorted(set(traffic.groups) - {r["group"] for r in traffic.rows})
+    if empty:  # the gate lists them as not judged and counts their share (its 5% rule)
+        print(f"groups with no request left after de-duplication (all repeat another group's): "
+              f"{', '.join(f'{g} ({traffic.shares()[g]:.0%})' for g in empty)}", flush=True)
     # 2. the current draft on held-out traffic, per group, and the groups ranked by the speedup they lose; with
     #    `offline`, also 04's offline acceptance per group over the target's own answers to the same requests
     measure = Measure(P, heldout)
@@ -110,9 +114,7 @@ def run(P: RefreshParams) -> dict[str, Any]:
                "weak": [{**row, "offline_acceptance_length": offline.get(row["group"])} for row in table(ranked)],
                "refresh_data": {"traffic": count(picks), "replayed": replayed},
                "costs": {"cost_ratio": c, "overhead": o, "k": P.k},
-               "gate": {"ship": verdict.ship, "reason": verdict.reason, "speedup_before": verdict.speedup_before,
-                        "speedup_after": verdict.speedup_after, "gain_lower": verdict.gain_lower,
-                        "rules": verdict.rules, "groups": [{**vars(g), "passed": g.passed} for g in verdict.groups]},
+               "gate": verdict.as_metrics(),
                "opd": opd, "chosen_seed": chosen, "draft": str(shipped) if shipped else None, "served_ab": served}
     write_json_atomic(out / "metrics.json", metrics)
     return metrics
