@@ -110,8 +110,9 @@ def t_quantile(p: float, df: float) -> float:
     """Student's t quantile for any real ``df`` > 0 (the Welch-Satterthwaite df of rule 4 is fractional), with no
     scipy: P(T > t) = I_x(df/2, 1/2) / 2 at x = df / (df + t^2) (the regularized incomplete beta, by its continued
     fraction), solved for t by Newton's method on log t inside a shrinking bracket; above ``SERIES_DF`` the
-    Cornish-Fisher series in the normal quantile; df = inf the normal quantile. Within 1e-10 of scipy's
-    ``t.ppf`` relative to max(1, |t|) (tests/test_gate.py holds it over fractional and large df)."""
+    Cornish-Fisher series in the normal quantile; df = inf the normal quantile. Within 1e-10 of the
+    exact quantile relative to max(1, |t|) (tests/test_gate.py holds it to an mpmath table over fractional and large
+    df); a quantile beyond a float's range (df far below 1) is refused."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"t_quantile: p {p!r} must lie strictly between 0 and 1")
     if not df > 0:
