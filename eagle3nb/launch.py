@@ -183,8 +183,9 @@ def _start(cmd: list[str], host: str, port: int, name: str, timeout: float,
         if proc.poll() is not None:
             if BIND_FAILED.search(handle.log()):
                 return None
-            raise InputError(f"{name} exited with code {proc.returncode} before it was ready; "
-                             f"its output ({log_path}) ends with:\n{_tail(handle.log())}")
+            output = handle.log()  # its own refusal on the first line: a user error shows two lines at most
+            raise InputError(f"{name} exited with code {proc.returncode} before it was ready{_reason(output)}; "
+                             f"its output ({log_path}) ends with:\n{_tail(output)}")
         try:
             with urllib.request.urlopen(handle.url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -215,5 +216,22 @@ def _listener_is_ours(proc: subprocess.Popen, port: int) -> bool:
     return not owners - {None} or bool(owners & ours)
 
 
+# A server's refusal in its output: our commands' one line (``<prog>: error: <message>``, eagle3nb.errors.guarded),
+# else a traceback's exception line (vLLM's ``ValueError: ...``).
+_OUR_ERROR = re.compile(r"^\S[^:]*: error: (?P<reason>.+)$")
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): (?P<reason>.+)$")
+
+
+def _reason(output: str) -> str:
+    """``": <why>"``, the server's own refusal found in its output, or "": its last line of our commands' error
+    format (wherever progress bars and prints flushed at exit put it), else its first exception line (a chained
+    traceback's root cause: vLLM's engine failing to start ends with a RuntimeError pointing above)."""
+    lines = [ln.strip() for ln in output.splitlines()]
+    ours = [m["reason"] for m in map(_OUR_ERROR.match, lines) if m]
+    raised = [m["reason"] for m in map(_EXCEPTION.match, lines) if m]
+    return f": {ours[-1]}" if ours else f": {raised[0]}" if raised else ""
+
+
 def _tail(text: str, lines: int = 30) -> str:
+    """The last ``lines`` lines of a server's output (a progress bar's carriage returns split it into lines)."""
     return "\n".join(text.splitlines()[-lines:])

@@ -23,6 +23,8 @@ import yaml
 
 from eagle3nb.families import names
 
+from mask_files import MASK_FILES
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "sk-bad-input-5e3f9a-never-printed"
 KEY_ENV = "EAGLE3NB_BAD_INPUT_KEY"
@@ -364,6 +366,16 @@ def world(toy_smoke, embedded, tmp_path_factory):
     os.environ.pop(KEY_ENV, None)
 
 
+def error_lines(err: str) -> list[str]:
+    """A command's message: from its "error:" line to the end (progress bars a started stage drew come before it),
+    one or two lines."""
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ": error: " in ln), None)
+    assert start is not None, f"no error line:\n{err}"
+    assert len(lines) - start <= 2, f"expected one or two lines, got {len(lines) - start}:\n{err}"
+    return lines[start:]
+
+
 def run_command(command: str, argv: list[str]) -> int:
     from eagle3nb.cli import main as eagle3nb_main
     from eagle3nb.stage_cli import main as stage_main
@@ -380,12 +392,7 @@ def test_bad_input_gets_one_clear_line(case: Case, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == case.rc, f"exit {rc}, stderr:\n{err}"
     assert "Traceback" not in out + err and "internal error" not in err, err
-    # the message: from the command's "error:" line to the end (progress bars a started stage drew come before it)
-    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
-    start = next((i for i, ln in enumerate(lines) if ": error: " in ln), None)
-    assert start is not None, f"no error line:\n{err}"
-    assert len(lines) - start <= 2, f"expected one or two lines, got {len(lines) - start}:\n{err}"
-    message = "\n".join(lines[start:])
+    message = "\n".join(error_lines(err))
     if os.environ.get("EAGLE3NB_BAD_INPUT_LOG"):  # the list of cases with what each prints, for a reviewer
         with open(os.environ["EAGLE3NB_BAD_INPUT_LOG"], "a") as log:
             log.write(f"{case.name}\t{rc}\t{message}\n")
@@ -605,3 +612,106 @@ def test_a_server_is_not_started_on_a_port_another_holds(tmp_path):
         with pytest.raises(InputError, match=f"port {port} on 127.0.0.1 is already in use"):
             launch([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], "127.0.0.1", port, "probe", timeout=5)
     assert not marker.exists(), "the server process was started on a held port"
+
+
+# --- block drafters 04 would serve wrong: refused before its work ---------------------------------------------------
+
+BLOCK = 4  # the DFlash draft's block: it drafts 3 a round
+
+
+def block_draft_of(trained: dict, folder: Path) -> Path:
+    """A fresh one-layer DFlash draft of block 4 for the trained run's target and 02 layers, its mask token a live
+    row, exported as 03 does (its ``mask_embedding.pt`` where a fresh draft starts: the live rows' mean)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
+
+    target = Path(trained["stages"]["04_acceptance"]["model_path"])
+    weights = load_file(target / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    norms = embed.norm(dim=-1)
+    layers = json.loads((trained["out"] / "02_hidden_states" / "index.json").read_text())["layer_ids"]
+    torch.manual_seed(0)
+    draft = DFlashDraft(from_target(json.loads((target / "config.json").read_text()), num_layers=1, block_size=BLOCK,
+                                    aux_layer_ids=layers, mask_token_id=int((norms - norms.median()).abs().argmin())))
+    draft.set_target(embed, weights["lm_head.weight"])
+    return save_draft(draft, folder)
+
+
+def stage_04(trained: dict, tmp: Path, draft: Path, **changes: Any) -> list[str]:
+    """04's command line judging ``draft`` on the trained run's held-out data (no public benchmark sets)."""
+    return stage("04", tmp, draft_dir=draft, data_dir=trained["out"] / "02_hidden_states", output_dir=tmp / "o",
+                 benchmarks=None, **changes)[1]
+
+
+REFUSED_BY_04 = {  # what the one line must say
+    **{name: MASK_FILES[name].names for name in ("an all-zero mask_embedding.pt", "a NaN mask_embedding.pt",
+                                                 "a mask_embedding.pt that is not a torch file",
+                                                 "a mask_embedding.pt of another mask id")},
+    "ks [2] for a block of 4": ("ks 2, but this dflash draft's block of 4 drafts 3", "set ks to 3",
+                                "export the draft for k = 2"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_BY_04))
+def test_04_refuses_a_block_drafter_it_would_serve_wrong_before_any_work(name, trained, tmp_path, capsys):
+    """A block drafter's dead or unreadable ``mask_embedding.pt``, or an embedded sweep's k its decoder cannot
+    serve (DFlash's block of 4 drafts 3; ks [2] used to run the offline, local and benchmark steps and then fail in
+    the server's log): 04 stops at once, in one line naming the draft's file or the k, its block and what to use,
+    and writes nothing of its work."""
+    draft = block_draft_of(trained, tmp_path / "draft")
+    changes: dict[str, Any] = {"ks": None}
+    if name in MASK_FILES:
+        MASK_FILES[name].write(draft)
+    else:
+        changes["ks"] = [2]
+    capsys.readouterr()
+    assert run_command(STAGE["04"], stage_04(trained, tmp_path, draft, **changes)) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "internal error" not in err, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and str(draft) in lines[0] and all(n in lines[0] for n in REFUSED_BY_04[name]), lines
+    assert not list((tmp_path / "o").rglob("*")), "04 worked before it checked its draft"
+
+
+def test_04_names_its_embedded_servers_refusal_on_its_error_line(trained, tmp_path, capsys, monkeypatch):
+    """A refusal of an embedded server 04's own checks did not foresee (here: its serving check switched off, so
+    the block-4 DFlash draft's ks [2] reaches ``eagle3nb serve``) stops 04 with the server's own reason on its error
+    line, the first (a terminal may show no other), not in its log only."""
+    import eagle3nb.accept.stage as accept
+
+    monkeypatch.setattr(accept, "check_serving", lambda P: None)
+    draft = block_draft_of(trained, tmp_path / "draft")
+    argv = stage_04(trained, tmp_path, draft, ks=[2], local_prompts=0, cost_ratio=0.05, overhead=0.1,
+                    offline_samples=2, concurrency_levels=[1], num_prompts=1, max_tokens=4)
+    capsys.readouterr()
+    assert run_command(STAGE["04"], argv) == 2
+    first = error_lines(capsys.readouterr().err)[0]
+    assert "eagle3nb serve exited with code 2 before it was ready: --num-speculative-tokens 2, but this dflash " \
+           "draft's block of 4 drafts 3" in first and "set --num-speculative-tokens to 3" in first, first
+    assert (tmp_path / "o" / "online-baseline.json").exists(), "the refusal did not come from the k = 2 server"
+
+
+def test_a_server_that_refuses_has_its_reason_on_the_first_line(tmp_path):
+    """A server that exits before it is ready: its own refusal (our commands' ``<prog>: error:`` line) leads the
+    error, wherever its output put it: after a model load's progress bars, before a print its stdout buffer flushed
+    at exit. A user error shows two lines at most, so a reason left in the log's tail was cut off."""
+    import sys
+
+    from eagle3nb.errors import InputError, user_message
+    from eagle3nb.launch import launch
+
+    server = write(tmp_path / "server.py", "import sys\n"
+                   "print('draft loaded')\n"  # block-buffered to the log: written at exit, after the error line
+                   "for i in range(40):\n    sys.stderr.write(f'\\rLoading weights: {i + 1}/40')\n"
+                   "sys.stderr.write('\\nstand-in serve: error: k = 2, but the block drafts 3: use k = 3\\n')\n"
+                   "sys.exit(2)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a server's own default buffering
+    with pytest.raises(InputError) as refused:
+        launch([sys.executable, str(server), "--port", "0"], "127.0.0.1", 0, "stand-in serve", timeout=30, env=env)
+    shown = user_message(refused.value).splitlines()
+    assert shown[0].startswith("stand-in serve exited with code 2 before it was ready: k = 2, but the block drafts 3: "
+                               "use k = 3; its output ("), shown
+    assert str(refused.value).endswith("use k = 3\ndraft loaded"), "the stand-in's output came in another order"

@@ -20,6 +20,7 @@ from eagle3nb.doctor import FAIL, PASS, run_checks
 from eagle3nb.drafts import ServingError
 from eagle3nb.launch import free_port
 
+from mask_files import MASK_FILES, MaskFile
 from worlds import write_run
 
 BLOCK = 4  # the block drafters' block: DFlash drafts 3 a round, DSpark 4
@@ -107,6 +108,7 @@ class Case:
     k: int
     names: tuple[str, ...] = ()
     trained: dict = field(default_factory=dict)  # 03_train's values when they differ from the served ones
+    ours: bool = True  # eagle3nb serve takes it too: its decoder drafts a block drafter's whole block, never fewer
 
 
 REFUSED = {
@@ -162,16 +164,38 @@ def with_mask_embedding(folder: Path) -> Path:
     return folder
 
 
+def fresh_mask(mask_token_id: int, H: int) -> dict:
+    """A fresh export's mask input: the smoke toy's live rows' mean (``mask.live_mean``, where 03 starts it), whose
+    norm is a fraction of a row's, under the dead-row rule's half of the median: a vector is not held to it."""
+    from safetensors.torch import load_file
+
+    from eagle3nb.drafts.dflash.mask import live_mean
+    from eagle3nb.toy import shipped
+
+    rows = load_file(shipped("smoke") / "model.safetensors")["model.embed_tokens.weight"]
+    mean = live_mean(rows)
+    assert float(mean.norm()) < 0.5 * float(rows.norm(dim=-1).median()), "the case no longer tests a short vector"
+    return {"mask_token_id": mask_token_id, "embedding": mean}
+
+
+# The mask input files a new user's export may hold (tests/mask_files.py), each a DFlash draft served at its k.
+REFUSED.update({name: Case(lambda f, tc, r, m=m: m.write(block_draft(f, tc, r, "dflash", mask=m.row)), "dflash",
+                           BLOCK - 1, m.names) for name, m in MASK_FILES.items()})
+
+
 SERVED_RIGHT = {
     "DFlash (vLLM layout)": Case(lambda f, tc, r: block_draft(f, tc, r, "dflash"), "dflash", BLOCK - 1),
     "DFlash (speculators layout) with fewer drafts than its block": Case(
-        lambda f, tc, r: block_draft(f, tc, r, "dflash", "speculators"), "dflash", BLOCK - 2),
+        lambda f, tc, r: block_draft(f, tc, r, "dflash", "speculators"), "dflash", BLOCK - 2, ours=False),
     "DSpark (vLLM layout)": Case(lambda f, tc, r: block_draft(f, tc, r, "dspark"), "dspark", BLOCK),
     "DSpark (speculators layout)": Case(
         lambda f, tc, r: block_draft(f, tc, r, "dspark", "speculators"), "dspark", BLOCK),
     "EAGLE-3": Case(lambda f, tc, _: eagle3_draft(f, tc), "eagle3", 3),
     "a dead mask row with a trained mask_embedding.pt": Case(
         lambda f, tc, r: with_mask_embedding(block_draft(f, tc, r, "dflash", mask="dead")), "dflash", BLOCK - 1),
+    "a dead mask row with a fresh export's mask_embedding.pt (the live rows' mean)": Case(
+        lambda f, tc, r: MaskFile(fresh_mask, ()).write(block_draft(f, tc, r, "dflash", mask="dead")), "dflash",
+        BLOCK - 1),
 }
 
 SURFACES = {  # each surface's own flag for the method and for k
@@ -264,11 +288,38 @@ def test_a_correct_configuration_passes_all_three(name, tmp_path, toy_smoke, tar
     spec = json.loads(fake_vllm.read_text().split("--speculative-config ", 1)[1].split(" --")[0])
     assert (spec["method"], spec["model"], spec["num_speculative_tokens"]) == (case.method, str(draft), case.k)
 
-    model_dir, _ = check_options(build_parser().parse_args(serve_args(toy_smoke, case, draft)))
-    assert model_dir == toy_smoke
+    args = build_parser().parse_args(serve_args(toy_smoke, case, draft))
+    if case.ours:
+        model_dir, _ = check_options(args)
+        assert model_dir == toy_smoke
+    else:  # vLLM runs fewer masks than the block; our decoder would fail after loading the target, so it refuses now
+        with pytest.raises(ServingError) as refused:
+            check_options(args)
+        msg = str(refused.value)
+        assert f"--num-speculative-tokens {case.k}, but this dflash draft's block of {BLOCK} drafts {BLOCK - 1}" in msg
+        assert f"set --num-speculative-tokens to {BLOCK - 1}, or export the draft for k = {case.k}" in msg, msg
 
     r = serving_result(tmp_path / "run", toy_smoke, case, draft)
     assert r.status == PASS, r
+
+
+@pytest.mark.parametrize("name", list(MASK_FILES))
+def test_a_broken_mask_file_is_refused_where_the_draft_loads(name, tmp_path, toy_smoke, target_config, rows):
+    """Where the draft itself loads (04, the doctor's draft_sanity, ``eagle3nb serve``'s decoder, 03's init_from):
+    ``load_draft`` refuses a file vLLM would not load and ``check_usable`` a dead one, in the serving check's
+    words, one line naming the file; never torch's error or a traceback."""
+    from safetensors.torch import load_file
+
+    from eagle3nb.drafts import DraftMismatchError, load_draft, of
+
+    mask = MASK_FILES[name]
+    draft = mask.write(block_draft(tmp_path / "draft", target_config, rows, "dflash", mask=mask.row))
+    weights = load_file(toy_smoke / "model.safetensors")
+    with pytest.raises(DraftMismatchError) as refused:
+        model = load_draft(draft, embed_tokens=weights["model.embed_tokens.weight"], lm_head=weights["lm_head.weight"])
+        of(model).check_usable(model, str(draft))
+    msg = str(refused.value)
+    assert "\n" not in msg and str(draft / "mask_embedding.pt") in msg and all(n in msg for n in mask.names), msg
 
 
 def test_the_doctor_cli_fails_on_a_misconfiguration(tmp_path, toy_smoke, target_config, rows, capsys):

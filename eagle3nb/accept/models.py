@@ -6,10 +6,40 @@ from __future__ import annotations
 import json
 
 from eagle3nb.accept.params import AcceptParams
+from eagle3nb.data.head import served_target
 from eagle3nb.data.reader import HiddenStates
-from eagle3nb.drafts import check_fits, load_draft
+from eagle3nb.drafts import Serving, ServingError, check_fits, load_draft, of, served_method, serving_problems
 from eagle3nb.hf import DECODER, compute_device, load_target, load_tokenizer
 
+
+def served_ks(P: AcceptParams) -> list[tuple[int, str, bool]]:
+    """Each (k, the parameter naming it, whether eagle3nb's own decoder serves it) the stage serves the draft with:
+    the embedded servers' sweep (``ks``, else ``k``), the local decoding's ``k``, each listed endpoint's declared
+    ``k`` (its own engine: vLLM's rules)."""
+    out = []
+    if P.endpoints == "embedded":
+        out += [(k, "ks" if P.ks else "k", True) for k in P.sweep_ks]
+    else:
+        out += [(e.k, f"endpoint {e.label}'s k", False) for e in P.endpoints if e.k is not None]
+    if P.local_prompts or P.benchmarks:  # decoded here, at k
+        out.append((P.k, "k", True))
+    return list(dict.fromkeys(out))
+
+
+def check_serving(P: AcceptParams) -> None:
+    """Refuse, in one line before any model loads or any work starts, a draft the stage would serve wrong at one
+    of its k (``served_ks``): the draft's own serving check (``eagle3nb.drafts.serving_problems``: a block
+    drafter's k against its block, its mask input, its layers and vocabulary against the target), each misfit said
+    once with the parameter that fixes it."""
+    src = P.params_file or "the notebook's parameters cell"
+    target, method, problems = served_target(P.model_dir), served_method(P.draft_path), []
+    for k, field, ours in served_ks(P):
+        for what, fix in serving_problems(P.draft_path, Serving(method, k, target, k_field=field, whole_block=ours)):
+            line = f"{what}: {fix}"
+            if line not in problems:  # a misfit every k shares is said once
+                problems.append(line)
+    if problems:
+        raise ServingError(f"04_acceptance ({src}), draft {P.draft_path}: " + "; ".join(problems))
 
 def load_models(P: AcceptParams, need_target: bool = True):
     """(target or None, draft, tokenizer) for the stage, after checking that the draft fits both the held-out
@@ -25,6 +55,7 @@ def load_models(P: AcceptParams, need_target: bool = True):
     else:
         embed, head = data.embed_tokens(), data.lm_head()
     draft = load_draft(P.draft_path, embed_tokens=embed, lm_head=head, device=compute_device())
+    of(draft).check_usable(draft, str(P.draft_path))  # a block drafter's mask input, on the target's own rows
     meta = data.meta
     check_fits(draft.config, hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"],
                layer_ids=meta["layer_ids"], num_layers=meta["num_layers"], draft=f"the draft {P.draft_path}",

@@ -20,7 +20,7 @@ from eagle3nb.accept.bench import run_benchmarks
 from eagle3nb.accept.concurrency import best_k_by_concurrency, concurrency_verdict, serve_flags
 from eagle3nb.accept.local import prompt_token_ids, run_local
 from eagle3nb.accept.misses import summary as miss_summary
-from eagle3nb.accept.models import load_models
+from eagle3nb.accept.models import check_serving, load_models
 from eagle3nb.accept.offline import run_offline
 from eagle3nb.accept.online import baseline_label, probe_endpoints, run_online
 from eagle3nb.accept.params import STAGE, AcceptParams
@@ -36,6 +36,7 @@ def run(P: AcceptParams) -> dict[str, Any]:
     """The whole stage: offline acceptance, the local check (when ``local_prompts``), the prediction, the
     online benchmark and adaptive verification simulated on its costs; writes ``metrics.json`` and the figures
     (``report.FIGURES``) and returns the metrics as written (NaN as None)."""
+    check_serving(P)  # the draft at each k the stage serves it with, before anything loads
     probe_endpoints(P)
     target, draft, tokenizer = load_models(P, need_target=P.local_prompts > 0 or bool(P.benchmarks))
     print(f"draft {P.draft_path}: aux layers {draft.config.aux_layer_ids}, draft vocab {draft.config.draft_vocab_size}")

@@ -56,13 +56,17 @@ class ServedTarget:
 @dataclass(frozen=True)
 class Serving:
     """How a draft is about to be served: vLLM's speculative-config ``method`` and ``num_speculative_tokens``, the
-    target, and the names the user sets the first two by (each message names the one that fixes it)."""
+    target, the names the user sets the first two by (each message names the one that fixes it), and whether the
+    engine is one that runs only the checkpoint's whole block."""
 
     method: str
     num_speculative_tokens: int
     target: ServedTarget
     method_field: str = "the speculative-config method"
     k_field: str = "num_speculative_tokens"
+    # the engine drafts a block drafter's whole checkpoint block, never fewer (eagle3nb's own decoder: ``eagle3nb
+    # serve``, 04's embedded servers and local decoding); vLLM's DFlash proposer runs k masks whatever the block
+    whole_block: bool = False
 
 
 class Drafting(Protocol):

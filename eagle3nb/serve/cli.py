@@ -118,7 +118,8 @@ def check_options(args: argparse.Namespace) -> tuple[Path, str | None]:
                              f"(outputs/<run>/03_train/draft)")
         method = args.method or served_as(method_of(json.loads(config.read_text()), args.draft).name)
         check_serving(args.draft, Serving(method, args.num_speculative_tokens, served_target(model_dir),
-                                          method_field="--method", k_field="--num-speculative-tokens"))
+                                          method_field="--method", k_field="--num-speculative-tokens",
+                                          whole_block=True))  # SpecEngine's decoder drafts the whole block
     _check_port(args.host, args.port)
     return model_dir, api_key
 

@@ -289,12 +289,13 @@ def check_draft_sanity(ctx: Context, prior: list[CheckResult]) -> CheckResult:
     shapes = _draft_tensors(drafts[0])["shapes"]
     embed = None if "embed_tokens.weight" in shapes else data.embed_tokens()
     head = None if "lm_head.weight" in shapes else data.lm_head()
-    model = load_draft(drafts[0], embed_tokens=embed, lm_head=head, device=compute_device())
-    try:
+    try:  # a draft that does not load (a mask_embedding.pt vLLM would refuse) or cannot work (a dead mask input)
+        model = load_draft(drafts[0], embed_tokens=embed, lm_head=head, device=compute_device())
         drafts_of(model).check_usable(model, str(drafts[0]))
-    except DraftMismatchError as e:
-        return CheckResult("draft_sanity", FAIL, str(e), "train a fresh draft (03_train init_from: null)",
-                           {"draft": str(drafts[0])})
+    except DraftMismatchError as e:  # the draft's own line; its fix apart where the error holds one
+        return CheckResult("draft_sanity", FAIL, getattr(e, "what", str(e)),
+                           getattr(e, "fix", "fix the draft as the line says, or train a fresh one (03_train "
+                                         "init_from: null)"), {"draft": str(drafts[0])})
     res = offline_acceptance(model, data, SANITY_K, SANITY_K, 0.0, ctx.template.specials.segments)
     chance = chance_acceptance(data)
     a0, tau = float(res["per_position"][0]), float(res["acceptance_length"])

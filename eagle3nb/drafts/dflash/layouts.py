@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from eagle3nb.drafts.base import WEIGHTS_FILE, DraftMismatchError, Misfit, read_tensors
-from eagle3nb.drafts.dflash.mask import MASK_EMBEDDING_FILE
+from eagle3nb.drafts.dflash.mask import MASK_EMBEDDING_FILE, read_mask_file
 from eagle3nb.drafts.dflash.model import DFlashConfig, DFlashDraft
 from eagle3nb.layers import from_sglang
 from eagle3nb.progress import write_json_atomic
@@ -175,19 +175,10 @@ def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype
 
 def read_mask_embedding(path: Path, cfg: DFlashConfig) -> torch.Tensor | None:
     """The trained mask input [H] in ``path``'s ``mask_embedding.pt`` (a tensor, or vLLM's dict whose id must be
-    the config's), None without the file."""
+    the config's: ``mask.read_mask_file``, which refuses in one line a file vLLM would not load), None without the
+    file."""
     file = path / MASK_FILE
-    if not file.exists():
-        return None
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    if isinstance(state, dict):
-        if state.get("mask_token_id", cfg.mask_token_id) != cfg.mask_token_id:
-            raise DraftMismatchError(f"{file}: mask_token_id {state['mask_token_id']} is not config.json's "
-                                     f"{cfg.mask_token_id}; re-export the draft")
-        state = state["embedding"]
-    if state.numel() != cfg.hidden_size:
-        raise DraftMismatchError(f"{file}: {state.numel()} values, the draft's hidden size is {cfg.hidden_size}")
-    return state.reshape(-1)
+    return read_mask_file(file, cfg.mask_token_id, cfg.hidden_size) if file.is_file() else None
 
 
 def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",

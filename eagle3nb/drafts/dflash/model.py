@@ -37,7 +37,7 @@ from torch import nn
 
 from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.dflash.dflash2 import CandidateSelector, GroupedConv, shape_problem
-from eagle3nb.drafts.dflash.mask import dead_mask_row, live_mean, row_norms
+from eagle3nb.drafts.dflash.mask import MaskInputError, dead_mask_problem, live_mean, row_norms
 from eagle3nb.drafts.nn import MLP, RMSNorm, rotate_half
 from eagle3nb.layers import spread_layer_ids, to_sglang
 
@@ -363,14 +363,12 @@ def fresh_draft(P: Any, meta: dict[str, Any], target_config: dict[str, Any], emb
 
 
 def check_mask_input(model: DFlashDraft, where: str = "the draft") -> None:
-    """Refuse (one line) a draft whose mask slots would enter as a dead vector: no trained ``mask_embedding`` and
-    the target's row of ``mask_token_id`` under half the median row norm. Every mask slot is then the same
-    near-zero input (RMSNorm(0) = 0: uniform attention in layer 1), and such a draft accepts little whatever its
-    training (the smoke toy's one-layer DFlash: first-position acceptance 0.24, docs/block-drafters.md)."""
-    mask = model.config.mask_token_id
-    if model.mask_embedding is None and dead_mask_row(model.embed_tokens.weight, mask):
-        norms = row_norms(model.embed_tokens.weight)
-        raise DraftMismatchError(
-            f"{where}: its mask slots read the target's row of mask_token_id {mask} (norm {float(norms[mask]):.3g}, "
-            f"median row {float(norms.median()):.3g}), a dead input, and it has no trained mask_embedding.pt: train "
-            "a fresh draft (init_from: null), which learns one")
+    """Refuse (one line, ``mask.MaskInputError``) a draft whose mask slots would enter as a dead vector: no trained
+    ``mask_embedding`` and the target's row of ``mask_token_id`` under half the median row norm, or a trained one
+    that is zero, as tiny, or not finite (``mask.dead_mask_problem``). Every mask slot is then the same near-zero
+    input (RMSNorm(0) = 0: uniform attention in layer 1), and such a draft accepts little whatever its training (the
+    smoke toy's one-layer DFlash: first-position acceptance 0.24 on the dead row, docs/block-drafters.md)."""
+    problem = dead_mask_problem(row_norms(model.embed_tokens.weight), model.config.mask_token_id,
+                                model.mask_embedding, where)
+    if problem:
+        raise MaskInputError(*problem)

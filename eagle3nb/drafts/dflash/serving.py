@@ -4,7 +4,8 @@
 - **k.** DSpark drafts its block with the anchor as the first draft (``sample_from_anchor``): vLLM runs
   ``num_speculative_tokens`` query slots (``v1/worker/gpu/spec_decode/dspark/speculator.py``), so any k but the
   block size is another block than the one trained. DFlash runs the anchor and k masks: past ``block_size - 1``
-  the masks were never trained.
+  the masks were never trained; eagle3nb's own decoder (``Serving.whole_block``: ``eagle3nb serve``, 04) drafts the
+  checkpoint's whole block, so it takes k = ``block_size - 1`` only (03 exports a draft for a shorter k).
 - **The block layout.** DSpark's vLLM config reads ``sample_from_anchor`` at the top level, default true
   (``config/vllm.py``); vLLM's speculators parser reads ``sample_from_anchor`` default false, and for DSpark
   switches to the fill-in block (``dspark_bonus_anchor``, ``transformers_utils/configs/speculators/algos.py``). A
@@ -13,7 +14,8 @@
   ``speculators_model_type``) must be the one the heads make: ``markov_rank > 0`` is DSpark.
 - **Layers and vocabulary.** ``dflash_config.target_layer_ids`` are output-of-layer ids (ours minus one),
   speculators' ``aux_hidden_state_layer_ids`` ours; ``target_hidden_size`` and ``vocab_size`` the target's.
-- **The mask row** (``mask.dead_mask_reason``).
+- **The mask input** (``mask.mask_problems``): a ``mask_embedding.pt`` vLLM would not load or would load
+  as a dead vector (zero, tiny or not finite), or none and a dead row of ``mask_token_id``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from eagle3nb.drafts.base import Misfit, Serving, aux_ids_misfits, read_tensor, vocab_misfits
 from eagle3nb.drafts.dflash.layouts import ARCHITECTURES, config_from_json
-from eagle3nb.drafts.dflash.mask import MASK_EMBEDDING_FILE, dead_mask_reason
+from eagle3nb.drafts.dflash.mask import mask_problems
 from eagle3nb.drafts.dflash.model import DFlashConfig
 
 
@@ -57,12 +59,20 @@ def _layout_problems(path: Path, config: dict[str, Any], cfg: DFlashConfig, serv
 
 def _k_problems(cfg: DFlashConfig, serving: Serving) -> list[Misfit]:
     k, n = serving.num_speculative_tokens, cfg.drafts_per_block
-    if k == n or (k < n and not cfg.sample_from_anchor):  # DFlash: fewer masks than trained still draft its block
+    shorter = not cfg.sample_from_anchor  # DFlash: fewer masks than trained still draft its block, on vLLM
+    if k == n or (k < n and shorter and not serving.whole_block):
         return []
-    why = ("vLLM runs k query slots and this draft was trained on its whole block" if cfg.sample_from_anchor else
-           "the masks past its block were never trained")
+    fix = f"set {serving.k_field} to {n}"
+    if k > n:
+        why = "the masks past its block were never trained" if shorter else \
+            "vLLM runs k query slots and this draft was trained on its whole block"
+    elif shorter:  # an engine that drafts the checkpoint's whole block
+        why = "eagle3nb's own decoder drafts the checkpoint's whole block"
+        fix += f", or export the draft for k = {k} (03_train num_speculative_tokens: {k}, a served block of {k + 1})"
+    else:
+        why = "vLLM runs k query slots and this draft was trained on its whole block"
     return [(f"{serving.k_field} {k}, but this {serving.method} draft's block of {cfg.block_size} drafts {n} ({why})",
-             f"set {serving.k_field} to {n}")]
+             fix)]
 
 
 def serving_problems(path: Path, config: dict[str, Any], serving: Serving) -> list[Misfit]:
@@ -79,8 +89,4 @@ def serving_problems(path: Path, config: dict[str, Any], serving: Serving) -> li
     out += aux_ids_misfits(ids, field, offset, serving.target)
     out += vocab_misfits(cfg.target_hidden_size, cfg.vocab_size, config.get("draft_vocab_size"),
                          read_tensor(path, "d2t"), serving.target)
-    dead = dead_mask_reason(serving.target.embed_row_norms(), cfg.mask_token_id, path)
-    if dead:
-        out.append((dead, f"ship the draft's trained mask embedding as {MASK_EMBEDDING_FILE} in {path} (vLLM loads "
-                          "it over the row), or retrain with a mask_token_id whose row is live"))
-    return out
+    return out + mask_problems(path, cfg.mask_token_id, cfg.hidden_size, serving.target.embed_row_norms())
