@@ -19,9 +19,8 @@ from eagle3nb.drafts.base import DraftMismatchError, Misfit
 
 # vLLM's name for a separately trained mask embedding, read from the draft's folder.
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-# A mask input (the target's row, or the file's vector) is dead below this share of the median row norm of the
-# target's embedding (trained rows sit around the median; the toy's and the big vocabularies' reserved rows are zero
-# or near it).
+# The target's row of mask_token_id is dead below this share of the median row norm of its embedding (trained rows
+# sit around the median; the toy's and the big vocabularies' reserved rows are zero or near it).
 DEAD_ROW_FRACTION = 0.5
 # A row or a trained mask vector is ~0 under this share of the median row norm (padding and never-trained rows; an
 # all-zero or as tiny export): RMSNorm's eps swamps it, so layer 1 sees no input. A trained vector is held to this, not
