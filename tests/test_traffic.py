@@ -12,7 +12,7 @@ import pytest
 
 from eagle3nb.data.prompts import PromptsError
 from eagle3nb.data.redact import marker
-from eagle3nb.data.traffic import features, read_traffic
+from eagle3nb.data.traffic import features, read_traffic, tag_group
 from eagle3nb.formulas import speedup
 
 KEY = "sk-" + "A1b2C3d4E5f6G7h8I9j0K1l2"
@@ -111,6 +111,29 @@ def test_bounded_memory_and_uniform_sample(tmp_path: Path) -> None:
     lines = sorted(int(r["source"].split(":")[1]) for r in t.rows if r["group"] == "math")
     assert lines[0] < 10_000 * 0.2 and lines[-1] > 10_000 * 0.8  # spread over the whole file
     assert abs(sum(lines) / len(lines) - 5_000) < 1_250
+
+
+def test_tags_become_group_names_only_when_they_read_as_names(tmp_path: Path) -> None:
+    """A gateway tag is a group name in metrics, reports and figures: one that reads as a name stays, a tenant id,
+    a random string, an address or a UUID becomes a stable ``tag-<8 hex>``, one per tag; with ``tag_allowlist``
+    only the tags its globs match stay."""
+    names = ["math-app", "team-a", "support bot v2", "SupportBot", "gpt-4o-mini", "API", "2024", "数学"]
+    ids = ["tenant-8f3a9c2e71", "tenant-kQ7xZ2pL9w", "tenant-xAeqLmTb", "user@example.com", "u-1234567",
+           "123e4567-e89b-12d3-a456-426614174000", "tenant_Za3K_t6", "sess-qwrtzpl"]
+    assert [tag_group(t) for t in names] == names
+    hashed = [tag_group(t) for t in ids]
+    assert all(h.startswith("tag-") and len(h) == 12 and int(h[4:], 16) >= 0 for h in hashed), hashed
+    assert len(set(hashed)) == len(ids) and hashed == [tag_group(t) for t in ids]  # distinct and stable
+    assert tag_group("support-eu", ["support-*"]) == "support-eu"
+    assert tag_group("math-app", ["support-*"]) == tag_group("math-app", []) != "math-app"
+    log = tmp_path / "tagged.jsonl"
+    log.write_text("".join(json.dumps({"body": _chat(f"Tell me about item {i}."), "tags": [tag]}) + "\n"
+                           for i, tag in enumerate(["math-app", "tenant-8f3a9c2e71", "support-eu", "math-app"])))
+    groups = read_traffic(log, per_group=10, group_by=["tag"]).groups
+    assert groups == {"math-app": 2, tag_group("tenant-8f3a9c2e71"): 1, "support-eu": 1}
+    strict = read_traffic(log, per_group=10, group_by=["tag"], tag_allowlist=["support-*"]).groups
+    assert strict == {tag_group("math-app", []): 2, tag_group("tenant-8f3a9c2e71"): 1, "support-eu": 1}
+    assert "8f3a9c2e71" not in json.dumps(dict(groups)) + json.dumps(dict(strict))
 
 
 def test_features() -> None:

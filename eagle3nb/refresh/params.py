@@ -25,6 +25,11 @@ class RefreshParams(TargetParams):
     group_by: list[Literal["tag", "domain", "script", "turns", "length"]] = Field(
         ["domain"], description="what groups the traffic: the log's own tag, or the request's domain (tools, code, "
                                 "math, chat), script, turns or length bucket; several join as domain/turns")
+    tag_allowlist: list[str] | None = Field(None, description="with group_by tag: globs of the gateway tags kept "
+                                                             "as group names (math-app, support-*); any other tag "
+                                                             "is hashed to tag-<8 hex>. null = every tag that reads "
+                                                             "as a name (words, short numbers: team-a, math-app v2); "
+                                                             "ids and random strings are hashed (docs/refresh.md)")
     per_group: int = Field(32, ge=2, description="requests sampled per group (uniformly from the whole log); half are "
                                                  "held out to measure and gate (at least 8 with several seeds, 4 "
                                                  "with one), the rest may become refresh data")

@@ -30,7 +30,8 @@ def run(P: RefreshParams) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     # 1. the traffic: a uniform sample of each group, every request counted, each group split into held-out
     #    requests (to measure and judge, at least what the gate needs) and a pool (refresh data); none usable: stop
-    traffic = read_traffic(prompts_path(P.traffic), P.per_group, group_by=P.group_by, seed=P.seeds[0])
+    traffic = read_traffic(prompts_path(P.traffic), P.per_group, group_by=P.group_by, seed=P.seeds[0],
+                           tag_allowlist=P.tag_allowlist)
     if not traffic.rows:
         dropped = (", ".join(f"{n} {why}" for why, n in traffic.dropped.most_common())
                    or "none holds a request: vLLM logs them with --enable-log-requests at log level DEBUG")
