@@ -176,6 +176,7 @@ def corpus(seed: int = 0) -> list[Case]:
         Case("pulumi", "PULUMI_ACCESS_TOKEN={s}", "pu" + "l-" + _rand(r, 40, hexd)),
         Case("supabase", "SUPABASE_ACCESS_TOKEN={s}", "sb" + "p_" + _rand(r, 40, hexd)),
         Case("planetscale", "PLANETSCALE_SERVICE_TOKEN={s}", "pscale" + "_tkn_" + _rand(r, 43, ALNUM + "_")),
+        Case("artifactory", "pull it with {s} from the mirror", "AK" + "Cp" + _rand(r, 69)),
     ]
 
 

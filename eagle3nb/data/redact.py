@@ -149,24 +149,21 @@ class Rule:
     check: Callable[[re.Match, str], bool] | None = None
 
 
-def _value_check(m: re.Match, s: str, assign: Callable[[str], bool] | None) -> bool:
-    """A name rule's check: no plain name (token_count); prose needs :func:`prose_secret`, an assignment
-    ``assign`` (None: any value)."""
-    if m.group("name") and plain_name(m.group("name")):
+def _value_check(m: re.Match, s: str, assign: Callable[[str], bool]) -> bool:
+    """A name rule's check: not a plain name (token_count, sort_key); a value in prose passes
+    :func:`prose_secret`, an assigned one ``assign``."""
+    if plain_name(m.group("name")):
         return False
-    if m.groupdict().get("prose"):
-        return prose_secret(s)
-    return assign is None or assign(s)
+    return prose_secret(s) if m.groupdict().get("prose") else assign(s)
 
 
-def _entry_check(full: re.Pattern, assign: Callable[[str], bool] | None) -> Callable[[re.Match, str], bool]:
+def _entry_check(full: re.Pattern, assign: Callable[[str], bool]) -> Callable[[re.Match, str], bool]:
     """A Kubernetes entry's check: its name is a credential name of that rule (``full``) and the value passes."""
     return lambda m, s: bool(full.fullmatch(m.group("name"))) and _value_check(m, s, assign)
 
 
 PASSWORD_NAME = re.compile(_name(_PASSWORD, glued=r"passw(?:or)?d|passphrase|passcode"), re.IGNORECASE)
 CREDENTIAL_NAME = re.compile(_name(_CREDENTIAL), re.IGNORECASE)
-_NAME_HINTS = ("pass", "pwd", "key", "token", "secret", "credential", "auth")
 
 
 def _encoded(m: re.Match, s: str) -> bool:
@@ -253,6 +250,7 @@ RULES: list[Rule] = [
     Rule("age", r"\bAGE-SECRET-KEY-1[02-9AC-HJ-NP-Z]{58}\b", ("AGE-SECRET-KEY-1",)),
     Rule("pulumi", r"\bpul-[a-f0-9]{40}\b", ("pul-",)),
     Rule("supabase", r"\bsbp_[a-f0-9]{40}\b", ("sbp_",)),
+    Rule("artifactory", r"\bAKCp[A-Za-z0-9]{69}\b", ("AKCp",)),
     Rule("planetscale", r"\bpscale_(?:tkn|pw|oauth)_[A-Za-z0-9_.-]{32,64}", ("pscale_",)),
     Rule("authorization", r"(?i:\b(?:proxy-)?authorization)[\\\"']*\s*[:=]\s*[\\\"']*"
                           r"(?i:(?:bearer|basic|token|digest)\s+)?+(?!\[REDACTED)(?P<secret>[^\s\"'\\,;]+)",
@@ -264,7 +262,8 @@ RULES: list[Rule] = [
     Rule("credential", _ENTRY, ("value",), _entry_check(CREDENTIAL_NAME, secret_looking)),
     Rule("password", rf"(?P<name>(?i:{PASSWORD_NAME.pattern})){_VALUE}", ("pass", "pwd"),
          lambda m, s: _value_check(m, s, password_value)),
-    Rule("credential", rf"(?P<name>(?i:{CREDENTIAL_NAME.pattern})){_VALUE}", _NAME_HINTS[2:],
+    Rule("credential", rf"(?P<name>(?i:{CREDENTIAL_NAME.pattern})){_VALUE}",
+         ("key", "token", "secret", "auth", "credential"),
          lambda m, s: _value_check(m, s, secret_looking)),
     # a base64 run whose decoded text holds a secret
     Rule("base64", r"(?<![A-Za-z0-9+/=_-])(?P<secret>[A-Za-z0-9+/_-]{16,}={0,2})(?![A-Za-z0-9+/=_-])", (), _encoded),
