@@ -21,17 +21,18 @@ CLI_MODULES = [
 
 
 DESCRIPTION = f"""\
-Train and judge speculative-decoding draft models ({", ".join(PACKAGES)}) for a reasoning LLM. The five stages are
-the notebooks notebooks/01_synth.ipynb ... 05_refresh.ipynb (also `python -m
-eagle3nb.synth|hidden|train|accept|refresh params/<run>/`): 01-04 make and judge a draft, 05 refreshes a served one
-from its traffic, on request. These commands run them in order, check a run, serve a model and build the toy
-target."""
+Train and judge speculative-decoding draft models ({", ".join(PACKAGES)}) for a reasoning LLM. The six stages are
+the notebooks notebooks/01_synth.ipynb ... 06_select.ipynb (also `python -m
+eagle3nb.synth|hidden|train|accept|refresh|select params/<run>/`): 01-04 make and judge a draft, 05 refreshes a served
+one from its traffic, 06 trains several recipes and picks the one that serves fastest at your load, both on
+request. These commands run them in order, check a run, serve a model and build the toy target."""
 
 EPILOG = """\
 examples:
   eagle3nb run params/demo/              stages 01-04 in order (and 05 when params/demo/ holds 05_refresh.yaml);
                                          run it again and it resumes
   eagle3nb run params/mine/ --stages 05  the refresh alone, on params/mine/05_refresh.yaml's traffic (docs/refresh.md)
+  eagle3nb run params/mine/ --stages 06  the selection: recipes trained, served, the fastest picked (docs/select.md)
   eagle3nb doctor params/mine/           check a run for the known causes of a bad drafter, before the GPU hours
   eagle3nb run params/mine/ --detach     the same in the background: it survives the terminal closing
   eagle3nb status outputs/mine/          what a run is doing, its live progress, whether it is alive

@@ -55,6 +55,22 @@ def acceptance_length_from_counts(accepted: float, drafts: float) -> float:
     return 1.0 + accepted / drafts if drafts else 1.0
 
 
+# Acceptance length (tau) two ways, from per-request counts (each request's accepted tokens and its rounds, i.e.
+# drafts): users find engines and papers disagree because they average differently (vLLM #42508).
+
+def tau_pooled(accepted: Sequence[float], drafts: Sequence[float]) -> float:
+    """vLLM's tau, pooled: 1 + all accepted tokens / all rounds, over every round of every request (a long request
+    weighs by its rounds); what its /metrics counters give, and all they can give."""
+    return acceptance_length_from_counts(sum(accepted), sum(drafts))
+
+
+def tau_per_request_mean(accepted: Sequence[float], drafts: Sequence[float]) -> float | None:
+    """SpecForge's tau: the mean over requests of each one's own 1 + accepted / rounds (every request weighs the
+    same, a short one as a long one); requests with no round are left out, None when none has one."""
+    taus = [1.0 + a / d for a, d in zip(accepted, drafts) if d]
+    return sum(taus) / len(taus) if taus else None
+
+
 # ----------------------------------------------------------------------- vLLM's spec-decode counters
 
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"

@@ -94,7 +94,7 @@ def validate(stage: str, namespace: dict[str, Any]) -> StageParams:
 
 NOTEBOOKS = {"01_synth": "notebooks/01_synth.ipynb", "02_hidden_states": "notebooks/02_hidden_states.ipynb",
              "03_train": "notebooks/03_train.ipynb", "04_acceptance": "notebooks/04_acceptance.ipynb",
-             "05_refresh": "notebooks/05_refresh.ipynb"}
+             "05_refresh": "notebooks/05_refresh.ipynb", "06_select": "notebooks/06_select.ipynb"}
 
 
 def _literal(value: Any) -> str:

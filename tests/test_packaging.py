@@ -38,7 +38,7 @@ def test_torch_is_not_pinned_to_one_release():
 def test_notebooks_are_committed_without_outputs_and_have_a_parameters_cell():
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     assert [p.stem for p in notebooks] == ["01_synth", "02_hidden_states", "03_train", "04_acceptance",
-                                                  "05_refresh"]
+                                                  "05_refresh", "06_select"]
     for path in notebooks:
         nb = json.loads(path.read_text())
         for cell in nb["cells"]:

@@ -282,8 +282,8 @@ def test_bad_params_fail_before_any_notebook(world, capsys):
     out = main_output(["run", str(w.params), "--output-root", str(w.root), "--notebooks-dir", str(w.nbs),
                        "--stages", "02"], capsys)
     assert out.startswith("rc=2") and "02_hidden_states.yaml line" in out and "not valid YAML" in out
-    with pytest.raises(ParamsError, match="unknown stage '06'"):
-        run(w.params, stages="01,06", **w.kw())
+    with pytest.raises(ParamsError, match="unknown stage '07'"):
+        run(w.params, stages="01,07", **w.kw())
     with pytest.raises(ParamsError, match="no such parameter folder"):
         run(w.params.parent / "nope", **w.kw())
     w.set("02_hidden_states", run_name="elsewhere")
