@@ -26,14 +26,15 @@ from eagle3nb.track import NONE, missing
 
 STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]  # what a run runs unless told otherwise
 # Run after those only when asked (``--stages``, or the stage's YAML in the run's folder): 05 needs traffic a
-# deployment served, which a first run does not have.
-ON_REQUEST = ["05_refresh"]
+# deployment served, which a first run does not have; 06 trains and serves several drafts, hours where 03 takes one.
+ON_REQUEST = ["05_refresh", "06_select"]
 STAGE_MODULES = {  # every stage, in pipeline order
     "01_synth": "eagle3nb.synth",
     "02_hidden_states": "eagle3nb.hidden",
     "03_train": "eagle3nb.train",
     "04_acceptance": "eagle3nb.accept",
     "05_refresh": "eagle3nb.refresh",
+    "06_select": "eagle3nb.select",
 }
 _REGISTRY: dict[str, type["StageParams"]] = {}
 

@@ -21,7 +21,7 @@ CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 # 05 refresh has a stage's roles (params, run(P), report) but runs 01-04's stages on its own data: it sits on top of
 # them, as the runner does.
-TOP = ("serve", "doctor", "run", "render", "cli", "__main__", "refresh")
+TOP = ("serve", "doctor", "run", "render", "cli", "__main__", "refresh", "select")
 # A stage reads what an earlier stage wrote through eagle3nb.data, never through that stage's package. The only
 # stage-to-stage imports, (importer, imported) -> why; at most three.
 STAGE_IMPORTS = {
@@ -186,8 +186,8 @@ def test_a_stage_imports_no_other_stage():
 
 
 def stage_modules() -> set[str]:
-    """Every stage's orchestrator: 01-04's and 05's (``refresh``, on top of them)."""
-    return {f"eagle3nb.{stage}.stage" for stage in (*STAGES, "refresh")}
+    """Every stage's orchestrator: 01-04's, 05's and 06's (``refresh``, ``select``, on top of them)."""
+    return {f"eagle3nb.{stage}.stage" for stage in (*STAGES, "refresh", "select")}
 
 
 def test_no_module_imports_a_stage_orchestrator():
