@@ -1,11 +1,14 @@
-"""The speculators side of ``bench_peer.py``; runs in ``.venv-speculators/`` (speculators 0.9.0, its own env).
+"""The speculators side of ``bench_peer.py``; runs in ``.venv-speculators/`` (speculators 0.9.0, its own env), as a
+file (it imports nothing of ours: eagle3nb is not installed there).
 
     .venv-speculators/bin/python benchmarks/_peer_speculators.py PLAN.json
 
-PLAN: ``{"mode": "logits" | "train", "method": "eagle3" | "dflash" | "dspark" | "dflash2", "draft":
-speculators-layout folder (the shared initial weights), "threads", ...}``: EAGLE-3 reads ``ttt_steps`` and ``decay``,
-the block drafters ``gamma`` and ``max_anchors``. Writes ``PLAN["out"]`` (JSON) and, for ``logits``,
-``PLAN["logits_file"]``.
+PLAN: ``{"mode": "ships" | "logits" | "train", "method": a speculators model type (our method's name: the
+``speculators_model_type`` our speculators layout writes), "block": whether it drafts in blocks (our registry's
+rules), "draft": speculators-layout folder (the shared initial weights), "threads", ...}``: a chain draft (EAGLE-3)
+reads ``ttt_steps`` and ``decay``, the block drafters ``gamma`` and ``max_anchors``. Writes ``PLAN["out"]`` (JSON)
+and, for ``logits``, ``PLAN["logits_file"]``. ``ships``: the model types the installed speculators ships (its
+``SpeculatorModel`` registry, the peer table ``bench_peer.peer_methods`` meets our registry with), nothing loaded.
 
 Everything trains through speculators' own code: ``Eagle3DraftModel`` (attention ``eager``: flex attention has no
 CPU backward), its losses (``eager``: the fused ones need Triton), its ``shift_batch``, its multipack sampler and
@@ -25,6 +28,7 @@ initial ``mask_embedding.pt`` on load (the loader reads no such file) and stays 
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import time
@@ -71,13 +75,15 @@ def block_logits(plan: dict) -> dict:
 
     model = load_model(plan["draft"]).eval()
     core = sys.modules[type(model).__module__]
+    signature = inspect.signature(core.compute_metrics)
     seen = {}
 
     def capture(*args, **kw):
-        seen["logits"] = args[0] if args else kw["unary_logits"]
-        seen["targets"] = args[1] if args else kw["targets"]
-        # the aligned loss mask: DFlash2 passes it by name, DSpark after its confidence logits, DFlash third
-        seen["mask"] = kw["loss_mask"] if "loss_mask" in kw else args[3 if plan["method"] == "dspark" else 2]
+        # its loss's arguments by name: the logits it takes first (a selector's unary ones, a Markov head's biased
+        # ones), the targets' logits and the aligned loss mask, wherever each model's call passes them
+        given = signature.bind(*args, **kw).arguments
+        seen["logits"], seen["targets"], seen["mask"] = next(iter(given.values())), given["targets"], \
+            given["loss_mask"]
         return torch.zeros(()), {}
 
     core.compute_metrics = capture
@@ -139,7 +145,7 @@ def train(plan: dict) -> dict:
     from speculators.train.dataloader import _setup_dataloader
 
     files = [str(p) for p in sorted(Path(plan["data"]).glob("*.safetensors"))]
-    block = plan["method"] != "eagle3"
+    block = plan["block"]
 
     class PerSampleFiles(BaseDataset):
         def _compute_approx_lengths(self):
@@ -194,6 +200,13 @@ def train(plan: dict) -> dict:
             "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad)}
 
 
+def ships(plan: dict) -> dict:
+    """The model types this speculators ships: its registry's names (a draft's ``speculators_model_type``)."""
+    from speculators import SpeculatorModel
+
+    return {"types": sorted(SpeculatorModel.registry)}
+
+
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     import torch
@@ -202,8 +215,8 @@ def main() -> None:
     import logging
 
     logging.disable(logging.INFO)
-    mode = "block_logits" if plan["mode"] == "logits" and plan["method"] != "eagle3" else plan["mode"]
-    result = {"logits": logits, "block_logits": block_logits, "train": train}[mode](plan)
+    mode = "block_logits" if plan["mode"] == "logits" and plan["block"] else plan["mode"]
+    result = {"ships": ships, "logits": logits, "block_logits": block_logits, "train": train}[mode](plan)
     from importlib.metadata import version
 
     result["speculators"] = version("speculators")

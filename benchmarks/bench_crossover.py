@@ -1,7 +1,7 @@
 """Where block drafters overtake EAGLE-3.1: acceptance against the amount of training data (issue 43, item 4).
 
-Every point trains through 03 itself (``eagle3nb.train.stage.run``, bench_recipes' settings) on the first ``n`` of
-the toy's own greedy answers to ``toy:train`` prompts (through 02: ``testkit.heldout``; the prompt sets are
+Every point trains through 03 itself (``eagle3nb.train.stage.run``, the harness' ``TRAIN`` settings) on the first
+``n`` of the toy's own greedy answers to ``toy:train`` prompts (through 02: ``testkit.heldout``; the prompt sets are
 nested, so the 48 answers are the first 48 of the 500), and is judged by 04's offline acceptance (the draft
 package's offline simulation) at T=0 and T=1 on one fixed held-out set for every point: the toy's greedy answers
 to the first ``--heldout`` ``toy:heldout`` prompts, questions no training answer asks. Every method trains on the
@@ -19,9 +19,9 @@ of data and where the fitted lines would cross. Writes ``results.json`` and, per
 ``crossover-<toy>-<depth>L.png`` (tau against training answers, one line per method, T=0 and T=1 panels) under
 ``--out``.
 
-    python benchmarks/bench_crossover.py          # the reduced grid docs/recipes.md reports (~30 min here)
-    python benchmarks/bench_crossover.py --full   # the full grid (~34 h here: the projection in docs/recipes.md)
-    python benchmarks/bench_crossover.py --sizes 500 --depths 2 --methods dflash,dspark --out /tmp/xo
+    python -m benchmarks.bench_crossover          # the reduced grid docs/recipes.md reports (~30 min here)
+    python -m benchmarks.bench_crossover --full   # the full grid (~34 h here: the projection in docs/recipes.md)
+    python -m benchmarks.bench_crossover --sizes 500 --depths 2 --methods dflash,dspark --out /tmp/xo
 """
 
 from __future__ import annotations
@@ -30,27 +30,44 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_recipes import TOYS, TRAIN, judge, serve_drafts, spread  # noqa: E402
-
-from eagle3nb.data.prompts import load_prompts  # noqa: E402
-from eagle3nb.data.reader import HiddenStates  # noqa: E402
-from eagle3nb.drafts import block_methods, rules, served_method  # noqa: E402
-from eagle3nb.errors import UserError  # noqa: E402
-from eagle3nb.params import from_dict  # noqa: E402
-from eagle3nb.toy import shipped  # noqa: E402
-from eagle3nb.train.stage import run  # noqa: E402
-from testkit.heldout import greedy_hidden_states  # noqa: E402
+from benchmarks.harness import (
+    THREADS,
+    TOYS,
+    TRAIN,
+    Results,
+    beats,
+    choose,
+    command_line,
+    greedy_data,
+    half_range,
+    ints,
+    judge,
+    mean_half,
+    refuse,
+    serve_drafts,
+    table,
+    train,
+)
+from eagle3nb.data.prompts import load_prompts
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.drafts import block_methods, rules
+from eagle3nb.toy import shipped
 
 EAGLE = {"eagle3.1/k3": 3, "eagle3.1/k7": 7}  # EAGLE-3.1 rows: k drafts a round, trained with k TTT steps
-METHODS = (*EAGLE, *block_methods())
+
+
+def methods() -> tuple[str, ...]:
+    """The candidates: the EAGLE-3.1 rows, then every block drafter the registry holds, in its order."""
+    return (*EAGLE, *block_methods())
+
+
 # The full grid (issue 43): 10,000 answers are out of it because the toy generator has only 2,213 distinct
 # toy:train prompts (eagle3nb/toy/dialogues.py refuses more).
 FULL = {"toys": "smoke,demo,kimi", "sizes": "48,500,2000", "depths": "1,2,3,5", "blocks": "4,8,16:8", "seeds": 3,
@@ -62,7 +79,7 @@ TEMPS = ("t0", "t1")
 
 
 def recipe(method: str, depth: int, block: int, served: int | None = None, causal: bool = False) -> dict:
-    """03's settings for ``method`` beyond bench_recipes' TRAIN, at ``depth`` draft layers (and ``block``, served
+    """03's settings for ``method`` beyond the harness' TRAIN, at ``depth`` draft layers (and ``block``, served
     as a block of ``served`` slots: the papers' train at 16, serve at 8; ``causal``: ``block_causal``)."""
     if method in EAGLE:
         k = EAGLE[method]
@@ -87,18 +104,10 @@ def curves(points: list[dict], temp: str) -> dict[str, dict[int, list[float]]]:
     return out
 
 
-def half_range(xs: list[float]) -> float:
-    return (max(xs) - min(xs)) / 2
-
-
 def overtakes(block: dict[int, list[float]], eagle: dict[int, list[float]]) -> int | None:
     """The smallest data size at which ``block``'s mean is above ``eagle``'s by more than both half ranges together
     (None: at no size both measured); one seed has no spread, so it needs only a higher mean."""
-    for n in sorted(set(block) & set(eagle)):
-        gap = statistics.mean(block[n]) - statistics.mean(eagle[n])
-        if gap > half_range(block[n]) + half_range(eagle[n]):
-            return n
-    return None
+    return next((n for n in sorted(set(block) & set(eagle)) if beats(block[n], eagle[n])), None)
 
 
 def fit(curve: dict[int, list[float]]) -> tuple[float, float]:
@@ -144,20 +153,21 @@ def verdicts(points: list[dict]) -> list[str]:
     return lines
 
 
-def table(points: list[dict]) -> str:
+def points_table(points: list[dict]) -> str:
     """The markdown table docs/recipes.md carries: one row per (label, size), mean ± half range over the seeds."""
-    rows = ["| method | layers | k | answers | steps | offline T=0 | offline T=1 | train tok/s | seeds |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple[int, int, str, int, int], list[dict]] = {}
+    order = methods()
     for p in points:
-        groups.setdefault((p["depth"], METHODS.index(p["method"]), p["label"], p["n"], p["steps"]), []).append(p)
+        groups.setdefault((p["depth"], order.index(p["method"]), p["label"], p["n"], p["steps"]), []).append(p)
+    rows = []
     for (depth, _, label, n, _), ps in sorted(groups.items()):
         if "error" in ps[0]:
-            rows.append(f"| {label} | {depth} | {ps[0]['k']} | {n} | — | 03 refuses it: {ps[0]['error']} | — | — | — |")
+            rows.append([label, depth, ps[0]["k"], n, "—", f"03 refuses it: {ps[0]['error']}", "—", "—", "—"])
             continue
-        rows.append(f"| {label} | {depth} | {ps[0]['k']} | {n} | {ps[0]['steps']} | {spread([p['t0'] for p in ps])} | "
-                    f"{spread([p['t1'] for p in ps])} | {statistics.mean(p['tps'] for p in ps):.0f} | {len(ps)} |")
-    return "\n".join(rows)
+        rows.append([label, depth, ps[0]["k"], n, ps[0]["steps"], mean_half([p["t0"] for p in ps]),
+                     mean_half([p["t1"] for p in ps]), f"{statistics.mean(p['tps'] for p in ps):.0f}", len(ps)])
+    return table(["method", "layers", "k", "answers", "steps", "offline T=0", "offline T=1", "train tok/s", "seeds"],
+                 rows)
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
@@ -185,28 +195,26 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def data_for(model_dir: Path, prompts: str, n: int, out: Path, vocab: int, longer: Path | None = None) -> Path:
-    """The toy's greedy answers to the first ``n`` of ``prompts`` through 02, kept under ``out`` and reused;
-    ``longer``: the folder of a longer run of the same prompts, whose first ``n`` answers these are."""
-    if (out / "02" / "index.json").exists():
-        return out / "02"
-    return greedy_hidden_states(model_dir, prompts, n, 96, out, draft_vocab_size=vocab, answers_from=longer)
+def data_for(model_dir: Path, prompts: str, n: int, out: Path, longer: Path | None = None) -> Path:
+    """The toy's greedy answers to the first ``n`` of ``prompts`` through 02 at the whole vocabulary, kept under
+    ``out`` and reused; ``longer``: the folder of a longer run of the same prompts, whose first ``n`` answers
+    these are."""
+    return greedy_data(model_dir, prompts, n, out, longer=longer)
 
 
 KEY = ("toy", "n", "depth", "label", "seed", "steps")  # what makes two points the same run
 
 
-def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict], done: list[dict]) -> None:
-    """Every (size, depth, block, method, seed) point on ``toy``, appended to ``points`` and saved as it lands;
-    a point ``done`` already holds (an earlier run's results.json in the same ``--out``) is taken from there."""
+def bench_toy(toy: str, args: argparse.Namespace, root: Path, results: Results) -> None:
+    """Every (size, depth, block, method, seed) point on ``toy``, added to ``results`` and saved as it lands; a
+    point an earlier run in the same ``--out`` landed is taken from there."""
     model_dir = shipped(toy)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
-    held = HiddenStates(data_for(model_dir, "toy:heldout", args.heldout, root / "data" / toy / "heldout", vocab))
+    held = HiddenStates(data_for(model_dir, "toy:heldout", args.heldout, root / "data" / toy / "heldout"))
     made = [n for n in args.sizes if n not in args.data]
     top = max(made, default=0)  # answered once: the smaller sets are its first answers
-    datas = {top: data_for(model_dir, "toy:train", top, root / "data" / toy / str(top), vocab)} if made else {}
-    datas |= {n: data_for(model_dir, "toy:train", n, root / "data" / toy / str(n), vocab, datas[top].parent)
+    datas = {top: data_for(model_dir, "toy:train", top, root / "data" / toy / str(top))} if made else {}
+    datas |= {n: data_for(model_dir, "toy:train", n, root / "data" / toy / str(n), datas[top].parent)
               for n in made if n != top}
     datas |= {n: Path(folder) for n, folder in args.data.items()}
     print(f"{toy}: {len(held)} held-out answers, training sets {args.sizes}, {time.perf_counter() - t0:.0f} s",
@@ -227,11 +235,10 @@ def bench_toy(toy: str, args: argparse.Namespace, root: Path, points: list[dict]
                                  "served": served, "method": method, "label": label, "seed": seed, "steps": steps,
                                  "causal": args.causal and method not in EAGLE, "eval_every": args.eval_every,
                                  "k": recipe(method, depth, block, served)["num_speculative_tokens"]}
-                        earlier = [d for d in done if all(d.get(key) == point[key] for key in KEY)]
-                        points.append(earlier[0] if earlier else point)
+                        earlier = results.reused(point)
                         if not earlier:
                             train_point(point, toy, datas[n], held, root)
-                        (root / "results.json").write_text(json.dumps(points, indent=1))
+                        results.add(earlier or point)
 
 
 def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root: Path) -> None:
@@ -241,18 +248,14 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
     point["run"] = str(out)
     t0 = time.perf_counter()
     extra = TOYS[toy] if point["method"] in EAGLE else {}
-    try:
-        metrics = run(from_dict("03_train", {**TRAIN, "holdout_fraction": 0.1, "eval_every": point["eval_every"],
-                                             **extra,
-                                             **recipe(point["method"], point["depth"], point["block"],
-                                                      point["served"], point["causal"]),
-                                             "data_dir": str(data_dir), "output_dir": str(out),
-                                             "seed": point["seed"], "max_steps": point["steps"]}))
-    except UserError as e:
-        point["error"] = str(e).splitlines()[0]
+    metrics = train({"holdout_fraction": 0.1, "eval_every": point["eval_every"], **extra,
+                     **recipe(point["method"], point["depth"], point["block"], point["served"], point["causal"])},
+                    data_dir, out, point["seed"], point["steps"])
+    if isinstance(metrics, str):
+        point["error"] = metrics
         print(f"{toy} {point['label']}: 03 refuses it: {point['error']}", flush=True)
         return
-    point["t0"], point["t1"] = judge(out, held, list(range(len(held))), point["k"])
+    point["t0"], point["t1"] = judge(out / "draft", held, list(range(len(held))), point["k"])
     point["evals"] = [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").open())
                       if r.get("kind") == "eval"]  # 03's held-out loss: where the curve flattens
     point["tps"], point["seconds"] = metrics["tokens_per_s"], time.perf_counter() - t0
@@ -260,34 +263,30 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
           f"{point['seconds']:.0f} s): tau T=0 {point['t0']:.3f}, T=1 {point['t1']:.3f}", flush=True)
 
 
-def serve_points(toy: str, points: list[dict], root: Path, n: int, depth: int, prompts: int) -> str:
+def serve_points(toy: str, results: Results, n: int, depth: int, prompts: int) -> str:
     """Seed 0's ``depth``-layer draft of every label trained on ``n`` answers (its longest run), served by the
-    real vLLM beside the plain target (bench_recipes' ``serve_drafts``: T=0 speedup at c=1 and c=4, the counters'
-    tau) on ``prompts`` held-out prompts; the markdown table docs/recipes.md carries."""
-    mine = sorted((p for p in points if (p["toy"], p["n"], p["depth"], p["seed"]) == (toy, n, depth, 0)
+    real vLLM beside the plain target (``harness.serve_drafts``: T=0 speedup at c=1 and c=4, the counters' tau) on
+    ``prompts`` held-out prompts; the markdown table docs/recipes.md carries."""
+    mine = sorted((p for p in results.points if (p["toy"], p["n"], p["depth"], p["seed"]) == (toy, n, depth, 0)
                    and "error" not in p), key=lambda p: p["steps"])
     mine = list({p["label"]: p for p in mine}.values())
-    drafts = {}
-    for p in mine:
-        d = Path(p["run"]) / "draft"
-        drafts[p["label"]] = (d, served_method(d), p["k"])
-    served = serve_drafts(toy, drafts, load_prompts("toy:heldout", prompts), 64, levels=(1, 4))
-    rows = ["| method | layers | k | offline T=0 | vLLM T=0 | vLLM T=1 | speedup c=1 | speedup c=4 |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    served = serve_drafts(toy, {p["label"]: (Path(p["run"]) / "draft", p["k"]) for p in mine},
+                          load_prompts("toy:heldout", prompts), 64, levels=(1, 4))
+    rows = []
     for p in mine:
         v = served[p["label"]]
-        cells = (f"not served: {v} | — | — | —" if isinstance(v, str) else
-                 f"{v['v0']:.3f} | {v['v1']:.3f} | {v['speedup'][1]:.2f}x | {v['speedup'][4]:.2f}x")
-        rows.append(f"| {p['label']} | {p['depth']} | {p['k']} | {p['t0']:.3f} | {cells} |")
+        cells = ([f"not served: {v}", "—", "—", "—"] if isinstance(v, str) else
+                 [f"{v['v0']:.3f}", f"{v['v1']:.3f}", f"{v['speedup'][1]:.2f}x", f"{v['speedup'][4]:.2f}x"])
+        rows.append([p["label"], p["depth"], p["k"], f"{p['t0']:.3f}", *cells])
         p["vllm"] = v
-    (root / "results.json").write_text(json.dumps(points, indent=1))
-    return "\n".join(rows)
+    results.save()
+    return table(["method", "layers", "k", "offline T=0", "vLLM T=0", "vLLM T=1", "speedup c=1", "speedup c=4"], rows)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
     ap.add_argument("--full", action="store_true", help="the full grid (FULL, ~34 h here) instead of the reduced one "
-                                                        "(QUICK, the default: `make bench` runs it)")
+                                                        "(QUICK, the default)")
     ap.add_argument("--toys", help="comma-separated shipped toys (default: the grid's): " + ", ".join(TOYS))
     ap.add_argument("--sizes", help="comma-separated training answers (default: the grid's)")
     ap.add_argument("--depths", help="comma-separated draft layers (default: the grid's)")
@@ -295,9 +294,9 @@ def main() -> None:
                                      "trained long and served shorter, e.g. 8,16:8 (default: the grid's)")
     ap.add_argument("--eval-every", type=int, default=0, help="03's held-out evaluation every N steps (0: at the "
                                                                   "start and end), kept per point as evals")
-    ap.add_argument("--causal", action="store_true", help="train the block drafters with block_causal (DFlash, "
-                                                          "DFlash2; labels end in c)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
+    ap.add_argument("--causal", action="store_true", help="train the block drafters with block_causal (those whose "
+                                                          "rules read it; labels end in c)")
+    ap.add_argument("--methods", default=",".join(methods()), help="comma-separated: " + ", ".join(methods()))
     ap.add_argument("--seeds", type=int, help="seeds per point (0..N-1; default: the grid's)")
     ap.add_argument("--heldout", type=int, help="toy:heldout prompts answered for judging (at most 227)")
     ap.add_argument("--epochs", type=int, help="passes over a training set's tokens (default: the grid's)")
@@ -311,48 +310,51 @@ def main() -> None:
     ap.add_argument("--serve", type=int, metavar="N", help="then serve seed 0's drafts trained on N answers on the "
                                                            "real vLLM: T=0 speedup at c=1 and c=4 (time it alone)")
     ap.add_argument("--serve-prompts", type=int, default=32, help="toy:heldout prompts sent to vLLM per level")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = ap.parse_args()
+    ap.add_argument("--threads", **THREADS)
+    return ap
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """The grid's values where a flag is not given, the lists parsed and checked, before any work: a one-line
+    refusal naming the flag otherwise."""
     grid = FULL if args.full else QUICK
     for key in ("toys", "sizes", "depths", "blocks", "seeds", "heldout", "epochs", "min_steps"):
         if getattr(args, key) is None:
             setattr(args, key, grid[key])
+    args.toys, args.methods = choose("--toys", args.toys, list(TOYS)), choose("--methods", args.methods, methods())
+    args.sizes, args.depths = ints("--sizes", args.sizes), ints("--depths", args.depths)
     try:
-        toys, methods = args.toys.split(","), args.methods.split(",")
-        args.sizes, args.depths = ([int(x) for x in str(v).split(",")] for v in (args.sizes, args.depths))
         args.data = {int(n): Path(d) for n, d in (item.split("=", 1) for item in args.data)}
-        args.sizes = sorted(set(args.sizes) | set(args.data))
-        args.blocks = [(int(b.split(":")[0]), int(b.split(":")[1]) if ":" in b else None)
-                       for b in str(args.blocks).split(",")]
-    except ValueError as e:
-        sys.exit(f"--sizes, --depths and --blocks take comma-separated integers, a block maybe TRAINED:SERVED; "
-                 f"--data N=DIR ({e})")
+    except ValueError:
+        refuse(f"--data takes N=DIR (answers=02's folder), e.g. 10000=outputs/smoke-10k/02_hidden_states; got "
+               f"{args.data}")
+    args.sizes = sorted(set(args.sizes) | set(args.data))
+    args.blocks = [(ints("--blocks", b.split(":")[0])[0], ints("--blocks", b.split(":")[1])[0] if ":" in b else None)
+                   for b in str(args.blocks).split(",")]
     if missing := [str(d) for d in args.data.values() if not (d / "index.json").exists()]:
-        sys.exit(f"--data: no 02 output (index.json) in {', '.join(missing)}; run 02_hidden_states there first")
-    for flag, given, known in (("--toys", toys, TOYS), ("--methods", methods, METHODS)):
-        if unknown := [x for x in given if x not in known]:
-            sys.exit(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    args.methods = methods
+        refuse(f"--data: no 02 output (index.json) in {', '.join(missing)}; run 02_hidden_states there first")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = resolve(parser().parse_args(argv))
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        points: list[dict] = []
-        earlier = root / "results.json"
-        # the points that landed (a refusal runs again)
-        landed = [p for p in json.loads(earlier.read_text()) if "t0" in p] if earlier.exists() else []
-        for toy in toys:
-            bench_toy(toy, args, root, points, landed)
-        done = [p for p in points if "error" not in p]
-        for toy in toys:
-            print(f"\n{toy}:\n{table([p for p in points if p['toy'] == toy])}")
+        results = Results(root, KEY, landed=lambda p: "t0" in p)  # the points that landed (a refusal runs again)
+        for toy in args.toys:
+            bench_toy(toy, args, root, results)
+        done = [p for p in results.points if "error" not in p]
+        for toy in args.toys:
+            print(f"\n{toy}:\n{points_table([p for p in results.points if p['toy'] == toy])}")
             for depth in args.depths:
                 mine = [p for p in done if p["toy"] == toy and p["depth"] == depth]
                 print(f"\n{toy}, {depth} layer(s):\n" + "\n".join(verdicts(mine)))
                 plot(mine, root / f"crossover-{toy}-{depth}L.png", f"toy:{toy}, {depth} layer(s)")
             if args.serve:
                 print(f"\n{toy}, served (seed 0, {args.serve} answers, {args.depths[0]} layer(s)):\n"
-                      f"{serve_points(toy, points, root, args.serve, args.depths[0], args.serve_prompts)}")
+                      f"{serve_points(toy, results, args.serve, args.depths[0], args.serve_prompts)}")
         print(f"\nresults and figures in {root}" + ("" if args.out else " (a temporary folder, now removed)"))
 
 

@@ -8,17 +8,20 @@ the ratios are what matters).
    from the layout formula at Kimi-K2.5's width (H = 7168).
 
 The model is a randomly initialised Llama (real transformers code; weights do not change the cost), so the
-benchmark needs no trained model: ``python benchmarks/bench_hidden.py [--hidden 512 --layers 8 --tokens 20000]``.
+benchmark needs no trained model: ``python -m benchmarks.bench_hidden [--hidden 512 --layers 8 --tokens 20000]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import random
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from benchmarks.harness import alternate, command_line, write_samples
 
 
 def make_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
@@ -33,19 +36,13 @@ def make_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
     return out
 
 
-def make_samples(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
-    """01_synth-format rows with lengths spread like chat data (prompt ~ 1/4, loss on the rest)."""
-    rng = random.Random(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    rows, total, i = [], 0, 0
+def chat_lengths(rng: random.Random, tokens: int) -> Iterator[int]:
+    """Sample lengths spread like chat data (64..1024) until they hold ``tokens``."""
+    total = 0
     while total < tokens:
         n = rng.randint(64, 1024)
-        p = n // 4
-        rows.append({"id": f"b{i:05d}", "status": "ok", "input_ids": [rng.randrange(vocab) for _ in range(n)],
-                     "loss_mask": [0] * p + [1] * (n - p), "category": "bench"})
-        total, i = total + n, i + 1
-    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+        total += n
+        yield n
 
 
 def bare_forward_tok_s(model, seqs: list[list[int]], tokens_per_batch: int) -> float:
@@ -59,15 +56,19 @@ def bare_forward_tok_s(model, seqs: list[list[int]], tokens_per_batch: int) -> f
     return n / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tokens", type=int, default=20000, help="tokens extracted per measurement")
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side, the best kept")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     from eagle3nb.data.shards import STORAGES, bytes_per_token
     from eagle3nb.hf import STATES, load_target
@@ -77,7 +78,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-hidden-"))
     model_dir = make_model(work / "model", args.hidden, args.layers, args.vocab)
-    synth = make_samples(work / "synth", args.vocab, args.tokens)
+    rng = random.Random(0)  # prompt ~ 1/4 of a sample, loss on the rest
+    synth = write_samples(work / "synth", args.vocab, chat_lengths(rng, args.tokens), rng)
 
     def params(storage: str, out: str):
         return from_dict("02_hidden_states", {
@@ -88,10 +90,11 @@ def main() -> None:
     samples, _ = prepare_samples(params("bf16", "x"))  # the same order and batches as extraction
     seqs = [s["input_ids"] for s in samples]
     model = load_target(model_dir, trust_remote_code=False, use=STATES, dtype="float32")
-    bare, ext = [], []
-    for r in range(args.repeats):  # interleaved, best of each: load from other processes hits both alike
-        bare.append(bare_forward_tok_s(model, seqs, args.tokens_per_batch))
-        ext.append(extract(params("bf16", f"bf16-{r}"))["session_tokens_per_s"])
+    run = itertools.count()
+    sides = alternate({"bare": lambda: bare_forward_tok_s(model, seqs, args.tokens_per_batch),
+                       "extract": lambda: extract(params("bf16", f"bf16-{next(run)}"))["session_tokens_per_s"]},
+                      args.repeats)  # best of each: load from other processes hits both alike
+    bare, ext = sides["bare"], sides["extract"]
     print(f"\nmodel: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
           f"{sum(map(len, seqs)):,} tokens in {len(seqs)} samples, {args.tokens_per_batch} tokens/batch")
     print(f"bare decoder forward : {max(bare):10.0f} tok/s  (runs: {', '.join(f'{x:.0f}' for x in bare)})")

@@ -1,7 +1,7 @@
 """Kimi-K2.5's shapes on this machine: a dry run of 02, 03 and 04 at its widths with synthetic tensors, module by
 module, and a projection of the seed's 10K run (disk, memory per GPU, GPU-hours per stage).
 
-    python benchmarks/bench_kimi.py [--tokens 128] [--threads 1]
+    python -m benchmarks.bench_kimi [--tokens 128] [--threads 1]
 
 Widths: target hidden H = 7168, vocabulary V = 163840, draft vocabulary Vd = 32000, aux ids [2, 30, 58] of 61
 layers; the draft (AQ-MedAI's shape) has one layer: 64 heads x 128 (64 KV heads), MLP I = 18432, fc 3H -> H,
@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.harness import THREADS, command_line
 
 H, V, VD, I_, NH, HD, L, AUX = 7168, 163840, 32000, 18432, 64, 128, 61, [2, 30, 58]
 TTT, K = 7, 3
@@ -235,11 +235,15 @@ def gb(x: float) -> str:
     return f"{x / 1e9:,.1f} GB"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
     ap.add_argument("--tokens", type=int, default=128, help="tokens per measured sequence (short: module by module)")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    ap.add_argument("--threads", **THREADS)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)

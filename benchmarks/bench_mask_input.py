@@ -5,93 +5,109 @@ only the mask input differs. The dead-row variant is 03's fresh draft with its `
 mask slots read the target's row, as every block drafter did before the change. Judged by 04's offline acceptance
 at the block's k on 03's held-out samples: acceptance by block position (conditional) and tau, at T=0.
 
-    python benchmarks/bench_mask_input.py                      # dflash/4, dflash/4-2layers; 3 seeds (~10 min)
-    python benchmarks/bench_mask_input.py --only dspark/4 --seeds 1
+    python -m benchmarks.bench_mask_input    # the first registered block drafter at block 4, 1 and 2 layers (~10 min)
+    python -m benchmarks.bench_mask_input --only dspark/4 --seeds 1
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
-import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_recipes import RECIPES, TRAIN, k_of  # noqa: E402
+from benchmarks.bench_recipes import RECIPES, k_of
+from benchmarks.harness import (
+    SAMPLES,
+    SEEDS,
+    STEPS,
+    choose,
+    command_line,
+    draft_module,
+    greedy_data,
+    held_out,
+    judged_draft,
+    mean_half,
+    offline,
+    refuse,
+    table,
+    train,
+)
+from eagle3nb.data.reader import HiddenStates
+from eagle3nb.drafts import block_methods
+from eagle3nb.toy import shipped
 
-from eagle3nb.accept.offline import offline_acceptance  # noqa: E402
-from eagle3nb.data.reader import HiddenStates  # noqa: E402
-from eagle3nb.data.split import split_holdout  # noqa: E402
-from eagle3nb.drafts import load_draft  # noqa: E402
-from eagle3nb.drafts.dflash import model as dflash_model  # noqa: E402
-from eagle3nb.params import from_dict  # noqa: E402
-from eagle3nb.toy import shipped  # noqa: E402
-from eagle3nb.train.stage import run  # noqa: E402
-from testkit.heldout import greedy_hidden_states  # noqa: E402
+
+def block_recipes(recipes: dict[str, dict]) -> list[str]:
+    """bench_recipes' rows of the registered block drafters."""
+    return [name for name, r in recipes.items() if r.get("method") in block_methods()]
+
+
+DEFAULT_ONLY = f"{block_methods()[0]}/4,{block_methods()[0]}/4-2layers"  # the first registered block drafter's
 
 
 @contextlib.contextmanager
-def dead_row() -> Iterator[None]:
-    """03's fresh block drafters without a trained mask input: their mask slots read the target's row."""
-    fresh = dflash_model.fresh_draft
+def dead_row(method: str) -> Iterator[None]:
+    """03's fresh ``method`` drafts without a trained mask input: their mask slots read the target's row (its
+    package's ``model.fresh_draft``, patched meanwhile)."""
+    model = draft_module(method, "model")
+    fresh = model.fresh_draft
 
     def without(*args, **kwargs):
         draft = fresh(*args, **kwargs)
         draft.mask_embedding = None
         return draft
 
-    dflash_model.fresh_draft = without
+    model.fresh_draft = without
     try:
         yield
     finally:
-        dflash_model.fresh_draft = fresh
+        model.fresh_draft = fresh
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="dflash/4,dflash/4-2layers", help="bench_recipes' block recipes")
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--samples", type=int, default=48)
-    args = ap.parse_args()
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
+    ap.add_argument("--only", default=DEFAULT_ONLY, help="comma-separated block recipes of bench_recipes: "
+                                                         + ", ".join(block_recipes(RECIPES)))
+    ap.add_argument("--seeds", **SEEDS)
+    ap.add_argument("--steps", **STEPS)
+    ap.add_argument("--samples", **SAMPLES)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    chosen = choose("--only", args.only, block_recipes(RECIPES))
     torch.set_num_threads(1)
     model_dir = shipped("smoke")
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir = greedy_hidden_states(model_dir, "toy:train", args.samples, 96, Path(tmp) / "data",
-                                        draft_vocab_size=vocab)
+        data_dir = greedy_data(model_dir, "toy:train", args.samples, Path(tmp) / "data")
         data = HiddenStates(data_dir)
-        _, held = split_holdout([s["id"] for s in data.meta["samples"]], TRAIN["holdout_fraction"])
+        held = held_out(data)
         rows = []
-        for name in args.only.split(","):
+        for name in chosen:
             k = k_of(name)
-            for variant, ctx in (("dead row", dead_row), ("trained", contextlib.nullcontext)):
+            for variant in ("dead row", "trained"):
                 first, taus = [], []
                 for seed in range(args.seeds):
                     out = Path(tmp) / name.replace("/", "-") / variant.replace(" ", "-") / str(seed)
-                    with ctx():
-                        run(from_dict("03_train", {**TRAIN, **RECIPES[name], "data_dir": str(data_dir),
-                                                   "output_dir": str(out), "seed": seed, "max_steps": args.steps}))
-                    draft = load_draft(out / "draft", embed_tokens=data.embed_tokens(), lm_head=data.lm_head())
-                    assert (draft.mask_embedding is None) == (variant == "dead row")
-                    r = offline_acceptance(draft, data, k=k, max_k=k, temperature=0.0, indices=held)["greedy"]
+                    with dead_row(RECIPES[name]["method"]) if variant == "dead row" else contextlib.nullcontext():
+                        metrics = train(RECIPES[name], data_dir, out, seed, args.steps)
+                    if isinstance(metrics, str):
+                        refuse(f"{name}: 03 refuses it: {metrics}")
+                    assert (judged_draft(out / "draft", data).mask_embedding is None) == (variant == "dead row")
+                    r = offline(out / "draft", data, held, k, temperature=0.0)["greedy"]
                     first.append(r["per_position"][0])
                     taus.append(r["acceptance_length"])
                     print(f"{name} {variant} seed {seed}: by position {[round(a, 3) for a in r['per_position']]}, "
                           f"tau {r['acceptance_length']:.3f}", flush=True)
-                rows.append((name, variant, first, taus))
+                rows.append([name, variant, mean_half(first), mean_half(taus)])
     print(f"\n{args.steps} steps, {args.samples} samples, seeds 0..{args.seeds - 1}; offline at T=0 on 03's held-out "
           "samples (mean ± half range)")
-    print("| recipe | mask input | first position | tau |\n| --- | --- | --- | --- |")
-    for name, variant, first, taus in rows:
-        cells = [f"{statistics.mean(xs):.3f} ± {(max(xs) - min(xs)) / 2:.3f}" for xs in (first, taus)]
-        print(f"| {name} | {variant} | {cells[0]} | {cells[1]} |")
+    print(table(["recipe", "mask input", "first position", "tau"], rows))
 
 
 if __name__ == "__main__":

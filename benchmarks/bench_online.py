@@ -7,33 +7,33 @@ small next to the draft's TTT unroll, so the ratio is a ceiling: with a 1T targe
 ``train.sources.source_costs`` for the run at hand). The data: 01-format rows of random toy token ids (the cost
 does not depend on what the tokens say); 02 extracts them once at fp32.
 
-    python benchmarks/bench_online.py [--model toy:demo --samples 64 --steps 12 --repeats 2]
+    python -m benchmarks.bench_online [--model toy:demo --samples 64 --steps 12 --repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import random
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-
-def make_samples(out: Path, vocab: int, n: int, seed: int = 0) -> Path:
-    """01_synth-format rows, 128..512 tokens, loss on the last three quarters."""
-    rng = random.Random(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i in range(n):
-        k = rng.randint(128, 512)
-        rows.append({"id": f"b{i:05d}", "status": "ok", "input_ids": [rng.randrange(vocab) for _ in range(k)],
-                     "loss_mask": [0] * (k // 4) + [1] * (k - k // 4), "category": "bench"})
-    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+from benchmarks.harness import alternate, command_line, write_samples
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
+    ap.add_argument("--model", default="toy:demo")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side, the best kept")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     import torch
     import yaml
 
@@ -43,16 +43,12 @@ def main() -> None:
     from eagle3nb.toy import resolve_model_path
     from eagle3nb.train.stage import run as train
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="toy:demo")
-    ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
     model = resolve_model_path(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_samples(root / "01", target_info(model)["vocab_size"], args.samples)
+        rng = random.Random(0)
+        lengths = (rng.randint(128, 512) for _ in range(args.samples))  # loss on the last three quarters
+        write_samples(root / "01", target_info(model)["vocab_size"], lengths, rng)
         hidden = {"run_name": "bench", "synth_dir": str(root / "01"), "model_path": str(model), "storage": "fp32"}
         t = time.perf_counter()
         extract(from_dict("02_hidden_states", {**hidden, "output_dir": str(root / "02")}))
@@ -60,14 +56,17 @@ def main() -> None:
         (root / "02_hidden_states.yaml").write_text(yaml.safe_dump(hidden))
         base = {"run_name": "bench", "max_steps": args.steps, "eval_every": 0, "save_every": 10**6,
                 "batch_tokens": 2048, "max_length": 512, "seed": 0}
-        best: dict = {}
-        for r in range(args.repeats):  # alternating, best of each: the machine is shared, timings are noisy
-            for source, data_dir in (("stored", root / "02"), ("online", root / "online-02")):
-                m = train(from_dict("03_train", {**base, "data_source": source, "data_dir": str(data_dir),
-                                                 "output_dir": str(root / f"03-{source}-{r}"),
-                                                 "hidden_params": str(root / "02_hidden_states.yaml")}))
-                if source not in best or m["tokens_per_s"] > best[source]["tokens_per_s"]:
-                    best[source] = m
+        run = itertools.count()
+
+        def trained(source: str, data_dir: Path) -> dict:
+            return train(from_dict("03_train", {**base, "data_source": source, "data_dir": str(data_dir),
+                                                "output_dir": str(root / f"03-{source}-{next(run)}"),
+                                                "hidden_params": str(root / "02_hidden_states.yaml")}))
+
+        # alternating, best of each: the machine is shared, timings are noisy
+        sides = alternate({"stored": lambda: trained("stored", root / "02"),
+                           "online": lambda: trained("online", root / "online-02")}, args.repeats)
+        best = {source: max(ms, key=lambda m: m["tokens_per_s"]) for source, ms in sides.items()}
     s, o = best["stored"]["tokens_per_s"], best["online"]["tokens_per_s"]
     tf = best["online"]["target_forward"]
     print(f"model {args.model}, {args.samples} samples, {args.steps} steps, best of {args.repeats} alternating runs, "

@@ -1,11 +1,11 @@
-"""03_train side by side with a peer trainer: speculators' trainer (0.9.0, its own environment) and ours, for
-EAGLE-3 or a block drafter (``--method dflash | dspark | dflash2``), on the same hidden states, from the same
+"""03_train side by side with a peer trainer: speculators' trainer (0.9.0, its own environment) and ours, for any
+registered method speculators ships (``--method``: EAGLE-3 or a block drafter), on the same hidden states, from the same
 initial weights, with the same draft shape, token budget, lr schedule, fp32 and thread count (EAGLE-3: the same TTT
 depth; block drafters: the same block size, decay gamma and every anchor); both drafts judged by the same
 independent judge (04's offline acceptance, greedy, k = 3 or the block's drafts, on 03's held-out split of the data,
 which neither trainer sees; block drafters also by their simulated greedy decoding).
 
-    python benchmarks/bench_peer.py [--method eagle3] [--data DIR] [--model toy:smoke] [--epochs 3] [--repeats 3]
+    python -m benchmarks.bench_peer [--method M] [--data DIR] [--model toy:smoke] [--epochs 3] [--repeats 3]
 
 1. Fairness first: the shared initial weights, saved in both layouts, loaded by each side; the draft logits on a
    held-out sample must agree (every TTT step; every block of every anchor), max |difference| printed, and so
@@ -26,7 +26,11 @@ files (vLLM ``extract_hidden_states`` layout: ``hidden_states [T, 4, H]``, the l
 state; ours is stored normed, so final / norm.weight is written, which the target's RMSNorm maps back exactly).
 
 The peer lives in ``.venv-speculators/`` (created on first use, see ``setup_peer``); nothing is added to our
-pyproject. Its source is read from that installed package; ``_peer_speculators.py`` drives it.
+pyproject. Its source is read from that installed package; ``_peer_speculators.py`` drives it. Which methods get a
+peer: the registered ones (``eagle3nb.drafts.PACKAGES``) whose name, the ``speculators_model_type`` our speculators
+layout writes, is a model type the installed speculators ships (its own registry, read by ``_peer_speculators.py``:
+0.9.0 ships dflash, dflash2, dspark, eagle3, mtp, peagle and xpress). Any other registered method trains on our
+side alone, with the reason printed.
 """
 
 from __future__ import annotations
@@ -36,21 +40,31 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _peer_speculators
-sys.path.insert(0, str(ROOT))  # testkit
-os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+from benchmarks.harness import (
+    ROOT,
+    THREADS,
+    command_line,
+    draft_module,
+    greedy_data,
+    median_span,
+    project_env,
+    refuse,
+)
+from eagle3nb.drafts import DEFAULT, PACKAGES, get, rules
+
 PEER_VENV = ROOT / ".venv-speculators"
 PEER_PY = PEER_VENV / "bin" / "python"
 PEER_SPEC = "speculators==0.9.0"
+PEER_DRIVER = Path(__file__).with_name("_peer_speculators.py")  # run by the peer's interpreter, as a file
 DECAY = 0.8  # EAGLE-3: the TTT steps' loss decay (both trainers)
 # speculators' own pins want transformers<=5.19 and CUDA-only extras; the model, losses and trainer need only
 # these (installed with their dependencies), the package itself goes in with --no-deps.
@@ -77,33 +91,52 @@ def setup_peer() -> str | None:
 
 
 def run_peer(plan: dict, work: Path) -> dict:
+    """One plan run by ``_peer_speculators.py`` in the peer's environment: its JSON answer."""
     path = work / f"plan-{plan['mode']}-{time.monotonic_ns()}.json"
     plan = {**plan, "out": str(path.with_suffix(".out.json"))}
     path.write_text(json.dumps(plan))
     env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"]), "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([str(PEER_PY), str(Path(__file__).parent / "_peer_speculators.py"), str(path)],
-                       capture_output=True, text=True, env=env, cwd=str(work))
+    r = subprocess.run([str(PEER_PY), str(PEER_DRIVER), str(path)], capture_output=True, text=True, env=env,
+                       cwd=str(work))
     if r.returncode:
         raise RuntimeError(f"speculators ({plan['mode']}) failed:\n{r.stderr[-3000:]}")
     return json.loads(Path(plan["out"]).read_text())
 
 
-def data_dir(args, model_dir: Path) -> Path:
+def peer_methods(shipped: Sequence[str]) -> list[str]:
+    """The registered methods with a peer: those whose name (the ``speculators_model_type`` our speculators layout
+    writes) is a model type speculators ships (``shipped``, its registry)."""
+    return [m for m in PACKAGES if m in shipped and "speculators" in get(m).layouts]
+
+
+def peer_missing(method: str, work: Path) -> str | None:
+    """Why ``method`` has no peer here (the peer cannot be installed, or speculators ships no such model), or None."""
+    why_not = setup_peer()
+    if why_not:
+        return why_not
+    shipped = run_peer({"mode": "ships", "threads": 1}, work)
+    if method not in peer_methods(shipped["types"]):
+        return (f"speculators {shipped['speculators']} ships no {method} model (its types: "
+                f"{', '.join(shipped['types'])}; with a peer here: {', '.join(peer_methods(shipped['types']))})")
+    return None
+
+
+def data_dir(args: argparse.Namespace, model_dir: Path) -> Path:
+    """02's folder: ``--data``, the demo run's on toy:demo, else the target's greedy answers to toy prompts, built
+    once and cached."""
+    from eagle3nb.paths import cache_dir
+
     if args.data:
         return Path(args.data)
     demo = ROOT / "outputs" / "demo" / "02_hidden_states"
     if (demo / "index.json").exists() and args.model == "toy:demo":
         return demo
-    from eagle3nb.paths import cache_dir
-    from testkit.heldout import greedy_hidden_states
-
     cache = cache_dir() / f"bench-peer-{model_dir.name}-{args.samples}x{args.max_new_tokens}-v{args.draft_vocab}"
     if not (cache / "02" / "index.json").exists():
         print(f"[bench_peer] building data: the target's greedy answers to {args.samples} toy prompts -> 02 "
               f"({cache})", flush=True)
-        greedy_hidden_states(model_dir, "toy:train", args.samples, args.max_new_tokens, cache,
-                             draft_vocab_size=args.draft_vocab)
-    return cache / "02"
+    return greedy_data(model_dir, "toy:train", args.samples, cache, draft_vocab=args.draft_vocab,
+                       max_new_tokens=args.max_new_tokens)
 
 
 def to_per_sample(data, idx: list[int], norm_w, out: Path) -> Path:
@@ -123,52 +156,41 @@ def to_per_sample(data, idx: list[int], norm_w, out: Path) -> Path:
     return out
 
 
-BLOCK_METHODS = ("dflash", "dspark", "dflash2")
-
-
-def layouts(method: str):
-    """The method's checkpoint module: ``save_draft(model, path, format, verifier=...)`` in ours and speculators'."""
-    import importlib
-
-    return importlib.import_module(f"eagle3nb.drafts.{'eagle3' if method == 'eagle3' else 'dflash'}.layouts")
-
-
 @contextlib.contextmanager
-def mask_frozen(frozen: bool):
-    """Block drafters built meanwhile (03's) with their ``mask_embedding`` frozen (speculators trains no mask
-    input): the value they load or start from stays theirs."""
+def mask_frozen(draft_class: type, frozen: bool) -> Iterator[None]:
+    """Drafts of ``draft_class`` built meanwhile (03's) with their ``mask_embedding`` frozen (speculators trains
+    no mask input): the value they load or start from stays theirs."""
     if not frozen:
         yield
         return
-    from eagle3nb.drafts.dflash.model import DFlashDraft
-
-    real = DFlashDraft.__init__
+    real = draft_class.__init__
 
     def init(self, *args, **kwargs) -> None:
         real(self, *args, **kwargs)
-        if self.mask_embedding is not None:
+        if getattr(self, "mask_embedding", None) is not None:
             self.mask_embedding.requires_grad_(False)
 
-    with mock.patch.object(DFlashDraft, "__init__", init):
+    with mock.patch.object(draft_class, "__init__", init):
         yield
 
 
-def eagle3_fairness(args, data, held: int, work: Path, probe: Path) -> tuple[float, float, str]:
-    """EAGLE-3: every TTT step's logits and the targets, ours vs speculators', on one held-out sample."""
+def chain_fairness(args, data, held: int, work: Path, probe: Path) -> tuple[float, float, str]:
+    """A chain draft (EAGLE-3): every TTT step's logits and the targets, ours vs speculators', on one held-out
+    sample."""
     import torch
     from safetensors.torch import load_file
 
     from eagle3nb.drafts import load_draft
-    from eagle3nb.drafts.eagle3.offline import chain_logits
 
-    run_peer({"mode": "logits", "method": "eagle3", "draft": str(work / "init-speculators"), "threads": args.threads,
-              "sample": str(probe), "ttt_steps": args.ttt, "decay": DECAY,
+    run_peer({"mode": "logits", "method": args.method, "block": False, "draft": str(work / "init-speculators"),
+              "threads": args.threads, "sample": str(probe), "ttt_steps": args.ttt, "decay": DECAY,
               "logits_file": str(work / "peer-logits.safetensors")}, work)
     theirs = load_file(str(work / "peer-logits.safetensors"))
     item = data[held]
     with torch.no_grad():
-        ours = list(chain_logits(load_draft(work / "init-ours", embed_tokens=data.embed_tokens()), item["aux"],
-                                 item["input_ids"], args.ttt))
+        ours = list(draft_module(args.method, "offline").chain_logits(
+            load_draft(work / "init-ours", embed_tokens=data.embed_tokens()), item["aux"], item["input_ids"],
+            args.ttt))
     diff = max(float((o - theirs[f"step{j}"]).abs().max()) for j, o in enumerate(ours))
     target = float((torch.softmax(theirs["targets"], -1) - data.target_probs(item)[1:]).abs().max())
     return diff, target, f"{args.ttt} TTT steps, logits up to {max(float(o.abs().max()) for o in ours):.1f}"
@@ -181,14 +203,13 @@ def block_fairness(args, data, held: int, work: Path, probe: Path) -> tuple[floa
     from safetensors.torch import load_file
 
     from eagle3nb.drafts import load_draft
-    from eagle3nb.drafts.dflash.objective import slot_targets
 
     item = data[held]
     T, B = item["input_ids"].shape[0], args.block
     free = item["loss_mask"].bool().clone()
     free[T - B:] = False  # speculators' select_anchors, asked for all: the loss-masked positions before the last block
     pos = free.nonzero().squeeze(-1)  # shape: [A]
-    run_peer({"mode": "logits", "method": args.method, "draft": str(work / "init-speculators"),
+    run_peer({"mode": "logits", "method": args.method, "block": True, "draft": str(work / "init-speculators"),
               "threads": args.threads, "sample": str(probe), "max_anchors": pos.numel(),
               "logits_file": str(work / "peer-logits.safetensors")}, work)
     theirs = load_file(str(work / "peer-logits.safetensors"))
@@ -196,10 +217,10 @@ def block_fairness(args, data, held: int, work: Path, probe: Path) -> tuple[floa
     ids = item["input_ids"]
     with torch.no_grad():
         ctx = m.context(item["aux"][None].float())  # shape: [1, T, H]
-        # theirs: DFlash2's loss takes the unary logits, DSpark's the Markov-biased ones (slot_logits)
-        unary = m.config.selector_rank > 0
+        # theirs: a selector's loss takes the unary logits (DFlash2), a Markov head's the biased ones (slot_logits)
+        unary = getattr(m.config, "selector_rank", 0) > 0
         ours = m.logits(m(ctx, ids[pos][None], pos[None])[0]) if unary else m.slot_logits(ctx, ids, pos)  # [A, B, V]
-    at, drafts = slot_targets(m, pos[None], T)  # shape: [1, A, B] each
+    at, drafts = draft_module(args.method, "objective").slot_targets(m, pos[None], T)  # shape: [1, A, B] each
     counted = (drafts & item["loss_mask"].bool()[(at + 1).clamp_max(T - 1)])[0]  # shape: [A, B], ours
     their_counted = theirs["mask"].view(pos.numel(), B).bool()
     p_theirs = torch.softmax(theirs["targets"].view(pos.numel(), B, -1), -1)
@@ -210,15 +231,16 @@ def block_fairness(args, data, held: int, work: Path, probe: Path) -> tuple[floa
                           f"both {int((counted & their_counted).sum())}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--method", default="eagle3", choices=("eagle3", *BLOCK_METHODS))
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
+    ap.add_argument("--method", default=DEFAULT, choices=list(PACKAGES),
+                    help="a registered method (a peer where speculators ships it)")
     ap.add_argument("--data", default=None, help="02's output folder (default: built from the toy target)")
     ap.add_argument("--model", default="toy:smoke", help="the target the data came from")
     ap.add_argument("--samples", type=int, default=96)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--draft-vocab", type=int, default=None, help="02's draft vocabulary (default: 128 for EAGLE-3, "
-                                                                  "the target's vocabulary for a block drafter)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="02's draft vocabulary (default: 128 for a chain "
+                                                                  "draft, the target's vocabulary for a block drafter)")
     ap.add_argument("--epochs", type=int, default=3, help="token budget: epochs over the training split")
     ap.add_argument("--repeats", type=int, default=3, help="seeds 0..repeats-1, the same seed on both sides")
     ap.add_argument("--ttt", type=int, default=4, help="EAGLE-3: TTT depth (both trainers); the judge drafts k = 3")
@@ -231,36 +253,66 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024, help="tokens per micro-batch (ours: batch_tokens; theirs: "
                                                          "total_seq_len)")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    ap.add_argument("--threads", **THREADS)
+    return ap
 
+
+class Runs:
+    """Both sides' runs: tokens/s, held-out tau, a block drafter's decoding tau and seconds, per seed."""
+
+    def __init__(self, args: argparse.Namespace, data: Any, held_idx: list[int], k: int, max_k: int):
+        self.args, self.data, self.held_idx, self.k, self.max_k = args, data, held_idx, k, max_k
+        self.block = rules(args.method).block
+        self.rows: dict[str, dict[str, list]] = {name: {"tok_s": [], "tau": [], "decode": [], "s": []}
+                                                 for name in ("eagle3nb", "speculators")}
+        # a block drafter's greedy decoding simulated block by block: its package's own offline rounds, where its
+        # package has them (DFlash's ``offline_acceptance``); else that column stays empty
+        self.decoding = getattr(draft_module(args.method, "offline"), "offline_acceptance", None) \
+            if self.block else None
+        self.held_items = [{**data[i], "target_argmax": data.target_argmax(data[i])} for i in held_idx] \
+            if self.decoding else []
+
+    def judge(self, draft_dir: Path, x: dict) -> None:
+        """04's offline acceptance of the draft on the held-out split (and a block drafter's decoding)."""
+        from eagle3nb.accept.offline import offline_acceptance
+        from eagle3nb.drafts import load_draft
+
+        heads = {"lm_head": self.data.lm_head()} if self.block else {}
+        d = load_draft(draft_dir, embed_tokens=self.data.embed_tokens(), **heads)
+        x["tau"].append(offline_acceptance(d, self.data, self.k, self.max_k,
+                                           indices=self.held_idx)["greedy"]["acceptance_length"])
+        if self.decoding:
+            x["decode"].append(self.decoding(d, self.held_items)["decoding_acceptance_length"])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    project_env()
     import torch
 
     torch.set_num_threads(args.threads)
-    from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.data.head import read_head_tensors
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.split import split_holdout
-    from eagle3nb.drafts import load_draft, rules
     from eagle3nb.params import from_dict
     from eagle3nb.toy import resolve_model_path
     from eagle3nb.train.build import build_draft
     from eagle3nb.train.stage import run as train_run
 
-    block = args.method in BLOCK_METHODS
-    why_not = setup_peer()
+    block = rules(args.method).block
     model_dir = resolve_model_path(args.model)
     if args.draft_vocab is None:
         args.draft_vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] if block else 128
     data_path = data_dir(args, model_dir)
     data = HiddenStates(data_path)
     if data.storage not in ("fp32", "bf16", "fp8"):
-        raise SystemExit(f"{data_path} has storage {data.storage!r}: the peer needs the final state (bf16/fp8/fp32)")
+        refuse(f"{data_path} has storage {data.storage!r}: the peer needs the final state (bf16/fp8/fp32)")
     holdout = 0.2
     train_idx, held_idx = split_holdout([s["id"] for s in data.meta["samples"]], holdout)
     samples = data.meta["samples"]
     epoch_tokens = sum(int(samples[i]["length"]) for i in train_idx)
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    why_not = peer_missing(args.method, work)
     k = rules(args.method).drafts_per_block(args.block) if block else 3
     max_k = k if block else args.ttt
     shape_kw = {"block_size": args.block, "num_speculative_tokens": k} if block else {}
@@ -272,9 +324,10 @@ def main() -> None:
     P0 = from_dict("03_train", {"run_name": "bench-peer", "data_dir": str(data_path), "method": args.method,
                                 **shape_kw})
     init, _ = build_draft(P0, data)
-    save = layouts(args.method).save_draft
-    save(init, work / "init-ours", "vllm" if block else "eagle3")
-    save(init, work / "init-speculators", "speculators", verifier=str(model_dir))
+    method = get(args.method)
+    method.save(init, work / "init-ours", method.layouts[0])  # vLLM's layout, as 03's draft/
+    if not why_not:
+        method.save(init, work / "init-speculators", "speculators", verifier=str(model_dir))
     cfg = init.config
     print(f"data {data_path}: {len(train_idx)} training / {len(held_idx)} held-out samples, {epoch_tokens:,} "
           f"training tokens per epoch")
@@ -296,32 +349,21 @@ def main() -> None:
     # 1. fairness: the same weights give the same logits and the same loss targets.
     max_diff = target_diff = float("nan")
     if not why_not:
-        check = block_fairness if block else eagle3_fairness
+        check = block_fairness if block else chain_fairness
         max_diff, target_diff, what = check(args, data, held_idx[0], work, probe)
         print(f"\nfairness: same initial weights, a {data[held_idx[0]]['input_ids'].shape[0]}-token held-out sample, "
               f"{what}: max |logit difference| {max_diff:.2e}; loss targets max |probability difference| "
               f"{target_diff:.2e}")
 
     # 2. train both, judge both, repeat.
-    rows: dict[str, dict[str, list]] = {name: {"tok_s": [], "tau": [], "decode": [], "s": []}
-                                        for name in ("eagle3nb", "speculators")}
+    sides = Runs(args, data, held_idx, k, max_k)
+    rows = sides.rows
     peer_info: dict = {}
-    held_items = [{**data[i], "target_argmax": data.target_argmax(data[i])} for i in held_idx] if block else []
-
-    def judge(draft_dir: Path, x: dict) -> None:
-        heads = {"lm_head": data.lm_head()} if block else {}
-        d = load_draft(draft_dir, embed_tokens=data.embed_tokens(), **heads)
-        x["tau"].append(offline_acceptance(d, data, k, max_k, indices=held_idx)["greedy"]["acceptance_length"])
-        if block:  # greedy decoding simulated block by block (the draft's own offline rounds)
-            from eagle3nb.drafts.dflash.offline import offline_acceptance as block_acceptance
-
-            x["decode"].append(block_acceptance(d, held_items)["decoding_acceptance_length"])
-
     for r in range(args.repeats):
         out = work / f"ours-{r}"
         t = time.perf_counter()
         with open(work / f"ours-{r}.log", "w") as log, contextlib.redirect_stdout(log), \
-                contextlib.redirect_stderr(log), mask_frozen(block and args.mask == "frozen"):
+                contextlib.redirect_stderr(log), mask_frozen(type(init), block and args.mask == "frozen"):
             m = train_run(from_dict("03_train", {
                 "run_name": "bench-peer", "data_dir": str(data_path), "output_dir": str(out), "method": args.method,
                 "init_from": str(work / "init-ours"), **ours_kw, "lr": args.lr, "warmup_ratio": 0.05,
@@ -331,37 +373,34 @@ def main() -> None:
         rows["eagle3nb"]["s"].append(time.perf_counter() - t)
         rows["eagle3nb"]["tok_s"].append(m["tokens_per_s"])
         peer_info["our_steps"] = m["steps"]
-        judge(out / "draft", rows["eagle3nb"])
+        sides.judge(out / "draft", rows["eagle3nb"])
         if why_not:
             continue
         t = time.perf_counter()
         peer_info |= run_peer({
-            "mode": "train", "method": args.method, "draft": str(work / "init-speculators"), "data": str(peer_train),
-            "threads": args.threads, "ttt_steps": args.ttt, "decay": DECAY, "gamma": args.gamma,
-            "max_anchors": args.max_anchors, "lr": args.lr, "warmup_ratio": 0.05, "weight_decay": 0.01,
-            "epochs": args.epochs, "total_seq_len": args.seq, "seed": r, "save_path": str(work / f"peer-ckpt-{r}"),
-            "out_draft": str(work / f"peer-{r}")}, work)
+            "mode": "train", "method": args.method, "block": block, "draft": str(work / "init-speculators"),
+            "data": str(peer_train), "threads": args.threads, "ttt_steps": args.ttt, "decay": DECAY,
+            "gamma": args.gamma, "max_anchors": args.max_anchors, "lr": args.lr, "warmup_ratio": 0.05,
+            "weight_decay": 0.01, "epochs": args.epochs, "total_seq_len": args.seq, "seed": r,
+            "save_path": str(work / f"peer-ckpt-{r}"), "out_draft": str(work / f"peer-{r}")}, work)
         rows["speculators"]["s"].append(time.perf_counter() - t)
         rows["speculators"]["tok_s"].append(peer_info["tokens_per_s"])
-        judge(work / f"peer-{r}", rows["speculators"])
+        sides.judge(work / f"peer-{r}", rows["speculators"])
         print(f"  seed {r}: ours {rows['eagle3nb']['tok_s'][-1]:,.0f} tok/s tau {rows['eagle3nb']['tau'][-1]:.3f} "
               f"| speculators {peer_info['tokens_per_s']:,.0f} tok/s tau {rows['speculators']['tau'][-1]:.3f}",
               flush=True)
 
     untrained = {"tau": [], "decode": []}
-    judge(work / "init-ours", untrained)
+    sides.judge(work / "init-ours", untrained)
     report(args, rows, untrained, max_diff, peer_info, init, k)
     print(f"(files in {work})")
 
 
-def spread(x: list[float], fmt: str) -> str:
-    """median (min..max)"""
-    return f"{statistics.median(x):{fmt}} ({min(x):{fmt}}..{max(x):{fmt}})"
-
-
 def report(args, rows: dict, untrained: dict, max_diff: float, peer_info: dict, init, k: int) -> None:
     """The table: tokens/s and held-out tau (median, min..max over the seeds), and the ratios."""
-    block = args.method in BLOCK_METHODS
+    import statistics
+
+    block = rules(args.method).block
     extra = f" {'decoding tau':>24}" if block else ""
     print(f"\n{'trainer':22} {'tokens/s (median, min..max)':>30} {f'held-out tau (k={k})':>26}{extra} "
           f"{'max |logit diff|':>17}")
@@ -371,9 +410,10 @@ def report(args, rows: dict, untrained: dict, max_diff: float, peer_info: dict, 
             print(f"{label:22} {'cannot run here':>30}")
             continue
         diff = "reference" if name == "eagle3nb" else f"{max_diff:.1e}"
-        dec = f" {spread(x['decode'], '.3f'):>24}" if block else ""
-        print(f"{label:22} {spread(x['tok_s'], ',.0f'):>30} {spread(x['tau'], '.3f'):>26}{dec} {diff:>17}")
-    dec = f" {untrained['decode'][0]:24.3f}" if block else ""
+        dec = f" {median_span(x['decode']) if x['decode'] else '—':>24}" if block else ""
+        print(f"{label:22} {median_span(x['tok_s'], ',.0f'):>30} {median_span(x['tau']):>26}{dec} {diff:>17}")
+    decoded = f"{untrained['decode'][0]:.3f}" if untrained["decode"] else "—"
+    dec = f" {decoded:>24}" if block else ""
     print(f"{'untrained (init)':22} {'':>30} {untrained['tau'][0]:26.3f}{dec}")
     if not rows["speculators"]["tok_s"]:
         return

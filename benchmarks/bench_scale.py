@@ -22,7 +22,7 @@ operation's own peak resident set above what the process held before it (its inp
 - ``03 split``: ``split_holdout`` over the index's ids.
 - ``03 layout``: ``Layout.of`` (the split and every optimizer step's micro-batches, 03's defaults: 12 epochs).
 
-``python benchmarks/bench_scale.py`` (about 5 minutes; 0.76 GB of disk at 1M) or ``--quick`` (10K and 100K,
+``python -m benchmarks.bench_scale`` (about 5 minutes; 0.76 GB of disk at 1M) or ``--quick`` (10K and 100K,
 projected to 1M). Growth above 10x per 10x samples is flagged.
 """
 
@@ -39,7 +39,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from benchmarks.harness import ROOT, command_line, table
 
 SESSIONS = 4  # 01 writes one file per session: a run resumed three times
 OPS = ("01 resume", "02 prepare", "02 plan", "02 index", "02 open", "03 split", "03 layout")
@@ -196,8 +199,8 @@ def rss_peak() -> int:
 
 
 def run_op(op: str, root: Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--measure", op, "--root", str(root)], capture_output=True,
-                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale", "--measure", op, "--root", str(root)],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"{op} at {root} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -207,15 +210,19 @@ def disk_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
     ap.add_argument("--sizes", default="10000,100000,1000000", help="sample counts, comma-separated")
     ap.add_argument("--quick", action="store_true", help="10K and 100K only (projected to 1M and 2M)")
     ap.add_argument("--tokens", type=int, default=24, help="mean tokens per synthetic sample")
     ap.add_argument("--dir", default=None, help="where to build the data (default: a temporary folder, removed)")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one operation per subprocess
     ap.add_argument("--root", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     if a.measure:
         print(json.dumps(measure(a.measure, Path(a.root))))
         return
@@ -249,14 +256,11 @@ def report(results: dict[int, dict], tokens: int) -> None:
     sizes = sorted(results)
     print(f"\nper size x operation: seconds / peak MB above the inputs (VmHWM reset, one subprocess each); "
           f"{tokens} tokens per sample on average")
-    print("| operation | " + " | ".join(f"{n:,}" for n in sizes) + " |")
-    print("| --- |" + " --- |" * len(sizes))
-    for op in OPS:
-        cells = [f"{results[n]['ops'][op]['seconds']:.2f} s, {results[n]['ops'][op]['mb']:.0f} MB" for n in sizes]
-        print(f"| {op} | " + " | ".join(cells) + " |")
-    print("| 01 files / 02 shards | " + " | ".join(f"{results[n]['files_01']} / {results[n]['shards']:,}"
-                                                 for n in sizes) + " |")
-    print("| disk (MB) | " + " | ".join(f"{results[n]['disk_mb']:.0f}" for n in sizes) + " |")
+    rows = [[op, *(f"{results[n]['ops'][op]['seconds']:.2f} s, {results[n]['ops'][op]['mb']:.0f} MB" for n in sizes)]
+            for op in OPS]
+    rows.append(["01 files / 02 shards", *(f"{results[n]['files_01']} / {results[n]['shards']:,}" for n in sizes)])
+    rows.append(["disk (MB)", *(f"{results[n]['disk_mb']:.0f}" for n in sizes)])
+    print(table(["operation", *(f"{n:,}" for n in sizes)], rows))
     print("\ngrowth of seconds (memory) per 10x samples; above 10x is flagged")
     flagged = []
     for op in OPS:

@@ -1,6 +1,6 @@
 """Speculative vs plain decoding on the toy target, k = 1..5: tokens/s side by side, the ratio, and tau.
 
-    python benchmarks/bench_spec.py [--model toy:smoke] [--draft DIR] [--prompts 12] [--max-tokens 64]
+    python -m benchmarks.bench_spec [--model toy:smoke] [--draft DIR] [--prompts 12] [--max-tokens 64]
 
 Without ``--draft`` a small draft is trained first (greedy held-out answers -> 02 -> 03, a minute or so).
 Each prompt is decoded plainly and then speculatively in turn, so machine noise hits both alike. Greedy, one
@@ -11,35 +11,26 @@ verify pass of k+1 tokens costs about one decode step (like a memory-bound GPU a
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # testkit
+from benchmarks.harness import MAX_TOKENS, command_line, small_draft
 
 
-def quick_draft(model_dir: Path, work: Path) -> Path:
-    from eagle3nb.params import from_dict
-    from eagle3nb.train.stage import run
-    from testkit.heldout import greedy_hidden_states
-
-    data = greedy_hidden_states(model_dir, "toy:train", 48, 64, work, draft_vocab_size=128)
-    run(from_dict("03_train", dict(run_name="bench", data_dir=str(data), output_dir=str(work / "03"), ttt_steps=4,
-                                   max_length=256, batch_tokens=512, lr=3e-3, warmup_ratio=0.05, eval_every=0,
-                                   save_every=1000, holdout_fraction=0.05, max_steps=120)))
-    return work / "03" / "draft"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
     ap.add_argument("--model", default="toy:smoke")
     ap.add_argument("--draft", default=None, help="draft folder (default: train a small one first)")
     ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--max-tokens", **MAX_TOKENS)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     torch.set_num_threads(1)
 
     from transformers import AutoModelForCausalLM
@@ -52,7 +43,7 @@ def main() -> None:
 
     model_dir = resolve_model_path(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        draft_dir = Path(args.draft) if args.draft else quick_draft(model_dir, Path(tmp))
+        draft_dir = Path(args.draft) if args.draft else small_draft(model_dir, Path(tmp))
         target = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
     tpl = Template(model_dir, thinking=True)

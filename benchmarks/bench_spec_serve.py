@@ -1,6 +1,6 @@
 """Embedded server, speculative vs plain, at concurrency 1, 4 and 8: output tokens/s side by side and the ratio.
 
-    python benchmarks/bench_spec_serve.py [--model toy:demo] [--draft DIR] [--k 3] [--max-tokens 64]
+    python -m benchmarks.bench_spec_serve [--model toy:demo] [--draft DIR] [--k 3] [--max-tokens 64]
 
 Two ``eagle3nb serve`` processes on the same target, one with ``--draft``; at each concurrency the same greedy
 requests (toy held-out questions) go to the plain one and then the speculative one, twice, alternating, so
@@ -8,7 +8,7 @@ machine noise hits both alike. The speculative engine batches every running requ
 verifies all their drafts), so the goal is spec/plain >= 1.0 at concurrency 4 and 8, as vLLM would show; the
 outputs must be the plain server's token for token. tau: acceptance length from the server's own /metrics.
 The draft: ``--draft``, else outputs/demo/03_train/draft, else one trained here on the target's greedy answers
-(bench_spec.quick_draft, cached in .cache/).
+(``harness.small_draft``, cached in .cache/).
 """
 
 from __future__ import annotations
@@ -16,24 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
-os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
+import httpx
+import openai
 
-import httpx  # noqa: E402
-import openai  # noqa: E402
-from bench_serve import run  # noqa: E402
-from bench_spec import quick_draft  # noqa: E402
-
-from eagle3nb.formulas import spec_counters, spec_delta  # noqa: E402
-from eagle3nb.launch import start_server  # noqa: E402
-from eagle3nb.toy import resolve_model_path  # noqa: E402
-from eagle3nb.toy.dialogues import problem  # noqa: E402
+from benchmarks.harness import MAX_TOKENS, ROOT, chat, command_line, project_env, questions, small_draft
+from eagle3nb.formulas import spec_counters, spec_delta
+from eagle3nb.launch import start_server
+from eagle3nb.toy import resolve_model_path
 
 GOAL = {4: 1.0, 8: 1.0}
 
@@ -51,11 +44,11 @@ def find_draft(arg: str | None, model_dir: Path) -> tuple[Path, str]:
 
         print(f"training a quick draft for {model_dir.name} (once, cached in {cached})", flush=True)
         torch.set_num_threads(1)  # the toy's matrices are tiny: extra threads only spin on a shared machine
-        quick_draft(model_dir, cached)
-    return cached / "03" / "draft", f"quick_draft (benchmarks/bench_spec.py), cached in {cached}"
+        small_draft(model_dir, cached)
+    return cached / "03" / "draft", f"small_draft (benchmarks/harness.py), cached in {cached}"
 
 
-async def side_by_side(plain_url: str, spec_url: str, model: str, questions: list[str], concurrency: int,
+async def side_by_side(plain_url: str, spec_url: str, model: str, asked: list[str], concurrency: int,
                        max_tokens: int, repeats: int):
     """Total (tokens, seconds) of each server over ``repeats`` alternating runs, and each server's outputs."""
     totals = {"plain": [0, 0.0], "spec": [0, 0.0]}
@@ -64,36 +57,39 @@ async def side_by_side(plain_url: str, spec_url: str, model: str, questions: lis
             openai.AsyncOpenAI(base_url=spec_url, api_key="unused", max_retries=0) as spec:
         for _ in range(repeats):
             for name, client in (("plain", plain), ("spec", spec)):
-                ids, seconds = await run(client, model, questions, concurrency, max_tokens)
+                ids, seconds = await chat(client, model, asked, concurrency, max_tokens)
                 totals[name][0] += sum(map(len, ids))
                 totals[name][1] += seconds
                 outputs[name] = ids
     return totals, outputs
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
     ap.add_argument("--model", default="toy:demo")
     ap.add_argument("--draft", default=None, help="draft folder (default: see above)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--requests-per-slot", type=int, default=4, help="requests = this x concurrency")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--max-tokens", **MAX_TOKENS)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each server per level")
+    return ap
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    project_env()
     model_dir = resolve_model_path(args.model)
     draft_dir, source = find_draft(args.draft, model_dir)
-    rng = random.Random(0)
-    questions = [problem(rng, "heldout")["question"] for _ in range(args.requests_per_slot * max(args.concurrency))]
+    asked = questions(args.requests_per_slot * max(args.concurrency))
     batch = ["--max-batch-size", str(max(args.concurrency))]
     rows, same = [], True
     with start_server(model_dir, extra_args=batch) as plain, \
             start_server(model_dir, draft_dir=draft_dir, num_speculative_tokens=args.k, extra_args=batch) as spec:
         model = openai.OpenAI(base_url=plain.base_url, api_key="unused").models.list().data[0].id
-        asyncio.run(side_by_side(plain.base_url, spec.base_url, model, questions[:2], 1, 8, 1))  # warm-up
+        asyncio.run(side_by_side(plain.base_url, spec.base_url, model, asked[:2], 1, 8, 1))  # warm-up
         for c in args.concurrency:
-            qs = questions[: args.requests_per_slot * c]
+            qs = asked[: args.requests_per_slot * c]
             before = spec_counters(httpx.get(f"{spec.url}/metrics").text)
             totals, outputs = asyncio.run(side_by_side(plain.base_url, spec.base_url, model, qs, c,
                                                        args.max_tokens, args.repeats))

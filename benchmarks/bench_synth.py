@@ -9,30 +9,28 @@
    server, from the first request until the last one starts) over the concurrency. Target >= 0.95.
 
 The server is the scripted fault server (no faults) in its own process: ``python -m eagle3nb.synth.faults``.
-Run: ``.venv/bin/python benchmarks/bench_synth.py`` (a minute or two; needs the toy smoke tokenizer).
+Run: ``.venv/bin/python -m benchmarks.bench_synth`` (a minute or two; needs the toy smoke tokenizer).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import itertools
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("EAGLE3NB_ROOT", str(ROOT))
-os.environ.setdefault("EAGLE3NB_CACHE", str(ROOT / ".cache"))
-
-from eagle3nb.synth.client import base_url  # noqa: E402
-from eagle3nb.synth.params import SynthParams  # noqa: E402
-from eagle3nb.synth.stage import run  # noqa: E402
-from eagle3nb.toy import resolve_model_path  # noqa: E402
+from benchmarks.harness import ROOT, alternate, command_line, project_env
+from eagle3nb.synth.client import base_url
+from eagle3nb.synth.params import SynthParams
+from eagle3nb.synth.stage import run
+from eagle3nb.toy import resolve_model_path
 
 CONCURRENCY = 128
 N_FAST = 1500
@@ -97,19 +95,29 @@ def server_in_flight(url: str) -> float:
     return area / (t_end - t_begin)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    return command_line(__doc__)  # no flags: the sizes above are the benchmark's
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser().parse_args(argv)
+    project_env()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         proc, url = start_server()
-        synth, bare, bare_openai = [], [], []
+        rounds = itertools.count()
+
+        def synth_rps() -> float:  # the whole stage, into a fresh folder each round
+            return run(params(tmp, url, N_FAST, f"fast{next(rounds)}"))["session"]["requests_per_s"]
+
         try:
-            for r in range(ROUNDS):
-                P = params(tmp, url, N_FAST, f"fast{r}")
-                bare.append(asyncio.run(bare_loop(url, P, N_FAST)))
-                bare_openai.append(asyncio.run(bare_loop(url, P, N_FAST, "openai")))
-                synth.append(run(P)["session"]["requests_per_s"])
+            P = params(tmp, url, N_FAST, "bare")  # the bare loops' bodies: the same requests
+            sides = alternate({"bare": lambda: asyncio.run(bare_loop(url, P, N_FAST)),
+                               "bare_openai": lambda: asyncio.run(bare_loop(url, P, N_FAST, "openai")),
+                               "synth": synth_rps}, ROUNDS)
         finally:
             proc.terminate()
+        synth, bare, bare_openai = sides["synth"], sides["bare"], sides["bare_openai"]
         synth_rps, bare_rps, bare_openai_rps = max(synth), max(bare), max(bare_openai)
         proc, url = start_server("--latency", str(LATENCY[0]), str(LATENCY[1]))
         try:

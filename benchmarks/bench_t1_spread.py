@@ -7,32 +7,28 @@ the whole continuation. On ``toy:kimi`` (measured, docs/recipes.md) our decoder'
 over 20 seed sets on the benchmark's 8 prompts x 64 tokens (sd 0.15) and the benchmark's own set was the lowest;
 on 48 prompts 2.59-2.90 (sd 0.07), where vLLM measured 2.66, 2.80 and 2.75.
 
-    python benchmarks/bench_t1_spread.py                                      # toy:kimi, eagle3.1 (~8 min)
-    python benchmarks/bench_t1_spread.py --recipe dflash/4-2layers --no-vllm
+    python -m benchmarks.bench_t1_spread                                      # toy:kimi, eagle3.1 (~8 min)
+    python -m benchmarks.bench_t1_spread --recipe dflash/4-2layers --no-vllm
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_recipes import RECIPES, TOYS, TRAIN, Local, full_vocab, k_of  # noqa: E402
-
-from eagle3nb.accept.online import bench_endpoint  # noqa: E402
-from eagle3nb.data.prompts import load_prompts  # noqa: E402
-from eagle3nb.params import from_dict  # noqa: E402
-from eagle3nb.serve.vllm import start_vllm, unavailable_reason  # noqa: E402
-from eagle3nb.toy import shipped  # noqa: E402
-from eagle3nb.train.stage import run  # noqa: E402
-from eagle3nb.verification.verify import SpecCounters  # noqa: E402
-from testkit.heldout import greedy_hidden_states  # noqa: E402
+from benchmarks.bench_recipes import RECIPES, full_vocab, k_of, settings, toy_data
+from benchmarks.harness import MAX_TOKENS, SAMPLES, STEPS, TOYS, Local, command_line, refuse, train
+from eagle3nb.accept.online import bench_endpoint
+from eagle3nb.data.prompts import load_prompts
+from eagle3nb.drafts import served_method
+from eagle3nb.serve.vllm import start_vllm, unavailable_reason
+from eagle3nb.toy import shipped
+from eagle3nb.verification.verify import SpecCounters
 
 SEED_STRIDE = 1000  # seed set s seeds prompt i with i + SEED_STRIDE * s (set 0 is the benchmark's)
 
@@ -55,39 +51,41 @@ def local_spread(local: Local, draft_dir: Path, k: int, sets: int, counts: list[
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
     ap.add_argument("--toy", default="kimi", choices=list(TOYS))
     ap.add_argument("--recipe", default="eagle3.1", choices=list(RECIPES))
-    ap.add_argument("--steps", type=int, default=60, help="03's steps (bench_recipes.py's default)")
-    ap.add_argument("--samples", type=int, default=48, help="toy:train prompts answered (bench_recipes.py's default)")
+    ap.add_argument("--steps", **STEPS)
+    ap.add_argument("--samples", **SAMPLES)
     ap.add_argument("--prompts", default="8,48", help="comma-separated toy:heldout prompt counts to judge on")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", **MAX_TOKENS)
     ap.add_argument("--seed-sets", type=int, default=20, help="sets of per-prompt seeds for our decoder")
     ap.add_argument("--vllm-passes", type=int, default=2, help="vLLM passes per prompt count (concurrency 4)")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.vllm and unavailable_reason():
-        sys.exit(f"the real vLLM cannot run here ({unavailable_reason()}); pass --no-vllm to skip it")
+        refuse(f"the real vLLM cannot run here ({unavailable_reason()}); pass --no-vllm to skip it")
     torch.set_num_threads(1)
     counts = sorted(int(n) for n in args.prompts.split(","))
     model_dir, name, k = shipped(args.toy), args.recipe, k_of(args.recipe)
     with tempfile.TemporaryDirectory() as tmp:
-        # 1. The recipe's seed-0 draft, on the data and settings bench_recipes.py gives it.
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        data = greedy_hidden_states(model_dir, "toy:train", args.samples, 96, Path(tmp) / "data",
-                                    draft_vocab_size=vocab if full_vocab(name) else 128)
+        # 1. The recipe's seed-0 draft, on the data and settings bench_recipes gives it.
+        data = toy_data(model_dir, args.samples, Path(tmp) / "data", full_vocab(name))
         out = Path(tmp) / "run"
-        run(from_dict("03_train", {**TRAIN, **({} if full_vocab(name) else TOYS[args.toy]), **RECIPES[name],
-                                   "data_dir": str(data), "output_dir": str(out), "seed": 0,
-                                   "max_steps": args.steps}))
+        metrics = train(settings(args.toy, name), data, out, 0, args.steps)
+        if isinstance(metrics, str):
+            refuse(f"{name}: 03 refuses it: {metrics}")
         # 2. Our decoder over the seed sets.
         local = Local(model_dir, counts[-1], args.max_tokens)
         spread = local_spread(local, out / "draft", k, args.seed_sets, counts)
         # 3. vLLM on the same prompts, sampled drafting as in the benchmark.
         served: dict[int, list[float]] = {n: [] for n in counts}
         if args.vllm:
-            with start_vllm(f"toy:{args.toy}", RECIPES[name].get("method", "eagle3"), draft_dir=out / "draft",
+            with start_vllm(f"toy:{args.toy}", served_method(out / "draft"), draft_dir=out / "draft",
                             num_speculative_tokens=k, speculative={"draft_sample_method": "probabilistic"}) as server:
                 rows = load_prompts("toy:heldout", counts[-1])  # the prompts Local decodes, as chat messages
                 for n in counts:

@@ -20,7 +20,7 @@ Config: hidden 512 (8 heads x 64), MLP 1536, target vocab 32000, draft vocab 819
   how fast the machine is, only on how much of the step is matmul at full speed.
 - Where the time goes: ``torch.profiler`` on one more step, the top 8 ops by self CPU time.
 
-    python benchmarks/bench_train.py [--threads 1] [--repeats 5] [--warmup 1]
+    python -m benchmarks.bench_train [--threads 1] [--repeats 5] [--warmup 1]
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
+from benchmarks.harness import THREADS, command_line, median_span
 from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 from eagle3nb.drafts.eagle3.objective import TTTObjective
 
@@ -107,16 +109,20 @@ def reference_seconds(shapes: list[tuple[str, int, int, int, int, int]]) -> floa
 
 
 def spread(xs: list[float], fmt: str) -> str:
-    return f"median {statistics.median(xs):{fmt}} (min {min(xs):{fmt}} .. max {max(xs):{fmt}}, n={len(xs)})"
+    return f"median {median_span(xs, fmt)}, n={len(xs)}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for step and reference")
+def parser() -> argparse.ArgumentParser:
+    ap = command_line(__doc__)
+    ap.add_argument("--threads", **THREADS)
     ap.add_argument("--repeats", type=int, default=5, help="timed steps (each followed by one reference pass)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler step")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS, num_key_value_heads=HEADS,

@@ -4,13 +4,10 @@ row, and where fitted lines would cross when it does not. Pure logic on made-up 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_crossover import crossing, fit, overtakes, steps_for, verdicts  # noqa: E402
+from benchmarks.bench_crossover import crossing, fit, overtakes, steps_for, verdicts
 
 
 def test_overtakes_needs_a_gap_beyond_both_spreads():
