@@ -110,9 +110,10 @@ params-cells: $(STAMP)
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks
 
-## Benchmarks: ratios measured side by side.
+## Benchmarks: ratios measured side by side. The quick ones in turn (benchmarks/harness.py QUICK, a few minutes
+## here), then the long ones named with their run times and commands (LONG: run each alone); docs/benchmarks.md.
 bench: $(STAMP)
-	for f in benchmarks/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+	$(BIN)/python -m benchmarks
 
 ## On a machine with a GPU: every CUDA path against CPU fp32, vLLM's GPU build included (under 10 min).
 gpu-check: $(STAMP)

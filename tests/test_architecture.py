@@ -224,6 +224,33 @@ def test_tools_benchmarks_and_testkit_take_only_run_from_a_stage():
     assert bad == []
 
 
+def sys_path_edits(tree: ast.AST) -> list[int]:
+    """The lines of a module that change the import path: ``sys.path`` assigned or mutated, ``site.addsitedir``,
+    pytest's ``syspath_prepend``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = ast.unparse(node.func)
+            if re.fullmatch(r"sys\.path\.(insert|append|extend|remove|pop|clear)|.*\.(addsitedir|syspath_prepend)",
+                            name):
+                lines.append(node.lineno)
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AugAssign) else []
+        lines += [node.lineno for t in targets if ast.unparse(t).startswith("sys.path")]
+    return sorted(lines)
+
+
+def test_benchmarks_and_tests_import_without_editing_sys_path():
+    """The benchmarks are a package run as ``python -m benchmarks.<name>`` from the repository root, and the tests
+    reach them and testkit/ through pytest's ``pythonpath`` (pyproject.toml): no module of either edits the import
+    path, which would make an import work from one folder only."""
+    probe = "import sys, site\nsys.path.insert(0, 'x')\nsys.path += ['y']\nsys.path[:0] = ['z']\nsite.addsitedir('w')\n"
+    assert sys_path_edits(ast.parse(probe)) == [2, 3, 4, 5]  # the forms it knows
+    found = [f"{f.relative_to(ROOT)}:{line}" for folder in ("benchmarks", "tests")
+             for f in sorted((ROOT / folder).rglob("*.py")) for line in sys_path_edits(ast.parse(f.read_text()))]
+    assert found == []
+
+
 def test_no_import_cycles():
     g = graph()
     index, low, stack, on, cycles = {}, {}, [], set(), []

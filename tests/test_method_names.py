@@ -23,12 +23,13 @@ ALLOWED = {
 
 
 def method_literals() -> dict[str, list[tuple[int, str]]]:
-    """Every string constant outside eagle3nb/drafts/ equal to a registered method or a name one is served as."""
+    """Every string constant outside eagle3nb/drafts/ (in the package and the benchmarks, which read the registry)
+    equal to a registered method or a name one is served as."""
     from eagle3nb.drafts import PACKAGES, served_as
 
     names = set(PACKAGES) | {served_as(m) for m in PACKAGES}
     found: dict[str, list[tuple[int, str]]] = {}
-    for f in sorted((ROOT / "eagle3nb").rglob("*.py")):
+    for f in sorted([*(ROOT / "eagle3nb").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
         rel = f.relative_to(ROOT).as_posix()
         if rel.startswith("eagle3nb/drafts/"):
             continue

@@ -5,7 +5,6 @@ resume after kill -9 for both, and the cost figures the notebook shows before tr
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,8 @@ from eagle3nb.train.report import read_metrics
 from eagle3nb.train.sources import CACHE_DIR, source_costs
 from eagle3nb.train.stage import run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_data import kill_after, make_hidden_states  # noqa: E402
-from worlds import SEED  # noqa: E402
+from train_data import kill_after, make_hidden_states
+from worlds import SEED
 
 # Tiny: 24 toy dialogues (19 train / 5 held out), ~4 epochs in 20 steps of one micro-batch, 3 TTT steps.
 BASE = dict(run_name="test", ttt_steps=3, max_length=256, batch_tokens=400, lr=3e-3, warmup_ratio=0.05,

@@ -8,7 +8,6 @@ present) is fine-tuned by 03 and exported in the layout vLLM loads."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,9 +27,8 @@ from eagle3nb.train import build
 from eagle3nb.train.build import build_draft, target_config
 from eagle3nb.train.stage import run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_data import make_hidden_states  # noqa: E402
-from worlds import SEED  # noqa: E402
+from train_data import make_hidden_states
+from worlds import SEED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -33,9 +33,8 @@ from eagle3nb.train.report import read_metrics
 from eagle3nb.train.sources import CACHE_DIR
 from eagle3nb.train.stage import run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_data import child_env, make_records, wait_for_checkpoint  # noqa: E402
-from worlds import SEED  # noqa: E402
+from train_data import child_env, make_records, wait_for_checkpoint
+from worlds import SEED
 
 HIDDEN = dict(draft_vocab_size=96, storage="fp32", concurrency=2, max_retries=4, retry_backoff_s=0.05)
 TRAIN = dict(run_name="test", ttt_steps=3, max_length=128, batch_tokens=200, lr=3e-3, warmup_ratio=0.05,

@@ -25,9 +25,8 @@ from eagle3nb.train.loop import TrainingDiverged
 from eagle3nb.train.report import read_metrics
 from eagle3nb.train.stage import run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_data import child_env, kill_after, make_hidden_states  # noqa: E402
-from worlds import SEED  # noqa: E402
+from train_data import child_env, kill_after, make_hidden_states
+from worlds import SEED
 
 # Small and quick: 3 TTT steps, a few dozen steps, micro-batches of ~4 samples.
 BASE = dict(run_name="test", ttt_steps=3, max_length=256, batch_tokens=400, lr=3e-3, warmup_ratio=0.05,

@@ -7,13 +7,13 @@ Skipped with the reason where vLLM cannot run (as tests/test_vllm.py); under any
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from test_scale import kill_when
 
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.hidden.stage import run as extract
@@ -22,12 +22,9 @@ from eagle3nb.params import from_dict
 from eagle3nb.train.report import read_metrics
 from eagle3nb.train.stage import run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_scale import kill_when  # noqa: E402
-
-from engines import Servers  # noqa: E402
-from train_data import make_hidden_states  # noqa: E402
-from worlds import SEED, requires_vllm  # noqa: E402
+from engines import Servers
+from train_data import make_hidden_states
+from worlds import SEED, requires_vllm
 
 pytestmark = requires_vllm()
 

@@ -31,18 +31,22 @@ K = 3
 
 # -- the plugin's replacement kernel ---------------------------------------------------------------------------------
 
-def test_the_plugins_expand_keeps_each_requests_value_in_its_dtype():
+def test_the_plugins_expand_keeps_each_requests_value_in_its_dtype(monkeypatch):
     """``expand`` (what the plugin registers for vLLM's ``expand_kernel`` when the stock CPU one is broken) against
     the kernel's contract, on the dtypes vLLM expands: float temperature and top-p (0.7 stays 0.7, the stock CPU
     fallback's int64 copy would make it 0 or leave garbage), int32 top-k; ``replace_from`` becomes ``replace_to``;
     a request with no draft token takes no slot. Runs here without vLLM (the module needs only torch). <1 s."""
+    import importlib.machinery
+    import importlib.util
+
     from eagle3nb.serve.vllm import VLLM_EXT
 
-    sys.path.insert(0, str(VLLM_EXT))
-    try:
-        from eagle3nb_vllm_fixes.sampling import expand
-    finally:
-        sys.path.remove(str(VLLM_EXT))
+    # the plugin's package found in the folder vLLM's PYTHONPATH gets, as vLLM imports it, without changing ours
+    spec = importlib.machinery.PathFinder.find_spec("eagle3nb_vllm_fixes", [str(VLLM_EXT)])
+    plugin = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, plugin)
+    spec.loader.exec_module(plugin)
+    expand = importlib.import_module("eagle3nb_vllm_fixes.sampling").expand
 
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([2, 0, 3, 1])  # draft tokens per request
