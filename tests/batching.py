@@ -1,5 +1,6 @@
 """Continuous batching driven as a server drives it, shared by the decoder's tests: rows join a ``SpecBatch`` one
-or two every other round and leave once finished, so the batch pads, merges and drops rows between rounds."""
+or two every other round and leave once finished, so the batch pads, merges and drops rows between rounds; and a
+row that joins a batch drafts what it drafts alone (deeper drafts, parallel drafting)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,23 @@ def join_and_leave(batch, prompts: list[list[int]], finished: Callable[[int, lis
         active = [active[j] for j in keep]
         batch.keep(keep)
     return [outs[i] for i in range(len(prompts))], sizes, ragged
+
+
+def assert_batched_rows_draft_as_alone(dec, prompts: list[list[int]], runs) -> None:
+    """Two rows start a batch, a third joins at the second round (padding, merges, holes in every layer's cache):
+    each drafts in its first rounds exactly what it drafted alone (``runs``: ``dec.generate`` of each prompt)."""
+    from eagle3nb.decoder.batch import SpecBatch
+    from eagle3nb.verification.verify import Sampling
+
+    alone = [r.drafted_per_round for r in runs]
+    batch = SpecBatch(dec)
+    batch.add(prompts[:2], [Sampling()] * 2)
+    together: list[list[list[int]]] = [[], [], []]
+    for r in range(3):
+        if r == 1:
+            batch.add(prompts[2:], [Sampling()])
+        batch.round()
+        for row, i in enumerate([0, 1] if r == 0 else [0, 1, 2]):
+            together[i].append(batch.drafted[row])
+    assert [a[:3] for a in together[:2]] == [a[:3] for a in alone[:2]]
+    assert together[2][:2] == alone[2][:2]

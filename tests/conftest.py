@@ -14,8 +14,9 @@ from worlds import SEED, THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the measured budget: wall time per module and per shared fixture at the end of every run (tests/budget.py)
-pytest_plugins = ["budget"]
+# the measured budget: wall time per module and per shared fixture at the end of every run (tests/budget.py); the
+# tiny random targets' fixtures several modules build their own of (tests/tiny_targets.py)
+pytest_plugins = ["budget", "tiny_targets"]
 
 # The tiers, assigned here only (test files carry no tier marks of their own; `make test-fast` deselects all three,
 # `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks, or that uses a server of the

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from served_drafts import vllm_name
 
 from worlds import requires_vllm
 
@@ -332,15 +333,6 @@ def test_start_vllm_runs_dspark_in_vllms_v2_runner_on_a_gpu(tmp_path, toy_smoke,
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == runner, mode
 
 
-def vllm_name(ours: str) -> str:
-    """Our tensor name -> vLLM's parameter (``model.`` prefixed, q/k/v and gate/up stacked)."""
-    for part, fused in (("q_proj", "qkv_proj"), ("k_proj", "qkv_proj"), ("v_proj", "qkv_proj"),
-                        ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj")):
-        if f".{part}." in ours:
-            ours = ours.replace(f".{part}.", f".{fused}.")
-    return "model." + ours
-
-
 def train(m, rows: list[dict], steps: int, weighting: str) -> list[float]:
     """``steps`` AdamW steps on micro-batches of 4 right-padded rows, 32 anchors per row."""
     from eagle3nb.drafts.dflash.objective import block_loss
@@ -466,7 +458,7 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     eagle3nb/serve/vllm_ext/eagle3nb_vllm_fixes is in place (without it vLLM accepts ~1.04 a step at T=1 whatever
     the draft, and the grouped-norm fix's absence moves the greedy acceptance: both are asserted, never its log)."""
     import httpx
-    from test_vllm import held_out
+    from served_drafts import held_out
 
     from eagle3nb.accept.local import compare_with_plain
     from eagle3nb.accept.online import bench_endpoint, metrics_url, scrape

@@ -9,40 +9,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_drafts import MLA, VD, H, T, V, inputs, tiny_draft
 
 from eagle3nb.drafts import DraftMismatchError, check_fits, load_draft
 from eagle3nb.drafts.eagle3.cache import DraftCache, TTTCache
 from eagle3nb.drafts.eagle3.layouts import save_draft
-from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
+from eagle3nb.drafts.eagle3.model import Eagle3Draft
 
-H, V, VD, T = 32, 50, 20, 12
 # The draft variants every decoding test holds: Llama attention, DeepSeek's latent attention with and without a
 # low-rank query, and EAGLE-3.1's per-aux-state norms with the post-norm state fed back.
-MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
 ATTENTIONS = {"llama": {}, "mla": {"mla": MLA}, "mla-qlora": {"mla": {**MLA, "q_lora_rank": 12}},
               "eagle3.1": {"fc_norm": True, "norm_output": True}}
-
-
-def tiny_draft(seed: int = 0, **over) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    cfg = Eagle3Config(**{**dict(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                                 head_dim=8, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[2, 4, 5],
-                                 rope_theta=10000.0), **over})
-    m = Eagle3Draft(cfg)
-    for p in m.parameters():  # norms away from 1, so a swapped norm would show
-        torch.nn.init.normal_(p, std=0.3)
-    ids = torch.randperm(V)[:VD].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    m.set_vocab(ids - torch.arange(VD), t2d)
-    return m.eval()
-
-
-def inputs(B: int = 2, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    aux = torch.randn(B, T, 3 * H, generator=g)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    return aux, ids, torch.arange(T).expand(B, T)
 
 
 @pytest.mark.parametrize("attention", list(ATTENTIONS))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_draft import H, inputs, tiny_draft
+from tiny_drafts import H, inputs, tiny_draft
 
 from eagle3nb.drafts import load_draft
 from eagle3nb.drafts.eagle3.layouts import save_draft
@@ -88,7 +88,7 @@ def test_a_fresh_draft_is_31_by_default_and_a_resumed_run_keeps_its_own_choice(t
     """03's default (null) is EAGLE-3.1 for a fresh draft, but a run whose checkpoints were made before that
     default (no fc_norm in their settings) resumes as the EAGLE-3.0 draft it is, and one made with it as EAGLE-3.1;
     explicit values win, and a fine-tune (init_from) is left to its checkpoint's layout."""
-    from test_published_drafts import meta_of, shaped, target_dir
+    from draft_shapes import meta_of, shaped, target_dir
 
     from eagle3nb.train.build import with_recipe_defaults
     from eagle3nb.train.checkpoint import run_config

@@ -30,9 +30,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_family_gptoss import aux_ids, train_on_all
-from test_sliding_window import own_continuations
-from test_vllm import K, synth_params
+from served_drafts import K
+from stage_params import aux_ids, synth_params, train_on_all
+from tiny_targets import own_continuations
 
 from engines import Servers
 from worlds import requires_vllm
@@ -169,7 +169,7 @@ def synth(target_dir, glm, tok, tmp_path_factory) -> Path:
 def hidden_params(synth: Path, out: Path, model_dir: Path, **kw):
     """02's parameters for the GLM folder: fp32 storage (exact), explicit aux ids, the family told from the
     folder (its template's ``[gMASK]``)."""
-    from test_hidden import params
+    from stage_params import hidden_params as params
 
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     return params(synth, out, model_path=str(model_dir), aux_layer_ids=aux_ids(layers), draft_vocab_size=DRAFT_VOCAB,

@@ -1,4 +1,4 @@
-"""Every path on gpt-oss's architecture: a tiny random GptOss target (tests/test_sliding_window.py's ``gpt_oss``:
+"""Every path on gpt-oss's architecture: a tiny random GptOss target (tests/tiny_targets.py's ``gpt_oss``:
 4 layers alternating sliding window 8 / full attention, attention sinks, 2 experts, YaRN rope) saved with the
 smoke toy's tokenizer. 02 in-process and through the real vLLM's extract_hidden_states, 03 training a fresh draft
 shaped from the GptOss config, and vLLM serving that draft beside the target with its own spec-decode counters
@@ -23,18 +23,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_sliding_window
 import torch
-from test_sliding_window import WINDOW, own_continuations
-from test_vllm import K
+from served_drafts import K
+from stage_params import aux_ids, train_on_all
+from tiny_targets import WINDOW, own_continuations
 
 from engines import Servers
-from worlds import THREADS, requires_vllm
-
-# test_sliding_window's fixtures, registered here too (pytest finds fixtures by the module's names): the tiny
-# gpt-oss target (saved to and loaded from a tmp folder) and the smoke toy's tokenizer it was saved with.
-gpt_oss = test_sliding_window.gpt_oss
-tokenizer = test_sliding_window.tokenizer
+from worlds import requires_vllm
 
 FAMILY = "gpt_oss"
 N_PROMPTS = 8
@@ -42,11 +37,6 @@ NEW_TOKENS = 32  # ~30-token prompts end at ~64 tokens: well past the window of 
 TRAIN_STEPS = 60  # measured: train acc0 0.008 -> 0.81 on these 8 rows (ttt_steps 3, lr 0.02), 3 s
 DRAFT_VOCAB = 256  # below the toy's 546: vLLM 0.32 loads d2t only for a draft vocabulary smaller than the target's
 TOL = 1e-4  # vLLM's CPU kernels vs transformers in fp32 (measured max abs gap 6e-5 on states up to ~33)
-
-
-def aux_ids(num_layers: int) -> list[int]:
-    """Low, middle, high aux ids for a target below EAGLE-3's default's 6 layers ([2, L//2, L-3] needs 6)."""
-    return [1, num_layers // 2, num_layers - 1]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +57,7 @@ def synth(target_dir, gpt_oss, tokenizer, tmp_path_factory) -> Path:
 
 def hidden_params(synth: Path, out: Path, model_dir: Path, **kw):
     """02's parameters for the gpt-oss folder: fp32 storage (exact), explicit aux ids and family."""
-    from test_hidden import params
+    from stage_params import hidden_params as params
 
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     return params(synth, out, model_path=str(model_dir), aux_layer_ids=aux_ids(layers), family=FAMILY,
@@ -92,22 +82,6 @@ def trained(hidden, tmp_path_factory) -> Path:
     t0 = time.perf_counter()
     out = train_on_all(hidden, tmp_path_factory.mktemp("gpt-oss-03"), TRAIN_STEPS)
     print(f"03: {TRAIN_STEPS} steps in {time.perf_counter() - t0:.1f} s")
-    return out
-
-
-def train_on_all(hidden: Path, out: Path, steps: int) -> Path:
-    """03 itself: a fresh draft on every sample of 02's data in ``hidden`` (no held-out split), in ``out``."""
-    from eagle3nb.params import from_dict
-    from eagle3nb.train.stage import run
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        run(from_dict("03_train", {"data_dir": str(hidden), "output_dir": str(out), "max_length": 256,
-                                   "batch_tokens": 4096, "max_steps": steps, "lr": 0.02, "ttt_steps": K,
-                                   "eval_every": 0, "save_every": 1000, "seed": 0, "holdout_fraction": 0.0}))
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import family_servers, held_out, local_acceptance, synth_params
+from served_drafts import family_servers, held_out, local_acceptance
+from stage_params import synth_params
 
 from engines import Servers
 from worlds import SEED, family_world, requires_vllm
@@ -274,16 +275,16 @@ def test_kimi_hidden_vllm(kimi_vllm, kimi, tmp_path):
     identity) and was 0.4 relative apart after it: outside either."""
     import shutil
 
+    from stage_params import hidden_params, write_synth
+
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.families import vllm_cpu_dtype
     from eagle3nb.hidden.stage import run
 
-    from test_hidden import params, write_synth
-
     shutil.copytree(kimi, tmp_path / "model")
     synth = write_synth(tmp_path / "synth", tmp_path / "model", n=4)
-    run(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=kimi_vllm["extract"].url, tokens_per_batch=1))
-    run(params(synth, tmp_path / "hf", tokens_per_batch=1))
+    run(hidden_params(synth, tmp_path / "vllm", backend="vllm", vllm_url=kimi_vllm["extract"].url, tokens_per_batch=1))
+    run(hidden_params(synth, tmp_path / "hf", tokens_per_batch=1))
     a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
     assert len(a) == len(b) == 4 and a.meta["layer_ids"] == b.meta["layer_ids"]
     served = vllm_cpu_dtype(json.loads((kimi / "config.json").read_text()))

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import family_servers, held_out, local_acceptance, synth_params
+from served_drafts import family_servers, held_out, local_acceptance
+from stage_params import synth_params
 
 from conversations import ADD, RESULT, check_tool_turns, tool_conversation
 from worlds import family_world, requires_vllm

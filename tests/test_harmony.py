@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import K, synth_params
+from served_drafts import K
+from stage_params import synth_params
 
 from engines import Servers
 from worlds import requires_vllm
@@ -220,12 +221,12 @@ def test_harmony_split_by_channel(tok):
 @pytest.fixture(scope="module")
 def hidden(records, gptoss, tmp_path_factory) -> Path:
     """02 in-process on 01's records (fp32 storage)."""
+    from stage_params import hidden_params
+
     from eagle3nb.hidden.stage import run
 
-    from test_hidden import params
-
     out = tmp_path_factory.mktemp("gptoss-02")
-    run(params(records, out, model_path=str(gptoss), aux_layer_ids=[1, 2, 3], draft_vocab_size=256))
+    run(hidden_params(records, out, model_path=str(gptoss), aux_layer_ids=[1, 2, 3], draft_vocab_size=256))
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_params import hidden_params, write_synth
 
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.shards import STORAGES, ShardError, bytes_per_token
@@ -28,36 +29,6 @@ from eagle3nb.paths import file_sha256
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_synth(out: Path, model_dir: Path, n: int = 12, seed: int = 0, extra: tuple = ()) -> Path:
-    """01_synth-format samples: toy dialogues rendered with the toy chat template, loss on the reply."""
-    from transformers import AutoTokenizer
-
-    from eagle3nb.toy import dialogues
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        d = dialogues.dialogue(rng, "train")
-        prompt = tok.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
-        reply = tok(f"<think>{d['reasoning']}</think>{d['answer']}<|im_end|>", add_special_tokens=False)["input_ids"]
-        ids, p = list(prompt) + reply, len(prompt)
-        rows.append({"id": f"s{i:03d}", "status": "ok", "messages": d["messages"], "input_ids": ids,
-                     "loss_mask": [0] * p + [1] * (len(ids) - p), "category": "toy"})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, *extra]))
-    return out
-
-
-def params(synth: Path, out: Path, **kw):
-    """The model is the folder the samples were made with (``synth.parent / "model"``: see the fixture), not
-    ``toy:smoke``, which names whatever the toy build currently is."""
-    values = {"synth_dir": str(synth), "model_path": str(synth.parent / "model"), "output_dir": str(out),
-              "storage": "fp32",
-              "dtype": "float32", "shard_tokens": 200, "tokens_per_batch": 256, "draft_vocab_size": 64, **kw}
-    return from_dict("02_hidden_states", values)
-
-
 @pytest.fixture(scope="module")
 def synth(toy_smoke, tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("world")
@@ -68,7 +39,7 @@ def synth(toy_smoke, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fp32_run(synth, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fp32")
-    run(params(synth, out))
+    run(hidden_params(synth, out))
     return out
 
 
@@ -170,12 +141,12 @@ def test_vllm_backend_through_embedded_server_equals_transformers(synth, tmp_pat
     from eagle3nb.launch import start_server
 
     with start_server(synth.parent / "model", extra_args=["--hidden-states-dir", str(tmp_path / "srv")]) as srv:
-        run(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=srv.url, tokens_per_batch=1))
+        run(hidden_params(synth, tmp_path / "vllm", backend="vllm", vllm_url=srv.url, tokens_per_batch=1))
         # a server started with other layers than this run's is caught (here: it writes 4 states, we want 3)
         with pytest.raises(VllmBackendError, match="returns 4 hidden states per token, this run expects 3"):
-            run(params(synth, tmp_path / "other", backend="vllm", vllm_url=srv.url, aux_layer_ids=[2, 4]))
+            run(hidden_params(synth, tmp_path / "other", backend="vllm", vllm_url=srv.url, aux_layer_ids=[2, 4]))
     assert not list((tmp_path / "srv").iterdir()), "the client deletes each file and its lock after reading"
-    run(params(synth, tmp_path / "hf", tokens_per_batch=1))  # one sample per forward, as the server runs them
+    run(hidden_params(synth, tmp_path / "hf", tokens_per_batch=1))  # one sample per forward, as the server runs them
     a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
     assert len(a) == len(b) == 12
     for i in range(len(a)):
@@ -281,7 +252,7 @@ def test_corrupt_or_truncated_shard_is_detected_and_redone(fp32_run, synth, tmp_
     bad[len(bad) // 2] ^= 0xFF
     victim.write_bytes(bytes(bad))
     HiddenStates(out)  # same size: only the hash can tell
-    metrics = run(params(synth, out))
+    metrics = run(hidden_params(synth, out))
     assert metrics["redone_shards"] == [victim.name] and metrics["resumed_shards"] == len(index["shards"]) - 1
     assert victim.read_bytes() == good
 
@@ -289,7 +260,7 @@ def test_corrupt_or_truncated_shard_is_detected_and_redone(fp32_run, synth, tmp_
 # ---------------------------------------------------------------------------------------- clear errors
 
 def test_preview_says_what_a_run_will_do_before_doing_it(synth, tmp_path):
-    plan = preview(params(synth, tmp_path / "o"))
+    plan = preview(hidden_params(synth, tmp_path / "o"))
     assert plan["layer_ids"] == default_aux_layer_ids(plan["num_layers"])
     assert plan["sglang_layer_ids"] == to_sglang(plan["layer_ids"]) and plan["samples"] == 12
     assert list(plan["storage_table"]["storage"]) == list(STORAGES)
@@ -300,7 +271,7 @@ def test_preview_says_what_a_run_will_do_before_doing_it(synth, tmp_path):
 def test_wrong_layer_id_is_a_clear_error_before_work(synth, tmp_path):
     L = json.loads((synth.parent / "model" / "config.json").read_text())["num_hidden_layers"]
     with pytest.raises(LayerIdError, match=rf"\[{L + 1}\] out of range.*{L} decoder layers"):
-        run(params(synth, tmp_path / "o", aux_layer_ids=[2, 4, L + 1]))
+        run(hidden_params(synth, tmp_path / "o", aux_layer_ids=[2, 4, L + 1]))
     assert not list((tmp_path / "o").glob("shard-*"))
 
 
@@ -309,13 +280,13 @@ def test_mismatched_model_is_a_clear_error(synth, toy_smoke, tmp_path):
     shutil.copytree(toy_smoke, tmp_path / "model")
     other = write_synth(tmp_path / "synth2", toy_smoke, n=2, extra=(alien,))
     with pytest.raises(ValueError, match="another tokenizer than model_path"):
-        run(params(other, tmp_path / "o"))
+        run(hidden_params(other, tmp_path / "o"))
     # an output_dir made with other settings (here: another model) is refused, not mixed
     out = tmp_path / "o2"
     out.mkdir()
     (out / "plan.json").write_text(json.dumps({"config": {"model_fingerprint": "0123"}, "shards": []}))
     with pytest.raises(HiddenStatesError, match="model_fingerprint"):
-        run(params(synth, out))
+        run(hidden_params(synth, out))
 
 
 def test_resume_with_other_data_settings_is_refused_and_force_starts_over(fp32_run, synth, tmp_path):
@@ -326,11 +297,11 @@ def test_resume_with_other_data_settings_is_refused_and_force_starts_over(fp32_r
     plan = (out / "plan.json").read_bytes()
     for key, value in (("storage", "bf16"), ("max_length", 64)):
         with pytest.raises(HiddenStatesError, match=rf"other settings \([^)]*\b{key}\b[^)]*differ\).*force: true"):
-            run(params(synth, out, **{key: value}))
+            run(hidden_params(synth, out, **{key: value}))
     assert (out / "plan.json").read_bytes() == plan and HiddenStates(out).meta["storage"] == "fp32"
-    m = run(params(synth, out, storage="bf16", force=True))
+    m = run(hidden_params(synth, out, storage="bf16", force=True))
     assert m["resumed_shards"] == 0 and HiddenStates(out).meta["storage"] == "bf16"
-    assert run(params(synth, out, storage="bf16"))["resumed_shards"] == len(HiddenStates(out).meta["shards"])
+    assert run(hidden_params(synth, out, storage="bf16"))["resumed_shards"] == len(HiddenStates(out).meta["shards"])
 
 
 def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypatch, capsys):
@@ -341,7 +312,7 @@ def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypat
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(HiddenStatesError, match="projected disk use.*Not starting.*force"):
-        run(params(synth, tmp_path / "o"))
+        run(hidden_params(synth, tmp_path / "o"))
     assert "GB for the whole run" in capsys.readouterr().out
 
 
@@ -350,7 +321,7 @@ def test_disk_projection_refuses_when_it_does_not_fit(synth, tmp_path, monkeypat
 def test_compact_storage_halves_bytes_and_keeps_the_training_signal(synth, tmp_path):
     runs = {}
     for storage in ("bf16", "fp8", "topk"):
-        m = run(params(synth, tmp_path / storage, storage=storage, topk=8))
+        m = run(hidden_params(synth, tmp_path / storage, storage=storage, topk=8))
         runs[storage] = (m, HiddenStates(tmp_path / storage))
     H = runs["bf16"][1].meta["hidden_size"]
     for storage, (m, _) in runs.items():  # the layout formula is the real file size (headers aside)

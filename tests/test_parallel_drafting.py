@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_draft import VD, T, inputs, tiny_draft
+from tiny_drafts import VD, T, inputs, tiny_draft
 
 from eagle3nb.drafts import load_draft
 from eagle3nb.drafts.eagle3.layouts import save_draft
@@ -100,7 +100,8 @@ def test_our_decoder_drafts_the_one_pass_losslessly_and_batched_rows_as_alone(to
     draft once (the verified tokens and the k-1 mask slots together), and each round's k drafts are the argmax
     of vLLM's one causal pass over the whole history (the target's aux states, then the mask slots). Rows that
     share a batch (left padding, different pending counts) draft as they do alone."""
-    from test_recipes import assert_batched_rows_draft_as_alone, smoke_draft
+    from batching import assert_batched_rows_draft_as_alone
+    from tiny_drafts import smoke_draft
 
     from eagle3nb.data.prompts import load_prompts
     from eagle3nb.data.stream import Template
@@ -154,7 +155,7 @@ def test_a_short_03_run_trains_a_draft_vllm_serves_in_parallel_with_the_acceptan
     eagle3nb/serve/vllm_ext/eagle3nb_vllm_fixes in place)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from test_vllm import held_out, local_acceptance
+    from served_drafts import held_out, local_acceptance
 
     from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.accept.online import bench_endpoint

@@ -12,19 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from draft_shapes import meta_of, shaped, target_dir
 from safetensors.torch import load_file, save_file
 
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.drafts import load_draft
 from eagle3nb.drafts.eagle3.cache import TTTCache
-from eagle3nb.drafts.eagle3.fresh import fresh_config
 from eagle3nb.drafts.eagle3.layouts import draft_config_json, save_draft
 from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 from eagle3nb.families import is_mla
 from eagle3nb.layers import default_aux_layer_ids
 from eagle3nb.params import from_dict
 from eagle3nb.train import build
-from eagle3nb.train.build import build_draft, target_config
+from eagle3nb.train.build import build_draft
 from eagle3nb.train.stage import run
 
 from train_data import make_hidden_states
@@ -51,25 +51,6 @@ LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads":
 
 def train_params(**over):
     return from_dict("03_train", {**BASE, **over})
-
-
-def target_dir(root: Path, config: dict) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config))
-    return root
-
-
-def meta_of(model_dir: Path, config: dict) -> dict:
-    """What 02 records about a target (index.json's keys a fresh draft reads)."""
-    text = config.get("text_config") or config
-    return {"model_path": str(model_dir), "hidden_size": text["hidden_size"], "vocab_size": text["vocab_size"],
-            "layer_ids": default_aux_layer_ids(text["num_hidden_layers"]),
-            "num_layers": text["num_hidden_layers"]}
-
-
-def shaped(P, meta: dict, draft_vocab_size: int):
-    """03's fresh EAGLE-3 draft config for the target 02 recorded in ``meta`` (its config.json as 03 reads it)."""
-    return fresh_config(P, meta, target_config(meta), draft_vocab_size)
 
 
 # ---- the shape of a fresh draft ---------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import subprocess
 
 import pytest
 import torch
+from batching import assert_batched_rows_draft_as_alone
 from safetensors.torch import load_file
-from test_draft import MLA, T, inputs, tiny_draft
+from tiny_drafts import MLA, T, inputs, smoke_draft, tiny_draft
 
 from eagle3nb.drafts import load_draft
 from eagle3nb.drafts.eagle3.cache import DraftCache, TTTCache
@@ -120,26 +121,6 @@ def test_deeper_draft_export_maps_onto_vllms_layers_with_vllms_own_mapper(tmp_pa
     assert any(n.startswith("midlayer.") for n in load_file(tmp_path / "one" / "model.safetensors"))
 
 
-def smoke_draft(toy, num_layers: int):
-    """A seeded random draft of ``num_layers`` for the shipped smoke toy, on its embedding and lm_head."""
-    from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
-
-    tc = json.loads((toy / "config.json").read_text())
-    tc = tc.get("text_config") or tc
-    cfg = Eagle3Config.from_llama_dict(tc, target_hidden_size=tc["hidden_size"], aux_layer_ids=[2, 4, 5],
-                                       num_layers=num_layers)
-    torch.manual_seed(0)
-    m = Eagle3Draft(cfg)
-    w = {}
-    for f in sorted(toy.glob("*.safetensors")):
-        w.update(load_file(f))
-    with torch.no_grad():
-        m.embed_tokens.weight.copy_(w["model.embed_tokens.weight"].float())
-        m.lm_head.weight.copy_(w.get("lm_head.weight", w["model.embed_tokens.weight"]).float())
-    m.set_vocab(torch.zeros(cfg.vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool))
-    return m.eval()
-
-
 @torch.inference_mode()
 def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smoke, tmp_path):
     """Our decoder reads the 2-layer export back and decodes the target's own greedy tokens; rows that join a
@@ -159,26 +140,6 @@ def test_deeper_draft_decodes_losslessly_and_batched_rows_draft_as_alone(toy_smo
     runs = [dec.generate(p, 12) for p in prompts]
     assert [r.tokens for r in runs] == [plain_generate(target, p, 12) for p in prompts]
     assert_batched_rows_draft_as_alone(dec, prompts, runs)
-
-
-def assert_batched_rows_draft_as_alone(dec, prompts: list[list[int]], runs) -> None:
-    """Two rows start a batch, a third joins at the second round (padding, merges, holes in every layer's cache):
-    each drafts in its first rounds exactly what it drafted alone (``runs``: ``dec.generate`` of each prompt)."""
-    from eagle3nb.decoder.batch import SpecBatch
-    from eagle3nb.verification.verify import Sampling
-
-    alone = [r.drafted_per_round for r in runs]
-    batch = SpecBatch(dec)
-    batch.add(prompts[:2], [Sampling()] * 2)
-    together: list[list[list[int]]] = [[], [], []]
-    for r in range(3):
-        if r == 1:
-            batch.add(prompts[2:], [Sampling()])
-        batch.round()
-        for row, i in enumerate([0, 1] if r == 0 else [0, 1, 2]):
-            together[i].append(batch.drafted[row])
-    assert [a[:3] for a in together[:2]] == [a[:3] for a in alone[:2]]
-    assert together[2][:2] == alone[2][:2]
 
 
 # ---- the losses ----------------------------------------------------------------------------------------------

@@ -13,8 +13,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from eagle3nb.train.report import read_metrics
 from eagle3nb.train.sources import CACHE_DIR
 from eagle3nb.train.stage import run
 
-from train_data import child_env, make_records, wait_for_checkpoint
+from train_data import child_env, kill_when, make_records, wait_for_checkpoint
 from worlds import SEED
 
 HIDDEN = dict(draft_vocab_size=96, storage="fp32", concurrency=2, max_retries=4, retry_backoff_s=0.05)
@@ -64,21 +62,6 @@ def records(toy_smoke, tmp_path_factory) -> Path:
 def hidden_values(records: Path, model: Path, urls: list[str], **over) -> dict:
     return {"run_name": "test", "synth_dir": str(records), "model_path": str(model), "backend": "vllm",
             "vllm_url": urls, **HIDDEN, **over}
-
-
-def kill_when(path_glob: tuple[Path, str], handle) -> threading.Thread:
-    """kill -9 the server ``handle`` once a file matching ``path_glob`` appears (the run is under way)."""
-    folder, pattern = path_glob
-
-    def watch() -> None:
-        deadline = time.time() + 120
-        while not list(folder.glob(pattern)) and time.time() < deadline:
-            time.sleep(0.005)
-        handle.proc.kill()
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    return t
 
 
 def test_02_over_two_servers_with_one_killed_gives_one_servers_states(servers, records, toy_smoke, tmp_path):

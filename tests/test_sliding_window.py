@@ -10,64 +10,22 @@ target's next token after the input token, learned from the reference outputs, l
 
 from __future__ import annotations
 
-import json
-import random
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 from batching import join_and_leave
+from tiny_targets import WINDOW, generate_alone, save_and_load
 
 K = 3
-WINDOW = 8
 TEXTS = ["Hi", "What is 2+3?", "Compute 17 * 23 and explain each step.", "Name three colours.",
          "A much longer prompt: list the primes below fifty, then add them up and say whether the sum is even."]
 LIMITS = [30, 12, 26, 20, 30]  # new tokens per prompt: 2..62-token prompts end at 14..92 tokens (window 8)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(toy_smoke):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(toy_smoke)
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS]
-
-
-def _save_and_load(model, tokenizer, path: Path):
-    """Through the checkpoint, as a user's target arrives (transformers picks the attention implementation)."""
-    from transformers import AutoModelForCausalLM
-
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory, tokenizer):
-    """A tiny random gpt-oss: 4 layers alternating sliding (window 8) / full, 2 experts, attention sinks drawn
-    large enough to matter, weights large enough that the window changes the greedy tokens."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(0)
-    cfg = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=2,
-                       num_experts_per_tok=1, sliding_window=WINDOW, max_position_embeddings=256,
-                       initializer_range=0.2, pad_token_id=0, eos_token_id=6,
-                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                        "truncate": False, "original_max_position_embeddings": 64})
-    model = GptOssForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
-    model = _save_and_load(model, tokenizer, tmp_path_factory.mktemp("gpt_oss"))
-    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
-    assert model.config._attn_implementation == "eager"  # gpt-oss has no sdpa: sinks are eager's extra logit
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +37,7 @@ def mistral(tmp_path_factory, tokenizer):
     cfg = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
                         max_position_embeddings=256, initializer_range=0.2, pad_token_id=0, eos_token_id=6)
-    model = _save_and_load(MistralForCausalLM(cfg), tokenizer, tmp_path_factory.mktemp("mistral"))
+    model = save_and_load(MistralForCausalLM(cfg), tokenizer, tmp_path_factory.mktemp("mistral"))
     assert model.config._attn_implementation == "sdpa"
     return model
 
@@ -90,34 +48,6 @@ def llama(toy_smoke):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(toy_smoke, dtype=torch.float32).eval()
-
-
-def _generate(target, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy generate of one prompt alone (no padding), ``n`` tokens past any EOS: the reference
-    (``min_new_tokens`` would instead mask EOS out of the argmax)."""
-    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out.shape[1] == len(prompt) + n
-    return out[0, len(prompt):].tolist()
-
-
-def own_continuations(target, tokenizer, n: int, new_tokens: int, out: Path) -> Path:
-    """01_synth-format rows in ``out``: ``n`` toy prompts in the tokenizer's chat template, each followed by the
-    target's own greedy continuation (past any end of turn), loss on the continuation."""
-    from eagle3nb.toy import dialogues
-
-    rng = random.Random(0)
-    rows = []
-    with torch.inference_mode():
-        for i in range(n):
-            d = dialogues.dialogue(rng, "train")
-            prompt = list(tokenizer.apply_chat_template(d["messages"], add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
-            reply = _generate(target, prompt, new_tokens)
-            rows.append({"id": f"s{i:03d}", "status": "ok", "messages": d["messages"], "input_ids": prompt + reply,
-                         "loss_mask": [0] * len(prompt) + [1] * len(reply), "category": "toy"})
-    (out / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
 
 
 def _draft(target):
@@ -172,11 +102,11 @@ def test_greedy_continuous_batching_equals_generate_across_the_window(name, prom
     alone, with rounds that accepted different runs per row; for the sliding targets the window changes the
     reference, so a window applied wrongly (or not at all) cannot pass."""
     target = request.getfixturevalue(name)
-    refs = [_generate(target, p, n) for p, n in zip(prompts, LIMITS)]
+    refs = [generate_alone(target, p, n) for p, n in zip(prompts, LIMITS)]
     if name != "llama":
         target.config.sliding_window = 10_000  # the same weights without the window: other tokens
         try:
-            unwindowed = [_generate(target, p, n) for p, n in zip(prompts, LIMITS)]
+            unwindowed = [generate_alone(target, p, n) for p, n in zip(prompts, LIMITS)]
         finally:
             target.config.sliding_window = WINDOW
         assert sum(a != b for a, b in zip(refs, unwindowed)) >= 3, "the window must matter for this test"
@@ -192,7 +122,7 @@ def test_one_sequence_generate_equals_generate(gpt_oss, prompts):
     """``SpecDecoder.generate`` (compare_with_plain's path, a batch of one) on the longest prompt."""
     from eagle3nb.decoder.batch import SpecDecoder
 
-    ref = _generate(gpt_oss, prompts[-1], 30)
+    ref = generate_alone(gpt_oss, prompts[-1], 30)
     draft = _hint(_draft(gpt_oss), [prompts[-1] + ref])
     out = SpecDecoder(gpt_oss, draft, K).generate(prompts[-1], 30)
     assert out.tokens == ref
@@ -233,7 +163,7 @@ def test_embedded_spec_server_engine_answers_gpt_oss_like_generate(gpt_oss, toke
     from eagle3nb.serve.spec_batcher import SpecEngine
 
     with torch.inference_mode():
-        refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
+        refs = [generate_alone(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
     save_draft(_draft(gpt_oss), tmp_path / "draft")
     metrics = Metrics("gpt-oss-tiny")
     decoder = SpecEngine(gpt_oss, tokenizer, tmp_path / "draft", K, metrics)
@@ -251,7 +181,7 @@ def test_embedded_plain_server_engine_answers_gpt_oss_like_generate(gpt_oss, tok
     from eagle3nb.serve.batcher import Engine
 
     with torch.inference_mode():
-        refs = [_generate(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
+        refs = [generate_alone(gpt_oss, p, n) for p, n in zip(prompts, LIMITS)]
     engine = Engine(gpt_oss, tokenizer, model_name="gpt-oss-tiny").start()
     reqs = _serve_in_two_waves(engine, prompts)
     assert [r.output_ids for r in reqs] == refs

@@ -9,47 +9,22 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
+from served_drafts import K, held_out, local_acceptance
+from stage_params import synth_params
 
 from eagle3nb.vllm_config import TESTED_VERSION
 
 from conversations import check_turns, mt_bench
-from engines import Engines, Servers
+from engines import Servers
 from worlds import requires_vllm
 
 pytestmark = requires_vllm()
 
-K = 3
 LAYERS = [2, 4, 5, 8]  # the smoke toy's EAGLE-3 aux ids (2, L//2, L-3) plus L = 8 for the final state
-
-
-def family_servers(engines: Engines, model: Path, make_trained: Callable[[], dict],
-                   plain: dict | None = None) -> Iterator[Servers]:
-    """A family toy's real vLLM servers: plainly (its family's parser; ``plain``: more ``start_vllm`` options,
-    e.g. ``tools``) and extracting hidden states, both starting while ``make_trained()`` makes the trained run (it
-    keeps one core busy, their start-up the other), then serving that run's draft as ``eagle3``."""
-    from eagle3nb.layers import default_aux_layer_ids
-
-    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    servers = Servers(engines, model)
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            early = pool.submit(servers.start, plain={"mode": "plain", **(plain or {})},
-                                extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers]})
-            try:
-                trained = make_trained()
-            finally:
-                early.result()
-        servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
-                              "num_speculative_tokens": K})
-        yield servers
-    finally:
-        servers.stop()
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +64,6 @@ def spec_servers(vllm, drafts, tmp_path_factory):
                            "rounds": tmp_path_factory.mktemp("rounds") / "eagle3.jsonl"},
                    speculators={"mode": "eagle3", "draft_dir": drafts["speculators"], "num_speculative_tokens": K})
     return vllm
-
-
-def synth_params(tmp: Path, url: str, model: Path, **kw):
-    from eagle3nb.synth.params import SynthParams
-
-    base = dict(model_path=str(model), output_dir=str(tmp / "01"), prompts="toy:train", max_samples=8,
-                max_completion_tokens=96, concurrency=4, vllm_url=url, temperature=0.0, retry_backoff_s=0.05)
-    return SynthParams(**{**base, **kw})
 
 
 # -- 01: records from the real server ------------------------------------------------------------------------------
@@ -206,15 +173,15 @@ def test_embedded_server_answers_like_vllm(vllm, embedded):
 # -- 02: extract_hidden_states through the real connector --------------------------------------------------------
 
 def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
+    from stage_params import hidden_params, write_synth
+
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.hidden.stage import run
 
-    from test_hidden import params, write_synth
-
     shutil.copytree(toy_smoke, tmp_path / "model")
     synth = write_synth(tmp_path / "synth", tmp_path / "model", n=6)
-    run(params(synth, tmp_path / "vllm", backend="vllm", vllm_url=vllm["extract"].url, tokens_per_batch=1))
-    run(params(synth, tmp_path / "hf", tokens_per_batch=1))
+    run(hidden_params(synth, tmp_path / "vllm", backend="vllm", vllm_url=vllm["extract"].url, tokens_per_batch=1))
+    run(hidden_params(synth, tmp_path / "hf", tokens_per_batch=1))
     a, b = HiddenStates(tmp_path / "vllm"), HiddenStates(tmp_path / "hf")
     assert len(a) == len(b) == 6
     for i in range(len(a)):
@@ -227,28 +194,6 @@ def test_vllm_backend_equals_transformers_backend(vllm, toy_smoke, tmp_path):
 
 
 # -- 03's exports served by vLLM, 04 reading vLLM's own counters -------------------------------------------------
-
-def held_out(n: int) -> list[dict]:
-    from eagle3nb.data.prompts import load_prompts
-
-    return load_prompts("toy:heldout", n)
-
-
-def local_acceptance(toy_smoke: Path, draft_dir: Path, prompts: list[dict], max_tokens: int,
-                     temperature: float = 0.0) -> dict:
-    """04's local speculative decoding (our decoder; greedy, or sampled at ``temperature`` with one seed per
-    prompt) on the same prompts vLLM gets."""
-    from eagle3nb.accept.local import compare_with_plain
-    from eagle3nb.data.stream import Template
-    from eagle3nb.drafts import load_draft
-    from eagle3nb.hf import DECODER, load_target
-
-    tpl = Template(toy_smoke, True)
-    ids = [tpl.prompt_ids(p["messages"]) for p in prompts]
-    target = load_target(toy_smoke, trust_remote_code=False, use=DECODER)
-    draft = load_draft(draft_dir, embed_tokens=target.get_input_embeddings().weight.detach())
-    return compare_with_plain(target, draft, ids, K, max_tokens, temperature, [tpl.end_id])
-
 
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
 def test_vllm_serves_our_exports_with_the_acceptance_measured_locally(spec_servers, drafts, toy_smoke, layout):

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_scale import kill_when
 
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.hidden.stage import run as extract
@@ -23,7 +22,7 @@ from eagle3nb.train.report import read_metrics
 from eagle3nb.train.stage import run
 
 from engines import Servers
-from train_data import make_hidden_states
+from train_data import kill_when, make_hidden_states
 from worlds import SEED, requires_vllm
 
 pytestmark = requires_vllm()

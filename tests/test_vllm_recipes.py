@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from test_vllm import K, held_out
+from served_drafts import K, held_out
 
 from engines import Servers
 from worlds import SEED, requires_vllm

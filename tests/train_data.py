@@ -1,5 +1,5 @@
-"""For the 03 tests: real 02 output (toy dialogues as 01-style samples, through 02's extraction), and 03 run
-in a child process that is killed -9 at a checkpoint."""
+"""For the 02 and 03 tests: real 02 output (toy dialogues as 01-style samples, through 02's extraction), 03 run
+in a child process that is killed -9 at a checkpoint, and a server killed -9 once a run is under way."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,3 +87,18 @@ def kill_after(folder: Path, out: Path, step: int) -> int:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return int(checkpoints(out / "checkpoints")[-1].stem.split("-")[1])
+
+
+def kill_when(path_glob: tuple[Path, str], handle) -> threading.Thread:
+    """kill -9 the server ``handle`` once a file matching ``path_glob`` appears (the run is under way)."""
+    folder, pattern = path_glob
+
+    def watch() -> None:
+        deadline = time.time() + 120
+        while not list(folder.glob(pattern)) and time.time() < deadline:
+            time.sleep(0.005)
+        handle.proc.kill()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
