@@ -353,3 +353,34 @@ def test_architecture_doc_names_only_paths_that_exist():
     assert named, "ARCHITECTURE.md names no paths"
     missing = sorted(p for p in named if not (ROOT / p.rstrip("/")).exists())
     assert missing == []
+
+
+def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import in a module, at any depth: import statements and ``importlib.import_module``
+    of a literal name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def test_tests_share_helpers_through_helper_modules_not_test_modules():
+    """A helper, constant or fixture two test modules share lives in a helper module under tests/ (worlds.py,
+    served_drafts.py, tiny_targets.py ...; fixtures through a plugin tests/conftest.py loads), never in a test
+    module another one imports: that ties one test file's edits to another's tests, and a fixture imported by name
+    is a second copy of it. (No module there edits ``sys.path`` either:
+    test_benchmarks_and_tests_import_without_editing_sys_path.)"""
+    probe = "import test_a, os\ndef f():\n    from test_b import x\n    importlib.import_module('tests.test_c')\n"
+    assert imported_modules(ast.parse(probe)) == [(1, "test_a"), (1, "os"), (3, "test_b"), (4, "tests.test_c")]
+    tests = ROOT / "tests"
+    test_modules = {f.stem for f in tests.rglob("test_*.py")}
+    found = [f"{f.relative_to(ROOT)}:{line}: {name}" for f in sorted(tests.rglob("*.py"))
+             for line, name in imported_modules(ast.parse(f.read_text()))
+             if name.removeprefix("tests.").split(".")[0] in test_modules]
+    assert found == [], "move what they share into a helper module under tests/ (docs/testing.md)"
