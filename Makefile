@@ -92,11 +92,12 @@ test: $(STAMP) $(VLLM_STAMP) tokenizers chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-## The inner loop (under 4 minutes on two cores): the lint, then every test outside the engine, browser and slow
+## The inner loop (under 4 minutes on two cores): the lint, then every test outside the engine, browser, slow and gpu
 ## tiers (tests/conftest.py assigns them; docs/testing.md has the table and the one-tier commands).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist loadgroup -m "not engine and not browser and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist loadgroup -m "not engine and not browser and not slow and not gpu" \
+		$(PYTEST_ARGS)
 
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
 rehearse: $(STAMP) $(VLLM_STAMP)
@@ -115,6 +116,11 @@ lab: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
-## On a machine with a GPU: every CUDA path against CPU fp32, vLLM's GPU build included (under 10 min).
+## On a machine with a GPU: the gpu tier (tests/gpu/), every CUDA path against CPU fp32, vLLM's GPU build included
+## (installed into .venv-vllm-gpu/ in the background when missing; under 10 min on one H100). One line per test; the
+## library's output and the tracebacks in $(GPU_CHECK_DIR)/gpu_check.log, the runs beside it. Without a GPU every test
+## skips at once. vLLM's default multiprocessing (the suite's one-process setting is for the CPU build).
+GPU_CHECK_DIR ?= .pytest_cache/gpu-check
 gpu-check: $(STAMP)
-	$(BIN)/python tools/gpu_check.py --vllm
+	EAGLE3NB_GPU_INSTALL_VLLM=1 VLLM_ENABLE_V1_MULTIPROCESSING=1 $(BIN)/python -m pytest tests/gpu -m gpu -n 0 -q \
+		--basetemp=$(GPU_CHECK_DIR) --tb=short --show-capture=no $(PYTEST_ARGS)

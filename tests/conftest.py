@@ -18,18 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 # tiny random targets' fixtures several modules build their own of (tests/tiny_targets.py)
 pytest_plugins = ["budget", "tiny_targets"]
 
-# The tiers, assigned here only (test files carry no tier marks of their own; `make test-fast` deselects all three,
+# The tiers, assigned here only (test files carry no tier marks of their own; `make test-fast` deselects all four,
 # `make test` runs everything). ``engine``: every test worlds.requires_vllm() marks, or that uses a server of the
 # ``engines`` registry through its fixtures (the real vLLM); ``browser``:
 # headless Chromium; ``slow``: the modules, shared fixtures and single tests whose measured cost (docs/testing.md's
 # table) would push the fast tier past its 4 minutes on two cores: papermill end-to-end runs, family toy builds, long
-# trainings, kill-and-resume runs in subprocesses.
+# trainings, kill-and-resume runs in subprocesses; ``gpu``: the tests in tests/gpu/, every CUDA path against CPU float32
+# (`make gpu-check` runs them on a machine with an NVIDIA GPU; elsewhere they skip at once, building nothing).
 BROWSER_MODULES = {"test_browser.py"}
+GPU_DIR = ROOT / "tests" / "gpu"
 # papermill over the smoke run; the GLM toy, trained here; 05's refreshes (a draft trained, then fine-tuned per seed)
 SLOW_MODULES = {"test_e2e.py", "test_family_glm.py", "test_refresh.py"}
 # the trained runs (any fixture of that name: the session's, and a family module's own), the toys built from a
 # family's real tokenizer, Kimi's trained MLA draft
-SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained", "staged"}
+SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained", "staged", "smoke_selection"}
 # single tests of fast modules that alone cost 10-20 s on a quiet machine (a toy rebuilt from its recipe, a torchrun
 # killed and resumed, 02, 03 and the runner killed and resumed, two gloo ranks, a vLLM server of its own, the spread
 # prompt's search of the verification G-tests): the rest stays in the inner loop
@@ -73,6 +75,8 @@ def _assign_tiers(items) -> None:
             item.add_marker(pytest.mark.engine)
         if module in BROWSER_MODULES:
             item.add_marker(pytest.mark.browser)
+        if item.path.parent == GPU_DIR:
+            item.add_marker(pytest.mark.gpu)
         slow_test = f"{module}::{item.originalname}" in SLOW_TESTS
         # fixturenames: with what they use
         if module in SLOW_MODULES or slow_test or SLOW_FIXTURES & set(item.fixturenames):

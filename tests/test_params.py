@@ -191,9 +191,9 @@ def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
             except ParamsError as e:
                 return str(e)
         P = from_dict("03_train", {"method": "fake", "block_size": 5, "num_speculative_tokens": 4}, check_paths=False)
-        spec = importlib.util.spec_from_file_location("gpu_check", "tools/gpu_check.py")
+        spec = importlib.util.spec_from_file_location("gpu_world", "tests/gpu/gpu_world.py")
         gpu_check = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = gpu_check
+        sys.modules["gpu_world"] = gpu_check
         torch_before = "torch" in sys.modules
         spec.loader.exec_module(gpu_check)
         print(json.dumps({
