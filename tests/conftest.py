@@ -31,7 +31,7 @@ GPU_DIR = ROOT / "tests" / "gpu"
 SLOW_MODULES = {"test_e2e.py", "test_family_glm.py", "test_refresh.py"}
 # the trained runs (any fixture of that name: the session's, and a family module's own), the toys built from a
 # family's real tokenizer, Kimi's trained MLA draft
-SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained", "staged"}
+SLOW_FIXTURES = {"trained", "qwen3", "gptoss", "kimi_trained", "staged", "smoke_selection"}
 # single tests of fast modules that alone cost 10-20 s on a quiet machine (a toy rebuilt from its recipe, a torchrun
 # killed and resumed, 02, 03 and the runner killed and resumed, two gloo ranks, a vLLM server of its own, the spread
 # prompt's search of the verification G-tests): the rest stays in the inner loop
