@@ -108,6 +108,24 @@ def test_tau_pooled_and_per_request_mean_differ_as_their_definitions_say():
     assert tau_per_request_mean([3, 5], [0, 5]) == 2.0 and tau_per_request_mean([1], [0]) is None
 
 
+def test_04s_table_names_both_taus_and_the_engines_as_pooled_only():
+    """04's acceptance-by-source table carries both definitions where the source has per-request data (offline:
+    the held-out samples' simulated rounds; local decoding: its prompts) under names that say whose they are, and
+    leaves a served endpoint's per-request cell empty, its label saying its counters are pooled only."""
+    from eagle3nb.accept.report import acceptance_by_source
+
+    metrics = {"offline": {"k": 2, "greedy": {"tau_by_k": [1.8, 2.5], "alpha_by_position": [0.8, 0.7],
+                                              "simulated_acceptance_length_per_sample": 2.4}},
+               "local": {"acceptance_length": 2.6, "acceptance_length_per_request": 2.9, "per_position": [0.8, 0.6]},
+               "online": [{"endpoint": "vllm", "k": 2, "concurrency": 1, "acceptance_length": 2.55,
+                           "metrics_engine": "vllm", "per_position": [0.8, 0.5]}]}
+    table = acceptance_by_source(metrics)
+    pooled, mean = "acceptance_length pooled (vLLM's)", "acceptance_length per-request mean (SpecForge's)"
+    assert table[pooled].tolist() == [2.5, 2.6, 2.55]
+    assert table[mean].tolist()[:2] == [2.4, 2.9] and table[mean].isna().tolist()[2]
+    assert table.index[2] == "vllm (vllm counters, c=1: pooled only)"
+
+
 def test_the_load_from_a_traffic_log_by_littles_law(tmp_path):
     """A gateway log of an hour at 0.5 requests/s then an hour at 3 requests/s, on a plain server that completes 1,
     1.8, 3.2 requests/s at 1, 2, 4 in flight: the first hour is served at c=1 (below the lowest rate), the second

@@ -21,6 +21,7 @@ from eagle3nb.data.prompts import load_prompts
 from eagle3nb.data.stream import Template
 from eagle3nb.decoder.batch import SpecDecoder
 from eagle3nb.decoder.reference import plain_generate
+from eagle3nb.formulas import tau_per_request_mean
 from eagle3nb.progress import Progress
 from eagle3nb.verification.verify import SpecCounters, is_greedy
 
@@ -69,6 +70,11 @@ def run_local(P: AcceptParams, target, draft, tokenizer) -> dict[str, Any]:
         return res
 
     local = cached(P.stage_dir / "local.json", config, work)
+    # its acceptance_length is the counters' (pooled over every round, vLLM's); the mean of each prompt's own beside it
+    # (SpecForge's, eagle3nb.formulas)
+    per_prompt = local["accepted_per_round"]
+    local["acceptance_length_per_request"] = tau_per_request_mean([sum(r) for r in per_prompt],
+                                                                  [len(r) for r in per_prompt])
     rows = load_prompts(P.prompts, P.local_prompts)
     records = local_records(prompts, local, rows, drafts.of(draft).unit)
     write_records(P.stage_dir / ROUNDS, [with_pieces(r, tokenizer, "local", P.target_family) for r in records])

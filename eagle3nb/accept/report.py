@@ -108,16 +108,22 @@ def online_table(rows: list[dict[str, Any]]):
 def acceptance_by_source(metrics: dict[str, Any]):
     """Acceptance length and alpha_i at the served k from every source side by side: offline (predicted from
     hidden states), local decoding (our decoder here) and each served endpoint's own counters (vLLM's
-    /metrics; first concurrency level), so a draft the engine reads differently shows as a gap."""
+    /metrics; first concurrency level), so a draft the engine reads differently shows as a gap. Acceptance length
+    both ways where the source has per-request data (``eagle3nb.formulas``): pooled over every round (vLLM's) and
+    the mean of each request's own (SpecForge's; offline: of each held-out sample's simulated rounds). vLLM's
+    /metrics counters are pooled only: its per-request column stays empty."""
     import pandas as pd
 
     k = metrics["offline"]["k"]
     off = metrics["offline"]["greedy"]
-    rows = [{"source": "offline greedy (predicted)", "acceptance_length": off["tau_by_k"][k - 1],
+    pooled, mean = "acceptance_length pooled (vLLM's)", "acceptance_length per-request mean (SpecForge's)"
+    rows = [{"source": "offline greedy (predicted)", pooled: off["tau_by_k"][k - 1],
+             mean: off.get("simulated_acceptance_length_per_sample"),
              **{f"alpha_{i + 1}": a for i, a in enumerate(off["alpha_by_position"][:k])}}]
     if metrics.get("local"):
         loc = metrics["local"]
-        rows.append({"source": "local decoding (measured)", "acceptance_length": loc["acceptance_length"],
+        rows.append({"source": "local decoding (measured)", pooled: loc["acceptance_length"],
+                     mean: loc.get("acceptance_length_per_request"),
                      **{f"alpha_{i + 1}": a for i, a in enumerate(loc["per_position"][:k])}})
     seen = set()
     for r in at_k(metrics.get("online") or [], k):
@@ -125,8 +131,8 @@ def acceptance_by_source(metrics: dict[str, Any]):
             continue
         seen.add(r["endpoint"])
         engine = r.get("metrics_engine") or "server"
-        rows.append({"source": f"{r['endpoint']} ({engine} counters, c={r['concurrency']})",
-                     "acceptance_length": r["acceptance_length"],
+        rows.append({"source": f"{r['endpoint']} ({engine} counters, c={r['concurrency']}: pooled only)",
+                     pooled: r["acceptance_length"], mean: None,
                      **{f"alpha_{i + 1}": a for i, a in enumerate((r.get("per_position") or [])[:k])}})
     return pd.DataFrame(rows).set_index("source")
 
@@ -215,7 +221,7 @@ def plot_offline_vs_local(metrics: dict[str, Any]):
     ax.set_xlabel("draft position i")
     ax.set_ylabel("alpha_i")
     ax.set_title(f"Offline vs measured: tau {off['tau_by_k'][k - 1]:.2f} predicted, {loc['acceptance_length']:.2f} "
-                 "measured")
+                 "measured (pooled over all rounds)")
     ax.legend()
     fig.tight_layout()
     return fig
@@ -338,14 +344,15 @@ def plot_acceptance(rows: list[dict[str, Any]]):
         ax1.plot(*zip(*pts), marker="o", label=label)
     for label, pts in rates.items():
         ax2.plot(*zip(*pts), marker="o", label=label)
-    for ax, what in ((ax1, "acceptance length (tokens per target step)"),
+    for ax, what in ((ax1, "acceptance length, pooled (tokens per target step)"),
                      (ax2, "acceptance rate (accepted / drafted)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(what)
         ax.legend(fontsize=8)
     ax2.set_ylim(0, 1.02)
-    fig.suptitle("Server acceptance vs concurrency")
+    fig.suptitle("Server acceptance vs concurrency (its /metrics counters: pooled over all rounds, no per-request "
+                 "figure)")
     fig.tight_layout()
     return fig
 
