@@ -23,7 +23,7 @@ from eagle3nb.data.split import split_holdout
 from eagle3nb.data.turns import parse_turn
 from eagle3nb.errors import InputError
 from eagle3nb.families import specials
-from eagle3nb.formulas import tau_from_conditional
+from eagle3nb.formulas import tau_from_conditional, tau_per_request_mean, tau_pooled
 from eagle3nb.params import schema_for
 from eagle3nb.params_yaml import run_params
 from eagle3nb.paths import resolve
@@ -187,7 +187,7 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
                 continue
             probs = target_probs_for(draft, data, item, temperature, head) if temperature > 0 else None
             r = method.chain_acceptance(draft, item, data.target_argmax(item), probs, max_k, temperature)
-            parts["rounds"] += simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k)
+            parts["rounds"].append(simulate_rounds(r["greedy"], r["valid"], item["loss_mask"], k))
             ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
             seg = segments(ids, mask) if segments is not None else [2 if m else 0 for m in mask]
             parts["segment"].append(torch.tensor(seg[2:] + [0]))  # segment of the first drafted token t+2
@@ -219,9 +219,12 @@ def offline_acceptance(draft, data, k: int, max_k: int, temperature: float = 0.0
         return out
 
     everything = block(torch.ones_like(segment, dtype=torch.bool))
-    rounds = parts["rounds"]
-    everything["greedy"]["simulated_acceptance_length"] = 1 + sum(rounds) / len(rounds) if rounds else None
-    everything["greedy"]["simulated_rounds"] = len(rounds)
+    # the simulated rounds' acceptance length both ways (eagle3nb.formulas): pooled over every round (vLLM's), and
+    # the mean of each held-out sample's own (SpecForge's)
+    accepted, rounds = [sum(r) for r in parts["rounds"]], [len(r) for r in parts["rounds"]]
+    everything["greedy"]["simulated_acceptance_length"] = tau_pooled(accepted, rounds) if sum(rounds) else None
+    everything["greedy"]["simulated_acceptance_length_per_sample"] = tau_per_request_mean(accepted, rounds)
+    everything["greedy"]["simulated_rounds"] = sum(rounds)
     head = everything["sampled"] if sampled is not None else everything["greedy"]
     result = {
         "k": k, "max_k": max_k, "temperature": temperature, "samples": len(indices) - skipped,
