@@ -74,6 +74,8 @@ LONG = (
     Bench("bench_recipes", (), 25, "needs the real vLLM (make vllm), else --no-vllm (~17 min); docs/recipes.md"),
     Bench("bench_crossover", ("--out", "/tmp/crossover"), 30,
           "the reduced grid, resumable from its --out; --full ~34 h (docs/recipes.md)"),
+    Bench("bench_select", (), 6, "06's selection on the smoke toy, three candidates; needs the real vLLM (make vllm), "
+                                 "else --engine embedded (docs/select.md)"),
 )
 
 

@@ -52,9 +52,9 @@ def refusal(error: Exception) -> str:
 
 
 def serve_command(P, draft: Path, k: int) -> str:
-    """How to serve the picked draft on the user's engine: vLLM's flags (``vllm_config.draft_spec``), or eagle3nb's
-    own server."""
+    """How to serve the picked draft on the user's engine: vLLM's flags (``vllm_config.draft_spec``; add the target's
+    own, its reasoning parser and parallelism), or eagle3nb's own server."""
     if P.engine == "vllm":
         spec = draft_spec(draft, k, served_method(draft))
-        return f"vllm serve {P.model_path} --speculative-config '{json.dumps(spec)}'"
+        return f"vllm serve {P.model_dir} --speculative-config '{json.dumps(spec)}'"
     return f"eagle3nb serve --model {P.model_path} --draft {draft} --num-speculative-tokens {k}"
