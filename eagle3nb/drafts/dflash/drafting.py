@@ -63,6 +63,28 @@ class BlockDrafting:
         """k drafted tokens per row [B, k] (target ids) and, for sampled rows, the distributions [k, V] they were
         drawn from. The pending entries (``pend_aux`` [B, P, n*H_t], ``pend_n`` [B] real ones) join the context;
         the token after the last one (``pend_ids``) anchors the block."""
+        model = self.draft
+        hidden, _, _, anchors = self.block(kv, pend_aux, pend_ids, pend_n)  # shape: [B, k, H], ..., [B, 1]
+        toks, qs = [], [[] for _ in rows]
+        prev = anchors[:, 0]  # shape: [B]
+        for j in range(self.k):  # left to right: DSpark's bias and DFlash2's selector read the token drawn before
+            lg = model.step_logits(hidden[:, j], prev).float()  # shape: [B, V]
+            tok = lg.argmax(-1)
+            for i, s in enumerate(rows):
+                if not s.greedy:
+                    q = probs_at(lg[i], s.temperature)
+                    tok[i] = int(torch.multinomial(q.cpu(), 1, generator=s.generator))
+                    qs[i].append(q)
+            toks.append(tok)
+            prev = tok
+        return torch.stack(toks, dim=1), [torch.stack(q) if q else None for q in qs]
+
+    def block(self, kv: PaddedKV, pend_aux: torch.Tensor, pend_ids: torch.Tensor, pend_n: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's one block forward, before any token is picked (a head on the block's slots, LiLiCorr's
+        lattice, picks its own way): the pending entries join each row's context, then every row's block drafts
+        from its anchor. Returns the drafting slots' states [B, k, H], each row's context features in order [B, L,
+        H] (right-padded), its length [B] (the anchor's position) and the anchors [B, 1]."""
         model, width = self.draft, int(pend_n.max())
         kv.extend(width)
         kv.cache.x = torch.cat([kv.cache.x, model.context(pend_aux[:, :width])[:, None]], dim=2)
@@ -77,19 +99,7 @@ class BlockDrafting:
         anchors = pend_ids.gather(1, (pend_n - 1)[:, None])  # shape: [B, 1]
         # 2. One forward drafts every row's block.
         hidden = model(ctx, anchors, length[:, None], ctx_valid=valid)[:, 0, self.first:]  # shape: [B, k, H]
-        toks, qs = [], [[] for _ in rows]
-        prev = anchors[:, 0]  # shape: [B]
-        for j in range(self.k):  # left to right: DSpark's bias and DFlash2's selector read the token drawn before
-            lg = model.step_logits(hidden[:, j], prev).float()  # shape: [B, V]
-            tok = lg.argmax(-1)
-            for i, s in enumerate(rows):
-                if not s.greedy:
-                    q = probs_at(lg[i], s.temperature)
-                    tok[i] = int(torch.multinomial(q.cpu(), 1, generator=s.generator))
-                    qs[i].append(q)
-            toks.append(tok)
-            prev = tok
-        return torch.stack(toks, dim=1), [torch.stack(q) if q else None for q in qs]
+        return hidden, ctx, length, anchors
 
     def step_timer(self, aux: torch.Tensor, ids: torch.Tensor) -> Callable[[], None]:
         """One block forward after the context ``aux`` [1, T, n*H_t], ``ids`` [1, T]: the block's queries over the

@@ -140,21 +140,24 @@ def draft_config_json(model: DFlashDraft, format: str = "vllm", dtype: torch.dty
 
 def save_draft(model: DFlashDraft, path: str | Path, format: str = "vllm", dtype: torch.dtype | None = None,
                include_embed: bool = False, verifier: str | None = None,
-               num_speculative_tokens: int | None = None) -> Path:
+               num_speculative_tokens: int | None = None, *, config: dict[str, Any] | None = None,
+               tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ ``mask_embedding.pt``) in ``format``. The target's
     embedding and head are not written (``include_embed`` changes nothing; DSpark's table with the trained mask row
     aside): vLLM shares the target's, ``load_draft`` takes them, and speculators reloads them from ``verifier`` (the
-    target's path or hub id): without it, it leaves both NaN."""
+    target's path or hub id): without it, it leaves both NaN. ``config`` / ``tensors``: a draft on this backbone
+    that writes its own (LiLiCorr's head, shaped for the served block), else the model's."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
+    config = config or draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return (t.to(dtype) if dtype is not None else t).detach().cpu().contiguous()
 
-    tensors = {name: cast(t) for name, t in model.state_dict().items() if name not in NOT_IN_WEIGHTS}
+    tensors = {name: cast(t) for name, t in (model.state_dict() if tensors is None else tensors).items()
+               if name not in NOT_IN_WEIGHTS}
     mask = path / MASK_FILE
     if model.mask_embedding is not None:
         if model.config.markov_rank > 0:  # vLLM's DSpark reads only its own table's row
@@ -182,15 +185,17 @@ def read_mask_embedding(path: Path, cfg: DFlashConfig) -> torch.Tensor | None:
 
 
 def load_draft(path: str | Path, embed_tokens: torch.Tensor | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = torch.float32, lm_head: torch.Tensor | None = None) -> DFlashDraft:
+               dtype: torch.dtype | None = torch.float32, lm_head: torch.Tensor | None = None, *,
+               config_of=config_from_json, model_class: type[DFlashDraft] = DFlashDraft) -> DFlashDraft:
     """A drafter from either layout, on the target's ``embed_tokens`` and ``lm_head`` [V, H] (the files hold
     neither, but a DSpark export's table, written for vLLM, stands in for ``embed_tokens``: it differs only in the
     mask row, which the draft reads from ``mask_embedding.pt``); every tensor the config implies must be in the
-    file, with its shape."""
+    file, with its shape. ``config_of`` / ``model_class``: a draft on this backbone with its own config and model
+    (LiLiCorr's)."""
     path = Path(path)
-    cfg = config_from_json(json.loads((path / "config.json").read_text()), path / "config.json")
+    cfg = config_of(json.loads((path / "config.json").read_text()), path / "config.json")
     mask = read_mask_embedding(path, cfg)
-    model = DFlashDraft(cfg, mask_embedding=mask is not None)
+    model = model_class(cfg, mask_embedding=mask is not None)
     tensors = read_tensors(path)
     if mask is not None and cfg.markov_rank > 0 and "embed_tokens.weight" in tensors:
         table = tensors.pop("embed_tokens.weight")

@@ -89,7 +89,10 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
     pick for, token t+1). Returns ``loss`` (scalar, with grad) and, detached, per slot [S]: ``loss_sum`` (the
     unweighted per-slot loss summed), ``correct`` / ``counted`` (greedy top-1 against the target's argmax) and,
     for DSpark, ``confidence_loss`` and ``confidence`` (the head's logit and the acceptance probability it
-    estimates, on every scored slot)."""
+    estimates, on every scored slot); ``blocks``, what a head on the block's slots reads (LiLiCorr's lattice), with
+    grad: the context features ``ctx`` [B, T, H], ``anchor_pos`` [B, N], the slots' post-norm states ``hidden`` [B,
+    N, S, H] and ``logits`` [B, N, S, V], each slot's position ``at`` [B, N, S] (whose next token it drafts), the
+    target's argmax there ``top`` and the scored slots ``mask`` [B, N, S]."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r}: use one of {LOSSES}")
     cfg, dev = model.config, aux.device
@@ -102,7 +105,8 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
         anchor_pos[b, :p.numel()], used[b, :p.numel()] = p, True
     anchor_pos, used = anchor_pos.to(dev), used.to(dev)
     anchors = input_ids.gather(1, anchor_pos)  # shape: [B, N]
-    hidden = model(model.context(aux), anchors, anchor_pos, ctx_valid=loss_mask.new_ones(B, T).bool())
+    ctx = model.context(aux)  # shape: [B, T, H]
+    hidden = model(ctx, anchors, anchor_pos, ctx_valid=loss_mask.new_ones(B, T).bool())
     logits = model.logits(hidden).float()  # shape: [B, N, S, V]
     at, drafts = slot_targets(model, anchor_pos, T)  # shape: [B, N, S] each
     flat = at.view(B, -1)
@@ -138,7 +142,9 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, l
         total = total + SELECTOR_WEIGHT * out["selector_loss"]
         out["selector_loss"] = out["selector_loss"].detach()
     out.update(loss=total, loss_sum=(per_slot * mask).sum((0, 1)).detach(), correct=hit.sum((0, 1)).detach(),
-               counted=mask.sum((0, 1)).detach())
+               counted=mask.sum((0, 1)).detach(),
+               blocks={"ctx": ctx, "anchor_pos": anchor_pos, "hidden": hidden, "logits": logits, "at": at, "top": top,
+                       "mask": mask})
     return out
 
 
