@@ -174,6 +174,7 @@ def schema_for(stage: str) -> type[StageParams]:
 
 
 COMMON = "_common"  # bookkeeping key: {"file": common.yaml's path, "keys": [keys taken from it]} (params_yaml)
+HANDED = "_handed"  # bookkeeping key: {key: where the run's plan took it from (another stage's file)} (params_yaml)
 
 
 def _source(values: dict[str, Any], stage: str) -> str:
@@ -186,7 +187,7 @@ def _sources(values: dict[str, Any], stage: str, source: str | None) -> tuple[st
     """The stage's source and, per key, the file its value came from (common.yaml under a run's stage file)."""
     src = source or _source(values, stage)
     common = values.get(COMMON) or {}
-    return src, {k: common["file"] for k in common.get("keys", ())}
+    return src, {**{k: common["file"] for k in common.get("keys", ())}, **(values.get(HANDED) or {})}
 
 
 def _fmt_loc(loc: tuple) -> str:
@@ -198,7 +199,7 @@ def from_dict(stage: str, values: dict[str, Any], source: str | None = None, che
     ``check_paths=False`` checks types only (for a production run prepared on another machine)."""
     cls = schema_for(stage)
     src, per_key = _sources(values, stage, source)
-    values = {k: v for k, v in values.items() if k != COMMON}
+    values = {k: v for k, v in values.items() if k not in (COMMON, HANDED)}
     known = set(cls.model_fields)
     problems: list[str] = []
     for key, value in values.items():

@@ -9,8 +9,7 @@ from typing import Any
 
 import yaml
 
-from eagle3nb.drafts import DEFAULT, PACKAGES
-from eagle3nb.params import COMMON, ParamsError, StageError, schema_for
+from eagle3nb.params import COMMON, HANDED, ParamsError, schema_for
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -63,12 +62,29 @@ def run_params(run_dir: Path, stage: str) -> dict[str, Any]:
     from_common = sorted(k for k in values if k in common and k not in own)
     if from_common:
         values[COMMON] = {"file": str(run_dir / "common.yaml"), "keys": from_common}
+    handed = handoffs(run_dir, stage, values)
+    if handed:
+        values.update({key: value for key, (value, _) in handed.items()})
+        values[HANDED] = {key: where for key, (_, where) in handed.items()}
     return values
+
+
+def handoffs(run_dir: Path, stage: str, values: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """What the run's plan hands ``stage`` from another stage's file in ``run_dir`` (:data:`HANDOFFS`), for the keys
+    ``values`` does not set itself: key -> (value, where it came from)."""
+    if stage not in HANDOFFS:
+        return {}
+    source, keys = HANDOFFS[stage]
+    if not (run_dir / f"{source}.yaml").is_file():
+        return {}
+    theirs = run_params(run_dir, source)
+    return {ours: (theirs[key], f"{run_dir / source}.yaml's {key}") for key, ours in keys.items()
+            if key in theirs and ours not in values}
 
 
 def injectable(values: dict[str, Any]) -> dict[str, Any]:
     """A stage's values as papermill injects them into its notebook (without run_params' bookkeeping)."""
-    return {k: v for k, v in values.items() if k != COMMON}
+    return {k: v for k, v in values.items() if k not in (COMMON, HANDED)}
 
 
 def stage_values(stage: str, source: Path, overrides: list[str]) -> dict:
@@ -88,18 +104,11 @@ def stage_values(stage: str, source: Path, overrides: list[str]) -> dict:
     return values
 
 
-TRAIN_STAGE = "03_train"  # the stage whose method 02's default layers are for
-
-
-def run_method(params_file: str | None) -> tuple[str, int | None]:
-    """The 03 ``method`` and ``num_layers`` of the run whose parameter folder holds ``params_file`` (02's or 03's):
-    the draft 02's states are for. EAGLE-3 (the registry's default) outside a run folder or where 03 names none."""
-    folder = Path(params_file).parent if params_file else None
-    if folder is None or not (folder / f"{TRAIN_STAGE}.yaml").is_file():
-        return DEFAULT, None
-    raw = run_params(folder, TRAIN_STAGE)
-    method = raw.get("method") or DEFAULT
-    if method not in PACKAGES:
-        raise StageError(f"{folder / TRAIN_STAGE}.yaml: method {method!r} is not one of {', '.join(PACKAGES)}; 02 "
-                         "extracts the layers that method reads: fix 03's method, or set 02's aux_layer_ids")
-    return method, raw.get("num_layers")
+# What the run's plan hands a stage from another stage's settings, resolved once here, where a run folder is read, so
+# that no stage reads another stage's file: stage -> (the stage it takes from, {that stage's key: this stage's key}).
+# 02 extracts the layers of the draft 03 trains (its method's recipe, at its depth) when its aux_layer_ids is unset.
+# 06 serves its candidates at the concurrencies 04 sweeps, unless its own file names others.
+HANDOFFS: dict[str, tuple[str, dict[str, str]]] = {
+    "02_hidden_states": ("03_train", {"method": "draft_method", "num_layers": "draft_num_layers"}),
+    "06_select": ("04_acceptance", {"concurrency_levels": "concurrencies"}),
+}

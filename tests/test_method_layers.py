@@ -51,21 +51,38 @@ def test_02_keeps_eagle3s_layers_for_an_eagle3_run_and_outside_a_run_folder(tmp_
 
 
 def test_03_refuses_states_02_chose_for_another_method(tmp_path):
-    """States 02 extracted for an EAGLE-3 run, 03 then switched to DFlash: refused in one line naming 02's
-    aux_layer_ids; the same ids set in 02 (the user's choice), the spread, or data from outside a run folder pass."""
+    """States 02 extracted by EAGLE-3's recipe (its index.json records the draft they were for), 03 then switched
+    to DFlash: refused in one line naming 02's aux_layer_ids; the spread, ids the user set in 02 (recorded as no
+    recipe's) and states recorded without the note pass."""
     from eagle3nb.params import ParamsError, from_dict
 
-    def train(folder: Path | None, method: str = "dflash"):
-        params_file = {"params_file": str(folder / "03_train.yaml")} if folder else {}
-        return from_dict("03_train", {"method": method, "block_size": 4, "num_speculative_tokens": 3, **params_file})
-
-    eagle = {"num_layers": L, "layer_ids": default_aux_layer_ids(L)}
-    folder = run_folder(tmp_path / "r", {}, {"method": "dflash"})
+    dflash = from_dict("03_train", {"method": "dflash", "block_size": 4, "num_speculative_tokens": 3})
+    eagle = {"num_layers": L, "layer_ids": default_aux_layer_ids(L), "layers_for": {"method": DEFAULT}}
     with pytest.raises(ParamsError, match="aux_layer_ids") as e:
-        train(folder).check_states(eagle)
+        dflash.check_states(eagle)
     assert "\n" not in str(e.value) and str(spread_layer_ids(L, fresh_num_layers("dflash"))) in str(e.value)
-    train(folder).check_states({"num_layers": L, "layer_ids": spread_layer_ids(L, fresh_num_layers("dflash"))})
-    from_dict("03_train", {"params_file": str(folder / "03_train.yaml")}).check_states(eagle)  # EAGLE-3's own
-    train(None).check_states(eagle)
-    chosen = run_folder(tmp_path / "c", {"aux_layer_ids": eagle["layer_ids"]}, {"method": "dflash"})
-    train(chosen).check_states(eagle)
+    dflash.check_states({**eagle, "layer_ids": spread_layer_ids(L, fresh_num_layers("dflash"))})
+    from_dict("03_train", {}).check_states(eagle)  # EAGLE-3's own
+    dflash.check_states({**eagle, "layers_for": None})  # the user's ids
+    dflash.check_states({k: v for k, v in eagle.items() if k != "layers_for"})  # states from before the note
+
+
+def test_the_run_plan_hands_02_the_draft_03_trains_and_no_stage_reads_another_stages_file(tmp_path):
+    """02's draft_method / draft_num_layers come from 03's file through the run's plan (params_yaml.run_params),
+    an error in them names 03's file, a value set in 02's own file wins, and 02 records which draft chose its layers
+    in index.json (what 03 checks)."""
+    from eagle3nb.hidden.prepare import layers_for
+    from eagle3nb.params import ParamsError, from_dict
+    from eagle3nb.params_yaml import run_params
+
+    folder = run_folder(tmp_path / "r", {}, {"method": "dflash", "num_layers": 3})
+    P2 = from_dict("02_hidden_states", run_params(folder, "02_hidden_states"))
+    assert (P2.draft_method, P2.draft_num_layers) == ("dflash", 3)
+    assert layers_for(P2) == {"method": "dflash", "num_layers": 3}
+    own = run_folder(tmp_path / "o", {"draft_method": DEFAULT, "aux_layer_ids": [1, 3]}, {"method": "dflash"})
+    P2 = from_dict("02_hidden_states", run_params(own, "02_hidden_states"))
+    assert P2.draft_method == DEFAULT and layers_for(P2) is None  # the user's ids
+    assert layers_for(from_dict("02_hidden_states", {})) is None  # outside a run folder: taken as stored
+    bad = run_folder(tmp_path / "b", {}, {"method": "dflsh"})
+    with pytest.raises(ParamsError, match=r"draft_method.* in .*03_train\.yaml's method"):
+        from_dict("02_hidden_states", run_params(bad, "02_hidden_states"))

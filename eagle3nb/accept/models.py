@@ -4,6 +4,7 @@ one with the target's own decoding) and checked to fit each other and the held-o
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.head import served_target
@@ -41,6 +42,7 @@ def check_serving(P: AcceptParams) -> None:
     if problems:
         raise ServingError(f"04_acceptance ({src}), draft {P.draft_path}: " + "; ".join(problems))
 
+
 def load_models(P: AcceptParams, need_target: bool = True):
     """(target or None, draft, tokenizer) for the stage, after checking that the draft fits both the held-out
     data and the target (sizes, vocabulary, aux layers), so a mismatch stops here, naming both sides. The
@@ -65,3 +67,10 @@ def load_models(P: AcceptParams, need_target: bool = True):
     check_fits(draft.config, hidden_size=tc["hidden_size"], vocab_size=tc["vocab_size"], layer_ids=None,
                num_layers=tc["num_hidden_layers"], draft=f"the draft {P.draft_path}", data=f"the target {model_dir}")
     return target, draft, tokenizer
+
+
+def trained_with(P: AcceptParams, key: str, default: Any = None) -> Any:
+    """What 03 recorded of the draft's training under ``key`` (its metrics.json beside the draft, 03's layout: the
+    held-out share, the longest training sequence), else ``default``: 04 reads 03's output, never its parameters."""
+    path = P.draft_path.parent / "metrics.json"
+    return json.loads(path.read_text()).get(key, default) if path.exists() else default

@@ -17,6 +17,7 @@ from typing import Any
 from eagle3nb import drafts
 from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.misses import POSITIONS, with_pieces, write_records
+from eagle3nb.accept.models import trained_with
 from eagle3nb.accept.params import AcceptParams
 from eagle3nb.data.reader import HiddenStates
 from eagle3nb.data.split import split_holdout
@@ -25,8 +26,6 @@ from eagle3nb.errors import InputError
 from eagle3nb.families import specials
 from eagle3nb.formulas import tau_from_conditional, tau_per_request_mean, tau_pooled
 from eagle3nb.params import schema_for
-from eagle3nb.params_yaml import run_params
-from eagle3nb.paths import resolve
 from eagle3nb.progress import Progress
 
 SEGMENTS = {1: "reasoning", 2: "answer"}
@@ -129,12 +128,13 @@ def target_probs_for(draft, data, item: dict, temperature: float, head=None, chu
 
 def heldout_indices(P: AcceptParams, data) -> tuple[list[int], str]:
     """Which samples to measure on, and how they were chosen. With ``data_dir`` unset the data is 03's training
-    data, so only 03_train's held-out split (same id hash, same fraction) is used; a data_dir is used whole."""
+    data, so only 03_train's held-out split (same id hash, same fraction) is used; so it is for a data_dir the
+    draft's own record names as its training data (``data_dir`` in the metrics.json beside it: 06's pick); any other
+    data_dir is used whole."""
     n = len(data)
-    if P.data_dir is None:
-        fraction = schema_for("03_train").model_fields["holdout_fraction"].default
-        if P.params_file and resolve(P.params_file).parent.is_dir():
-            fraction = run_params(resolve(P.params_file).parent, "03_train").get("holdout_fraction", fraction)
+    own = trained_with(P, "data_dir")
+    if P.data_dir is None or (own is not None and Path(own).resolve() == P.data_path.resolve()):
+        fraction = trained_with(P, "holdout_fraction", schema_for("03_train").model_fields["holdout_fraction"].default)
         _, idx = split_holdout([s["id"] for s in data.meta["samples"]], fraction)
         how = f"03_train's held-out split of the training data ({len(idx)} of {n} samples, fraction {fraction})"
     else:

@@ -9,7 +9,6 @@ finished (``offline.json``, ``local.json``, ``verification.json``, ``online-<lab
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from eagle3nb.accept.bench import run_benchmarks
 from eagle3nb.accept.concurrency import best_k_by_concurrency, concurrency_verdict, serve_flags
 from eagle3nb.accept.local import prompt_token_ids, run_local
 from eagle3nb.accept.misses import summary as miss_summary
-from eagle3nb.accept.models import check_serving, load_models
+from eagle3nb.accept.models import check_serving, load_models, trained_with
 from eagle3nb.accept.offline import run_offline
 from eagle3nb.accept.online import baseline_label, probe_endpoints, run_online
 from eagle3nb.accept.params import STAGE, AcceptParams
@@ -63,19 +62,13 @@ def run(P: AcceptParams) -> dict[str, Any]:
     return metrics
 
 
-def longest_trained(P: AcceptParams) -> int | None:
-    """The longest sequence the draft trained on: 03's metrics.json beside the draft (03's layout), else None."""
-    path = P.draft_path.parent / "metrics.json"
-    return json.loads(path.read_text()).get("longest_train_sequence") if path.exists() else None
-
-
 def context_check(P: AcceptParams) -> dict[str, Any]:
     """The longest sequence the online benchmark serves (its longest prompt plus max_tokens) against the longest
     the draft trained on, with a warning when the served ones run longer: acceptance past the trained length is
     untested and usually falls (see the offline acceptance by context length)."""
     prompts, _ = prompt_token_ids(P, P.num_prompts)
     served = max(len(p) for p in prompts) + P.max_tokens
-    trained = longest_trained(P)
+    trained = trained_with(P, "longest_train_sequence")
     warning = None
     if trained is not None and served > trained:
         warning = (f"the online prompts plus their answers run to {served} tokens, but the draft trained on sequences "

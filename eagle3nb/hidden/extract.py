@@ -16,7 +16,7 @@ from eagle3nb.data.shards import FORMAT, bytes_per_token, encode, write_shard
 from eagle3nb.data.vocab import VOCAB_FILE, draft_target_ids, save_draft_vocab
 from eagle3nb.hf import compute_device
 from eagle3nb.hidden.params import STAGE, HiddenParams
-from eagle3nb.hidden.prepare import Plan
+from eagle3nb.hidden.prepare import Plan, layers_for
 from eagle3nb.hidden.sources import VllmSource
 from eagle3nb.layers import to_sglang
 from eagle3nb.progress import Progress, write_json_atomic
@@ -119,8 +119,8 @@ def write_index(P: HiddenParams, plan: Plan, model_dir: Path, info: dict, layer_
     by_id = plan.by_id
     index = {
         "format": FORMAT, "storage": P.storage, "layer_ids": layer_ids, "sglang_layer_ids": to_sglang(layer_ids),
-        "num_layers": info["num_layers"], "hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"],
-        "rms_norm_eps": info["rms_norm_eps"],
+        "layers_for": layers_for(P), "num_layers": info["num_layers"], "hidden_size": info["hidden_size"],
+        "vocab_size": info["vocab_size"], "rms_norm_eps": info["rms_norm_eps"],
         "draft_vocab_size": P.draft_vocab_size, "topk": P.topk if P.storage == "topk" else None,
         "model_path": str(model_dir), "model_fingerprint": info["fingerprint"], "backend": P.backend,
         "samples": [{"id": i, "shard": sh["file"], "index": j, "length": len(by_id[i]["input_ids"]),

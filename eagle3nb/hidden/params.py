@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from eagle3nb.drafts import DEFAULT, PACKAGES
 from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
 
@@ -28,8 +29,15 @@ class HiddenParams(TargetParams):
                                                     "toy:smoke / toy:demo")
     output_dir: str | None = Field(None, description="where shards go; default outputs/<run_name>/02_hidden_states")
     aux_layer_ids: list[int] | None = Field(None, description="aux layers in HF hidden_states / vLLM ids (input of "
-                                                              "layer i); null = those the run's 03 method reads: "
+                                                              "layer i); null = those draft_method's recipe reads: "
                                                               "EAGLE-3's [2, L//2, L-3], a block drafter's spread")
+    draft_method: Literal[tuple(PACKAGES)] = Field(
+        DEFAULT, description="the draft these states are for (" + " | ".join(PACKAGES) + "), whose recipe's layers "
+                             "are extracted when aux_layer_ids is null; in a run folder the run's plan hands it 03's "
+                             "method (set it only to override)")
+    draft_num_layers: int | None = Field(None, ge=1, description="that draft's decoder layers (a block drafter reads "
+                                                                 "one target layer per layer); null = the method's "
+                                                                 "own depth; in a run folder, 03's num_layers")
     max_length: int = Field(2048, ge=2, description="tokens kept per sample (longer samples are cut, and counted)")
     tokens_per_batch: int = Field(4096, ge=1, description="token budget of one forward pass (batch x longest sample in "
                                                           "it)")

@@ -23,7 +23,6 @@ from eagle3nb.drafts import method_layer_ids
 from eagle3nb.hidden.params import HiddenParams
 from eagle3nb.layers import check_layer_ids
 from eagle3nb.params import StageError
-from eagle3nb.params_yaml import run_method
 from eagle3nb.paths import resolve
 from eagle3nb.progress import read_progress, write_json_atomic
 
@@ -219,12 +218,21 @@ class Plan:
 
 
 def aux_layer_ids(P: HiddenParams, num_layers: int) -> list[int]:
-    """The aux layer ids to capture (HF/vLLM ids): ``aux_layer_ids``, else those the run's 03 method reads by its
-    recipe (``eagle3nb.drafts.method_layer_ids``: EAGLE-3's ``[2, L//2, L-3]``, a block drafter's spread)."""
+    """The aux layer ids to capture (HF/vLLM ids): ``aux_layer_ids``, else those ``draft_method`` reads by its recipe
+    (``eagle3nb.drafts.method_layer_ids``: EAGLE-3's ``[2, L//2, L-3]``, a block drafter's spread), the method the
+    run's plan handed 02 from 03's parameters."""
     if P.aux_layer_ids is not None:
         return check_layer_ids(P.aux_layer_ids, num_layers)
-    method, draft_layers = run_method(P.params_file)
-    return check_layer_ids(method_layer_ids(method, num_layers, draft_layers), num_layers)
+    return check_layer_ids(method_layer_ids(P.draft_method, num_layers, P.draft_num_layers), num_layers)
+
+
+def layers_for(P: HiddenParams) -> dict | None:
+    """``index.json``'s record of the run's draft whose recipe chose the layers (``{"method", "num_layers"}``): what
+    03 holds its method to before training on these states. None when the user set ``aux_layer_ids``, or 02 ran
+    outside a run folder (no parameter file): such states are taken as stored, whatever draft trains on them."""
+    if P.aux_layer_ids is not None or not P.params_file:
+        return None
+    return {"method": P.draft_method, "num_layers": P.draft_num_layers}
 
 
 def make_plan(P: HiddenParams, model_dir: Path, info: dict, layer_ids: list[int]) -> Plan:

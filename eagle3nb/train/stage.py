@@ -124,6 +124,7 @@ def _run(P: TrainParams, callback: Callable[[dict[str, Any]], None] | None) -> d
     curve.close()
     result = {"steps": lay.total, "processes": world, "global_micro_batches": lay.per_step,
               "train_samples": len(lay.train_idx), "heldout_samples": len(lay.held_idx),
+              "holdout_fraction": P.holdout_fraction,
               "truncated_samples": truncated, "leftover_micro_batches": lay.dropped,
               "longest_train_sequence": max((min(lay.lengths[i], P.max_length) for i in lay.train_idx), default=0),
               **_curve_summary(read_metrics(P.stage_dir)), **notes, **source_metrics(P, data, world)}

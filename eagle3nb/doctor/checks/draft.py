@@ -17,7 +17,6 @@ from eagle3nb.drafts import DraftMismatchError, Serving, method_layer_ids, metho
 from eagle3nb.formulas import speedup
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
-from eagle3nb.params_yaml import run_method
 
 # shapes_vocab: share of the target's argmax tokens (held-out, loss-masked) inside the draft vocabulary
 COVERAGE_WARN = 0.90
@@ -43,9 +42,9 @@ def check_layer_ids(ctx: Context) -> CheckResult:
     except Unavailable:
         P2 = ctx.params.get("02_hidden_states")
         planned = getattr(P2, "aux_layer_ids", None)
-        method, draft_layers = run_method(getattr(P2, "params_file", None))  # what 02 extracts when unset
+        method = getattr(P2, "draft_method", drafts.DEFAULT)  # what 02 extracts when unset (the run's plan hands it)
         data, src = (list(planned), "02 params") if planned else \
-            (method_layer_ids(method, L, draft_layers), f"{drafts.get(method).title} default")
+            (method_layer_ids(method, L, getattr(P2, "draft_num_layers", None)), f"{drafts.get(method).title} default")
     details["data_ids"] = data
     try:
         validate_layer_ids(data, L)
