@@ -185,6 +185,21 @@ def test_a_stage_imports_no_other_stage():
         assert STAGES.index(d.split(".")[1]) < STAGES.index(m.split(".")[1]), f"{m} imports a later stage: {d}"
 
 
+# Stage modules that read parameter files (eagle3nb.params_yaml) -> why. A stage never reads another stage's file:
+# what one stage's settings decide for another the run's plan hands over (params_yaml.HANDOFFS).
+READS_PARAMS_FILES = {
+    "eagle3nb.train.sources": "03's online and hybrid sources run 02's extraction with the 02 parameters the user "
+                              "points hidden_params at (a folder or file the user names, as data_dir names 02's data)",
+}
+
+
+def test_no_stage_reads_another_stages_parameter_file():
+    found = {m for m, deps in graph().items() if m.count(".") > 1 and m.split(".")[1] in STAGES
+             and "eagle3nb.params_yaml" in deps}
+    assert sorted(found - READS_PARAMS_FILES.keys()) == [], "hand the value over in the run's plan (HANDOFFS)"
+    assert sorted(READS_PARAMS_FILES.keys() - found) == [], "an exception no import needs any more: remove it"
+
+
 def stage_modules() -> set[str]:
     """Every stage's orchestrator: 01-04's, 05's and 06's (``refresh``, ``select``, on top of them)."""
     return {f"eagle3nb.{stage}.stage" for stage in (*STAGES, "refresh", "select")}
@@ -325,22 +340,22 @@ def test_stage_packages_share_one_shape(stage):
 
 def test_draft_packages_share_one_shape_and_are_registered():
     """One package per draft algorithm, the same files in each, every package in the registry under its own name
-    (a package may serve variants engines name apart, DSpark in DFlash's, each one registry line naming it), and
+    (a package may serve variants engines name apart, DSpark in DFlash's, each one registry line naming it), the
+    registry's a real import of each package (a reader, or a tool, follows it: no module named by a string), and
     the registry the only way in from outside eagle3nb/drafts/ (the named exceptions, still needed)."""
-    import importlib
-
     from eagle3nb.drafts import PACKAGES, get
 
     packages = sorted(p.name for p in (PKG / "drafts").iterdir() if (p / "__init__.py").exists())
-    served = {name: path.removeprefix("eagle3nb.drafts.") for name, path in PACKAGES.items()}
+    served = {name: module.__name__.removeprefix("eagle3nb.drafts.") for name, module in PACKAGES.items()}
     assert packages == sorted(set(served.values())) and set(packages) <= PACKAGES.keys()
     for name in packages:
         missing = [role for role in DRAFT_ROLES if not (PKG / "drafts" / name / role).exists()]
         assert missing == [], f"eagle3nb/drafts/{name}/ lacks {missing}"
     for name, package in served.items():
-        assert PACKAGES[name] == f"eagle3nb.drafts.{package}" and get(name).name == name
-        assert sorted(importlib.import_module(PACKAGES[name]).METHODS) == sorted(
+        assert get(name).name == name
+        assert sorted(PACKAGES[name].METHODS) == sorted(
             n for n, p in served.items() if p == package), f"{package} serves other methods than the registry says"
+    assert {f"eagle3nb.drafts.{p}" for p in packages} <= graph()["eagle3nb.drafts"], "import each package for real"
     found = {(m, d) for m, deps in graph().items() for d in deps if not m.startswith("eagle3nb.drafts")
              and d.startswith("eagle3nb.drafts.") and d.split(".")[2] in packages}
     assert sorted(found - METHOD_IMPORTS.keys()) == [], "call the algorithm through eagle3nb.drafts: get, of, ..."

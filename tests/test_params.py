@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3nb.drafts import rules
 from eagle3nb.params import STAGES, ParamsError, from_dict, schema_for
 from eagle3nb.params_notebook import NOTEBOOKS, parameters_cell
 from eagle3nb.params_yaml import load_yaml, run_params
@@ -48,7 +49,7 @@ def test_wrong_type_names_key_and_file():
     ("dspark", {"block_size": 4, "num_speculative_tokens": 4, "parallel_drafting": True}, ["parallel_drafting"]),
     ("dflash", {"block_size": 4, "num_speculative_tokens": 3, "loss": "opd"}, ["loss: opd", "block_loss"]),
     ("dspark", {"block_size": 4, "num_speculative_tokens": 4, "block_causal": True},
-     ["block_causal is read by dflash / dflash2 only"]),
+     ["block_causal is read by", "only; method dspark trains its whole block"]),
 ])
 def test_a_block_drafter_refuses_eagle3s_own_settings_before_work(method, over, names):
     """Settings the block objective or vLLM's block would not honour stop 03 with a line that names them."""
@@ -86,7 +87,8 @@ def test_03s_num_layers_null_is_the_methods_own_depth_resolved_once_without_torc
                                     check=True).stdout)
     assert got["torch"] is False
     depths = {m: row[0] for m, row in got["methods"].items()}
-    assert depths == {"eagle3": 1, "dflash": 2, "dspark": 2, "dflash2": 2}  # EAGLE-3's; the block drafters' measured
+    # EAGLE-3's one layer; the block drafters' two, measured (docs/recipes.md)
+    assert depths == {m: 2 if rules(m).block else 1 for m in depths}
     for m, (depth, left_out, null, given, changed, given_row) in got["methods"].items():
         assert left_out == null == depth and given == 5
         assert "num_layers" not in changed and given_row == [["5", repr(depth)]]
@@ -179,9 +181,11 @@ def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
         fake = types.ModuleType("fake_draft")
         fake.NUM_LAYERS = 3
         fake.RULES = {"fake": drafts.MethodRules(summary="a test's block drafter", block=True,
-                                                 params=("block_size", "markov_rank"))}
+                                                 params=("block_size", "markov_rank", "fake_width"))}
+        from pydantic import Field
+        fake.PARAMS = {"fake_width": (int, Field(4, ge=1, description="its own width"))}
         sys.modules["fake_draft"] = fake
-        drafts.PACKAGES["fake"] = "fake_draft"
+        drafts.PACKAGES["fake"] = fake
         from eagle3nb.params import ParamsError, from_dict
         from eagle3nb.train.params import METHOD_KEYS, TrainParams
 
@@ -199,9 +203,12 @@ def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
         print(json.dumps({
             "method": P.method, "num_layers": P.num_layers, "torch": torch_before,
             "k_refused": refusal({"method": "fake", "block_size": 5, "num_speculative_tokens": 5}),
-            "unknown": refusal({"method": "nope"}),
+            "unknown": refusal({"method": "nope"}), "registered": [m for m in drafts.PACKAGES if m != "fake"],
+            "last_summary": drafts.rules([m for m in drafts.PACKAGES if m != "fake"][-1]).summary,
             "help": TrainParams.model_fields["method"].description,
             "markov_help": TrainParams.model_fields["markov_rank"].description,
+            "own_help": TrainParams.model_fields["fake_width"].description, "own": P.fake_width,
+            "own_refused": refusal({"method": "fake", "block_size": 5, "num_speculative_tokens": 4, "fake_width": 0}),
             "method_keys": list(METHOD_KEYS), "gpu_check": gpu_check.BLOCK_DRAFTERS.get("fake")}))
     """
     got = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -209,9 +216,11 @@ def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
     assert got["torch"] is False
     assert (got["method"], got["num_layers"]) == ("fake", 3)
     assert "a block of 5 drafts 4 tokens" in got["k_refused"] and "must be exactly 4" in got["k_refused"]
-    assert "Input should be 'eagle3', 'dflash', 'dspark', 'dflash2' or 'fake'" in got["unknown"]
-    assert "candidate selector) or fake (a test's block drafter); " in got["help"]
+    assert "Input should be " + ", ".join(f"'{m}'" for m in got["registered"]) + " or 'fake'" in got["unknown"]
+    assert f"{got['last_summary']}) or fake (a test's block drafter); " in got["help"]
     assert got["markov_help"].startswith("dspark / fake: rank r of the Markov head")
+    assert (got["own_help"], got["own"]) == ("fake: its own width", 4)  # its own setting, declared in its package
+    assert "parameter 'fake_width'" in got["own_refused"] and "greater than or equal to 1" in got["own_refused"]
     assert got["method_keys"].count("markov_rank") == 1 and "block_size" in got["method_keys"]
     assert got["gpu_check"] == {"method": "fake", "block_size": 4, "num_layers": 2, "num_speculative_tokens": 3}
 
@@ -219,8 +228,6 @@ def test_a_method_registered_in_one_line_is_03s_with_its_rules_without_torch():
 def test_every_methods_rules_name_03_settings_and_its_package_serves_the_methods_it_rules():
     """A method's rules name settings 03 has (else 03's resume check would drop a key no run reads), and each
     package rules exactly the methods the registry says it serves."""
-    import importlib
-
     from eagle3nb.drafts import PACKAGES, rules
     from eagle3nb.train.params import TrainParams
 
@@ -228,4 +235,4 @@ def test_every_methods_rules_name_03_settings_and_its_package_serves_the_methods
     assert all(not keys for keys in unknown.values()), unknown
     for package in set(PACKAGES.values()):
         served = sorted(m for m, p in PACKAGES.items() if p == package)
-        assert sorted(importlib.import_module(package).RULES) == served, package
+        assert sorted(package.RULES) == served, package.__name__

@@ -44,11 +44,12 @@ stats are by TTT step for EAGLE-3 and by block position for a block drafter.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from eagle3nb.drafts import dflash, eagle3, lilicorr
 from eagle3nb.drafts.base import (
     DraftMethod,
     DraftMismatchError,
@@ -62,16 +63,18 @@ from eagle3nb.drafts.base import (
 from eagle3nb.layers import default_aux_layer_ids
 
 __all__ = ["DEFAULT", "PACKAGES", "DraftMethod", "DraftMismatchError", "MethodRules", "Misfit", "ServedTarget",
-           "Serving", "ServingError", "block_methods", "check_fits", "check_serving", "fresh_num_layers", "get",
-           "load_draft", "method_layer_ids", "method_of", "of", "one_forward_per_round", "params_readers", "rules",
-           "served_as", "served_method", "serving_problems"]
+           "Serving", "ServingError", "block_methods", "check_fits", "check_serving", "declared_method",
+           "fresh_num_layers", "get", "load_draft", "method_layer_ids", "method_of", "of", "one_forward_per_round",
+           "packages", "params_readers", "rules", "served_as", "served_method", "serving_problems"]
 
-# method name -> the package whose METHODS holds it; the first claims a config.json before the others.
-PACKAGES = {
-    "eagle3": "eagle3nb.drafts.eagle3",
-    "dflash": "eagle3nb.drafts.dflash",
-    "dspark": "eagle3nb.drafts.dflash",
-    "dflash2": "eagle3nb.drafts.dflash",
+# method name -> the package whose METHODS holds it (its light __init__, imported here: no torch); the first
+# claims a config.json before the others. A method is its package plus one line here.
+PACKAGES: dict[str, ModuleType] = {
+    "eagle3": eagle3,
+    "dflash": dflash,
+    "dspark": dflash,
+    "dflash2": dflash,
+    "lilicorr": lilicorr,
 }
 DEFAULT = "eagle3"  # 03's method when none is set, and every 03 run's before the choice existed
 
@@ -80,18 +83,18 @@ def get(name: str) -> DraftMethod:
     """The draft algorithm called ``name``."""
     if name not in PACKAGES:
         raise DraftMismatchError(f"unknown draft method {name!r}; known: {', '.join(PACKAGES)}")
-    return importlib.import_module(PACKAGES[name]).METHODS[name]
+    return PACKAGES[name].METHODS[name]
 
 
 def fresh_num_layers(name: str) -> int:
     """A fresh ``name`` draft's decoder layers when 03's ``num_layers`` is null: its package's ``NUM_LAYERS``, read
     without building its ``METHODS`` (no torch: 03's parameters resolve it while validating)."""
-    return importlib.import_module(PACKAGES[name]).NUM_LAYERS
+    return PACKAGES[name].NUM_LAYERS
 
 
 def rules(name: str) -> MethodRules:
     """What callers read of method ``name`` before any torch import: its package's ``RULES`` entry."""
-    return importlib.import_module(PACKAGES[name]).RULES[name]
+    return PACKAGES[name].RULES[name]
 
 
 def served_as(name: str) -> str:
@@ -100,11 +103,16 @@ def served_as(name: str) -> str:
     return rules(name).served_as or name
 
 
+def declared_method(draft_dir: str | Path) -> str:
+    """The registered method the draft in ``draft_dir`` is, by its config.json."""
+    path = Path(draft_dir)
+    return method_of(json.loads((path / "config.json").read_text()), str(path)).name
+
+
 def served_method(draft_dir: str | Path) -> str:
     """The ``method`` vLLM serves the draft in ``draft_dir`` as: :func:`served_as` of the method its config.json
     declares (what 05's served A/B and ``eagle3nb serve`` start it with, never a name written at the call)."""
-    path = Path(draft_dir)
-    return served_as(method_of(json.loads((path / "config.json").read_text()), str(path)).name)
+    return served_as(declared_method(draft_dir))
 
 
 def method_layer_ids(name: str, target_layers: int, draft_layers: int | None = None) -> list[int]:
@@ -118,6 +126,11 @@ def method_layer_ids(name: str, target_layers: int, draft_layers: int | None = N
 def block_methods() -> tuple[str, ...]:
     """The registered block drafters (one forward drafts a block), in the registry's order."""
     return tuple(name for name in PACKAGES if rules(name).block)
+
+
+def packages() -> list[ModuleType]:
+    """The registered draft packages, each once, in the registry's order."""
+    return list(dict.fromkeys(PACKAGES.values()))
 
 
 def params_readers(key: str) -> tuple[str, ...]:

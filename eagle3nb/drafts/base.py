@@ -154,6 +154,19 @@ class MethodRules:
     # (the target's decoder layers, the draft's) -> the target layers (HF/vLLM ids) its recipe reads, which 02
     # extracts when its aux_layer_ids is unset and the run's 03 trains this method; None: EAGLE-3's [2, L//2, L-3]
     layer_ids: Callable[[int, int], list[int]] | None = None
+    # vLLM 0.32 drafts it in its V2 model runner only (DSpark's speculator, the candidate walk of DFlash2's and
+    # LiLiCorr's heads: its V1 runner refuses them, config/vllm.py), which needs Triton: start_vllm pins V2 for it, so
+    # an inherited VLLM_USE_V2_MODEL_RUNNER=0 cannot pick V1 and the CPU build refuses with that cause
+    v2_only: bool = False
+    # (the draft's config.json) -> the --speculative-config keys vLLM must be given to serve that draft as trained,
+    # besides method, model and k (EAGLE-3's parallel drafting: a P-EAGLE draft's mask slots); None: none
+    speculative: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # (03's parameters) -> why they cannot train this method's draft as set, in one line naming the setting, or None:
+    # the checks of its own settings (EAGLE-3's parallel drafting, DFlash2's convolutions), run by 03's schema
+    check: Callable[[Any], str | None] | None = None
+    # the recipes a selection (06) trains of this method when the user names none: each the 03 settings that make it,
+    # num_speculative_tokens the k it is served at (recipes differing only in a chain drafter's k share one training)
+    recipes: tuple[dict[str, Any], ...] = ()
 
     def drafts_per_block(self, block_size: int) -> int:
         """Tokens one block of a block drafter proposes (vLLM's num_speculative_tokens): the anchor slot drafts

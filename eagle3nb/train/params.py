@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
-from eagle3nb.drafts import DEFAULT, PACKAGES, fresh_num_layers, method_layer_ids, params_readers, rules
+from eagle3nb.drafts import DEFAULT, PACKAGES, fresh_num_layers, method_layer_ids, packages, params_readers, rules
 from eagle3nb.params import ParamsError, StageParams, register
-from eagle3nb.params_yaml import run_params
 from eagle3nb.paths import resolve
 
 STAGE = "03_train"
-HIDDEN_STAGE = "02_hidden_states"  # whose run-folder params say whether its layers were the user's choice
 
 # The settings only some methods read (each method's MethodRules.params, in the registry's order): a run of a method
 # leaves the others' out of its resume check.
@@ -38,9 +37,24 @@ def readers(key: str) -> str:
     return " / ".join(params_readers(key))
 
 
-@register(STAGE)
-class TrainParams(StageParams):
-    """Parameters of ``notebooks/03_train.ipynb`` (see docs/ARCHITECTURE.md "03_train output")."""
+def method_fields() -> dict[str, tuple[Any, Any]]:
+    """Every registered draft package's own 03 settings (its ``PARAMS``: name -> (type, Field)), in the registry's
+    order, each help opened by the methods reading it (their rules' ``params``; EAGLE-3's, 03's baseline, by none):
+    a method's settings live with it, and a package registered in one line brings them to 03."""
+    fields: dict[str, tuple[Any, Any]] = {}
+    for package in packages():
+        for key, (kind, info) in getattr(package, "PARAMS", {}).items():
+            if key in fields:
+                raise ValueError(f"03 setting {key!r} is declared by two draft packages; declare it in one and name it "
+                                 "in the other's rules' params")
+            read_by = readers(key)
+            described = f"{read_by}: {info.description}" if read_by else info.description
+            fields[key] = (kind, FieldInfo.merge_field_infos(info, description=described))
+    return fields
+
+
+class StageSettings(StageParams):
+    """03's own settings, before the draft packages' (:func:`method_fields`) join them in :class:`TrainParams`."""
 
     data_dir: str | None = Field(None, description="02_hidden_states' output folder; default "
                                                    "outputs/<run_name>/02_hidden_states")
@@ -67,9 +81,6 @@ class TrainParams(StageParams):
                                                     "the target's embedding and lm_head rows")
     output_dir: str | None = Field(None, description="checkpoints, metrics and the exported draft; default "
                                                      "outputs/<run_name>/03_train")
-    ttt_steps: int = Field(7, ge=1, description="EAGLE-3's training-time-test unroll length (draft steps trained per "
-                                                   "position)")
-    step_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step i is step_decay**i")
     lr: float = Field(3e-3, gt=0, description="peak AdamW learning rate (the toy draft is tiny; big drafts 1e-4, "
                                               "fine-tuning 5e-5)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -95,76 +106,12 @@ class TrainParams(StageParams):
                                             description="from scratch: attention heads; null = the target's")
     num_key_value_heads: int | None = Field(None, ge=1, description="from scratch: KV heads; null = the target's")
     head_dim: int | None = Field(None, ge=1, description="from scratch: head width; null = the target's")
-    draft_attention: Literal["llama", "mla"] = Field(
-        "llama", description="from scratch: the midlayer's attention: llama (the published drafters' layer, served "
-                             "by vLLM and SGLang on GPUs) or mla (an MLA target's own latent attention and widths: "
-                             "vLLM's deepseek_eagle3 draft, the one stock vLLM's CPU build serves beside an MLA "
-                             "target)")
-    fc_norm: bool | None = Field(None, description="EAGLE-3.1's RMSNorm on each of the three aux states before fc, "
-                                                    "so no layer's scale dominates the fused feature (vLLM reads "
-                                                    "fc_norm from the draft's config.json); null = true for a fresh "
-                                                    "draft (EAGLE-3.1 beat EAGLE-3.0 on both toys, docs/recipes.md), "
-                                                    "the run's own when resuming one started without it, the "
-                                                    "checkpoint's own when fine-tuning (init_from)")
-    norm_output: bool | None = Field(None, description="EAGLE-3.1's post-norm state, not the pre-norm one, fed back "
-                                                        "as the next draft step's feature (vLLM's norm_output key); "
-                                                        "null as fc_norm: true for a fresh draft")
     num_layers: int | None = Field(
         None, ge=1, validate_default=True,
         description="from scratch: draft decoder layers (vLLM's num_hidden_layers); null = the method's own depth ("
                     + ", ".join(f"{m}: {fresh_num_layers(m)}" for m in PACKAGES) + "), the checkpoint's own when "
                     "fine-tuning (init_from); EAGLE-3's first layer reads embedding + feature, the later ones only "
                     "the residual stream; each costs one more layer per draft step")
-    parallel_drafting: bool = Field(False, description="from scratch: a P-EAGLE draft (arXiv 2602.01469) that proposes "
-                                                       "all k tokens in one forward: k-1 mask positions (the target's "
-                                                       "pad token, else its last id, and a learned mask_hidden) after "
-                                                       "the last token, trained in the TTT unroll as vLLM's "
-                                                       "parallel_drafting feeds them; needs ttt_steps >= "
-                                                       "num_speculative_tokens and export_format eagle3")
-    loss: Literal["forward_kl", "reverse_kl", "tv", "jsd", "lk_alpha", "lk_lambda", "opd"] = Field(
-        "forward_kl", description="the TTT loss per position against the target's distribution p (the draft's: q): "
-                                  "forward_kl (EAGLE-3's soft cross-entropy, KL(p||q) + H(p)), reverse_kl "
-                                  "KL(q||p), tv (total variation 1/2 sum|p-q| = 1 - acceptance), jsd "
-                                  "(Jensen-Shannon), lk_alpha (-log acceptance) or lk_lambda (lambda KL(p||q) + "
-                                  "(1-lambda)(1 - acceptance), lambda = exp(-lk_eta acceptance)): the LK losses "
-                                  "of arXiv 2602.23881, acceptance = sum min(p, q)), or opd (on-policy "
-                                  "distillation over 05's replayed proposals: KL(q||p) where the target rejected "
-                                  "the drafted token, loss_mask 2, KL(p||q) where it accepted it)")
-    lk_eta: float = Field(3.0, ge=0, description="loss lk_lambda: how fast the weight moves from KL to TV as the "
-                                                 "acceptance grows (the paper's best: 3)")
-    block_size: int = Field(8, ge=2, description=f"{readers('block_size')}: block slots per draft forward (the "
-                                                 "anchor then masks); DFlash drafts block_size-1 tokens a round, "
-                                                 "DSpark block_size: num_speculative_tokens is that (DFlash, "
-                                                 "DFlash2: or fewer, exported as the served block of k+1)")
-    block_causal: bool = Field(False, description=f"{readers('block_causal')}: each slot attends only to the slots "
-                                                   "before it in its block (vLLM's dflash_config.causal), so a block "
-                                                   "served shorter than trained drafts what its first slots drafted "
-                                                   "in training; false = the whole block (the papers')")
-    anchors_per_seq: int = Field(512, ge=1, description=f"{readers('anchors_per_seq')}: blocks trained per sequence, "
-                                                        "anchored at random generated tokens (all of them when fewer)")
-    block_loss: Literal["kl", "ce"] = Field("kl", description=f"{readers('block_loss')}: per slot KL to the target's "
-                                                              "distribution, or CE on its argmax")
-    block_weighting: Literal["decay", "dpace"] = Field(
-        "decay", description=f"{readers('block_weighting')}: the block positions' weights: decay exp(-i/block_gamma) "
-                             "(DFlash), or dpace (D-PACE, arXiv 2605.18810: suffix sums of the running products of "
-                             "the draft's own confidence, the gradient of the expected accepted length)")
-    block_gamma: float = Field(4.0, gt=0, description=f"{readers('block_gamma')}: decay's gamma (DSpark's confidence "
-                                                      "loss uses it too)")
-    dpace_alpha: float = Field(0.5, ge=0, le=1, description=f"{readers('dpace_alpha')}, weighting dpace: the "
-                                                            "confidence's smoothing (1 - alpha) q + alpha")
-    markov_rank: int = Field(32, ge=1, description=f"{readers('markov_rank')}: rank r of the Markov head (V x r, "
-                                                   "r x V)")
-    confidence_weight: float = Field(1.0, ge=0, description=f"{readers('confidence_weight')}: weight of the "
-                                                            "confidence head's loss")
-    conv_kernel_size: int = Field(2, ge=1, description=f"{readers('conv_kernel_size')}: taps of each layer's "
-                                                       "grouped dynamic convolutions within the block (at most "
-                                                       "block_size)")
-    conv_group_size: int = Field(16, ge=1, description=f"{readers('conv_group_size')}: hidden channels sharing one "
-                                                       "dynamic kernel (must divide the draft's hidden size)")
-    selector_rank: int = Field(256, ge=1, description=f"{readers('selector_rank')}: rank of the candidate "
-                                                      "selector's codebooks (2 x V x r)")
-    selector_top_k: int = Field(16, ge=1, description=f"{readers('selector_top_k')}: unary candidates the selector "
-                                                      "rescores per slot")
     optimizer: Literal["adamw", "muon"] = Field("adamw", description="adamw, or muon (torch.optim.Muon) on the "
                                                                      "hidden 2-D weight matrices with AdamW on the "
                                                                      "rest (norms, lm_head); one lr for both "
@@ -206,26 +153,12 @@ class TrainParams(StageParams):
         if self.batch_tokens < self.max_length:
             raise ValueError(f"batch_tokens ({self.batch_tokens}) must be at least max_length ({self.max_length}) "
                              "so the longest sample fits in a micro-batch")
-        if self.parallel_drafting and self.ttt_steps < max(2, self.num_speculative_tokens):
-            raise ValueError(f"parallel_drafting trains one mask position per TTT step after the first: ttt_steps "
-                             f"({self.ttt_steps}) must be at least num_speculative_tokens "
-                             f"({self.num_speculative_tokens}) and 2")
-        if self.parallel_drafting and self.draft_attention == "mla":
-            raise ValueError("parallel_drafting with draft_attention: mla has no engine to serve it (vLLM 0.32's "
-                             "deepseek_eagle3 draft has no mask_hidden; SGLang has no parallel drafting): set "
-                             "parallel_drafting: false for an MLA draft, or draft_attention: llama")
-        if self.parallel_drafting and self.export_format != "eagle3":
-            raise ValueError(f"parallel_drafting exports vLLM's eagle3 layout (mask_token_id + mask_hidden) only: set "
-                             f"export_format: eagle3, not {self.export_format}")
+        if rules(self.method).check is not None and (problem := rules(self.method).check(self)):
+            raise ValueError(problem)  # the method's own settings, checked by its package
         if rules(self.method).block:
             n = rules(self.method).drafts_per_block(self.block_size)
             k = self.num_speculative_tokens
-            if rules(self.method).serves_shorter and k < n:  # trained at block_size, exported and served at k + 1
-                if "conv_kernel_size" in rules(self.method).params and self.conv_kernel_size > k + 1:
-                    raise ValueError(f"method {self.method}: served at num_speculative_tokens {k}, a block of {k + 1} "
-                                     f"slots, shorter than conv_kernel_size ({self.conv_kernel_size}): set "
-                                     f"conv_kernel_size to at most {k + 1}")
-            elif k != n:  # vLLM sizes the block it runs by num_speculative_tokens
+            if k > n or (k != n and not rules(self.method).serves_shorter):  # vLLM sizes its block by k
                 most = "at most" if rules(self.method).serves_shorter else "exactly"
                 raise ValueError(f"method {self.method}: a block of {self.block_size} drafts {n} tokens, so "
                                  f"num_speculative_tokens ({k}) must be {most} {n} (vLLM would run a block of {k} "
@@ -243,20 +176,18 @@ class TrainParams(StageParams):
 
     def check_states(self, meta: dict[str, Any]) -> None:
         """Refuse, in one line naming 02's ``aux_layer_ids``, a fresh draft on states (02's ``meta``: their
-        ``layer_ids``, the target's ``num_layers``) whose layers 02 chose by default for another method: this run
-        folder's 02 params leave aux_layer_ids unset, and 03's method changed after 02 ran. Ids set in 02 are the
-        user's choice, and data from outside a run folder is taken as stored."""
-        folder = Path(self.params_file).parent if self.params_file else None
-        if folder is None or not (folder / f"{HIDDEN_STAGE}.yaml").is_file():
-            return
-        if run_params(folder, HIDDEN_STAGE).get("aux_layer_ids") is not None:
+        ``layer_ids``, the target's ``num_layers``, ``layers_for``: the draft whose recipe chose them) that 02 chose
+        by recipe for another draft: 03's method or depth changed after 02 ran. Ids the user set in 02
+        (``layers_for`` null), or states recorded without it, are taken as stored."""
+        chosen_for = meta.get("layers_for")
+        if not chosen_for:
             return
         want, have = method_layer_ids(self.method, meta["num_layers"], self.num_layers), list(meta["layer_ids"])
         if have != want:
             raise ParamsError(f"method {self.method} reads target layers {want} by its recipe, but 02 stored {have}, "
-                              f"chosen for another method before 03's method was {self.method}: re-run "
-                              f"02_hidden_states (its aux_layer_ids unset extracts {want}), or set aux_layer_ids: "
-                              f"{have} in {folder / HIDDEN_STAGE}.yaml to train on these")
+                              f"chosen for a {chosen_for['method']} draft: re-run 02_hidden_states for this run "
+                              f"(it extracts {want} for 03's method), or set 02's aux_layer_ids: {have} to train on "
+                              "these")
 
     @property
     def data_path(self) -> Path:
@@ -290,3 +221,9 @@ class TrainParams(StageParams):
             raise ParamsError(f"parameter 'init_from' in {src}: {init} has no config.json; point it at a draft "
                               "checkpoint folder (config.json + model.safetensors) or set it to null to train "
                               "from scratch")
+
+
+# 03's schema: its own settings, then each registered draft package's (a method's settings live with it).
+TrainParams = register(STAGE)(create_model(
+    "TrainParams", __base__=StageSettings, __module__=__name__, **method_fields(),
+    __doc__='Parameters of ``notebooks/03_train.ipynb`` (see docs/ARCHITECTURE.md "03_train output").'))
