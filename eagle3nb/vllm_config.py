@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from eagle3nb.drafts import rules
+
 # The vLLM release the project is tested against (README, `make vllm`, the doctor's version check).
 TESTED_VERSION = "0.32.0"
 CPU_CONNECTOR = "CpuHiddenStatesConnector"
@@ -64,13 +66,13 @@ def extract_spec(layer_ids: list[int]) -> dict:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
 
 
-def draft_spec(draft_dir: str | os.PathLike, num_speculative_tokens: int, method: str = "eagle3") -> dict:
-    """``--speculative-config`` that serves 03's ``draft/`` folder of ``method`` (vLLM's name: eagle3, dflash,
-    dspark); a parallel-drafting (P-EAGLE) draft, an EAGLE-3 one whose config.json has a ``mask_token_id``, with
-    ``parallel_drafting`` on (served one step at a time its mask slots would never be used, and its later drafts
-    were not trained for it)."""
+def draft_spec(draft_dir: str | os.PathLike, num_speculative_tokens: int, method: str) -> dict:
+    """``--speculative-config`` that serves the draft folder ``draft_dir`` as vLLM's ``method`` (a registered method,
+    or the one a method is served as: ``eagle3nb.drafts.served_as``), with the keys that method's rules read off the
+    draft's config.json (``MethodRules.speculative``: EAGLE-3's parallel drafting)."""
     spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
     config = Path(draft_dir) / "config.json"
-    if method == "eagle3" and config.is_file() and json.loads(config.read_text()).get("mask_token_id") is not None:
-        spec["parallel_drafting"] = True
+    extra = rules(method).speculative
+    if extra is not None and config.is_file():
+        spec.update(extra(json.loads(config.read_text())))
     return spec

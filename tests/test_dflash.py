@@ -310,12 +310,14 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
         assert torch.equal(mask_input, m.mask_embedding.detach()), label
 
 
-def test_start_vllm_runs_dspark_in_vllms_v2_runner_on_a_gpu(tmp_path, toy_smoke, monkeypatch):
+def test_start_vllm_runs_dspark_in_vllms_v2_runner_on_a_gpu(tmp_path, toy_smoke, monkeypatch, target,
+                                                            target_config):
     """The command and environment ``start_vllm`` gives a block drafter's server on a GPU (``cpu=False``, what
     ``make gpu-check`` starts), with its launcher replaced (no server): the speculative config names the method, the
     draft and k, with the GPU flags (no ``--enforce-eager``, dtype auto); DSpark's server runs vLLM's V2 model runner
     (vLLM 0.32 drafts DSpark there only) even where the caller's environment picks V1, DFlash's keeps the caller's."""
     import eagle3nb.serve.vllm as serve
+    from eagle3nb.drafts.dflash.layouts import save_draft
 
     launched = {}
     monkeypatch.setattr(serve, "unavailable_reason", lambda: None)  # vLLM's environment is not needed
@@ -324,7 +326,9 @@ def test_start_vllm_runs_dspark_in_vllms_v2_runner_on_a_gpu(tmp_path, toy_smoke,
                         lambda cmd, host, port, name, timeout, env: launched.update({name: (cmd, env)}))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     for mode, k in (("dspark", BLOCK), ("dflash", BLOCK - 1)):
-        serve.start_vllm(toy_smoke, mode, draft_dir=tmp_path / mode, num_speculative_tokens=k, cpu=False)
+        draft = save_draft(drafter(target, target_config, markov_rank=8 if mode == "dspark" else 0), tmp_path / mode,
+                           "vllm")
+        serve.start_vllm(toy_smoke, mode, draft_dir=draft, num_speculative_tokens=k, cpu=False)
     for mode, k, runner in (("dspark", BLOCK, "1"), ("dflash", BLOCK - 1, "0")):
         cmd, env = launched[f"vllm-{mode}"]
         spec = json.loads(cmd[cmd.index("--speculative-config") + 1])

@@ -14,10 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # file -> why it may still write a method's name (each a reason, not a method's fact)
 ALLOWED = {
-    "eagle3nb/serve/vllm.py": "start_vllm's launch modes, vLLM's own speculative-config names beside plain/extract",
     "eagle3nb/train/params.py": "export_format eagle3 is EAGLE-3's checkpoint layout's name, not a method",
     "eagle3nb/train/export.py": "export_format eagle3 is EAGLE-3's checkpoint layout's name, not a method",
-    "eagle3nb/vllm_config.py": "draft_spec's P-EAGLE switch is vLLM's rule for its eagle3 method",
     "eagle3nb/doctor/checks/server.py": "whether a family's vLLM model class has the EAGLE-3 interface",
 }
 

@@ -81,9 +81,9 @@ def test_export_is_what_vllms_loader_reads_and_reads_back(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     tensors = load_file(out / "model.safetensors")
     assert cfg["mask_token_id"] == MASK and tensors["mask_hidden"].shape == (1, 3 * m.config.target_hidden_size)
-    assert draft_spec(out, 3) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3,
+    assert draft_spec(out, 3, "eagle3") == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3,
                                    "parallel_drafting": True}
-    assert "parallel_drafting" not in draft_spec(save_draft(tiny_draft(), tmp_path / "plain"), 3)
+    assert "parallel_drafting" not in draft_spec(save_draft(tiny_draft(), tmp_path / "plain"), 3, "eagle3")
     back = load_draft(out)
     aux, ids, pos = inputs(B=1)
     with torch.no_grad():

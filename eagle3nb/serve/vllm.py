@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle3nb import paths
 from eagle3nb.data.head import served_target
-from eagle3nb.drafts import PACKAGES, Serving, check_serving, served_as
+from eagle3nb.drafts import PACKAGES, Serving, check_serving, declared_method, rules, served_as
 from eagle3nb.errors import InputError
 from eagle3nb.families import AUTO, MLA_ARCHS, VLLM_EAGLE3_RELEASE, detect, is_mla, read_config, vllm_cpu_dtype
 from eagle3nb.launch import ServerHandle, launch
@@ -35,18 +35,19 @@ from eagle3nb.toy.real_tokenizers import HARMONY_ENV, harmony_encodings
 from eagle3nb.vllm_config import connector_config, draft_spec, extract_spec
 
 VLLM_VENV_ENV = "EAGLE3NB_VLLM_VENV"
-MODES = ("plain", "no_parser", "extract", "eagle3", "dflash", "dspark")
+# The target alone: with its family's reasoning parser, without it (the story's mistake), extracting hidden states.
+TARGET_MODES = ("plain", "no_parser", "extract")
 # What makes ``tool_choice: required`` / a named tool constrain the answer (docs/conversations.md "Tool calls"):
 # the tool parser's JSON-schema path instead of its structural tag (arguments free for a tool without
 # ``strict``, whitespace unbounded), with xgrammar named (the option is refused for ``auto``) and no free whitespace.
 TOOL_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
 TOOL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
-# What a mode needs in vLLM's environment. vLLM 0.32 drafts DSpark in its V2 model runner only (V1 refuses "Model
-# Runner V1 does not support: dspark speculative decoding", config/vllm.py). V2 is already its default on a GPU with
-# Triton; pinned so an inherited VLLM_USE_V2_MODEL_RUNNER=0 cannot pick V1, and so the CPU build (no Triton) refuses
-# with the cause: "Model Runner V2 requires Triton". DFlash stays on vLLM's default (the CPU build serves it on V1).
+# vLLM's V2 model runner, pinned for a draft whose method vLLM 0.32 drafts there only (``MethodRules.v2_only``: V1
+# refuses "Model Runner V1 does not support: dspark speculative decoding" / "DFlash candidate-head drafts",
+# config/vllm.py). V2 is already its default on a GPU with Triton; pinned so an inherited VLLM_USE_V2_MODEL_RUNNER=0
+# cannot pick V1, and so the CPU build (no Triton) refuses with the cause: "Model Runner V2 requires Triton". Other
+# drafts (DFlash, EAGLE-3) stay on vLLM's default (the CPU build serves them on V1).
 V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-MODE_ENV: dict[str, dict[str, str]] = {"dspark": V2_ENV}
 # Speculative-config values only V2 implements. ``rejection_sample_method: block`` (block verification, Sun et al.)
 # lives in V2's rejection sampler (v1/worker/gpu/spec_decode/rejection_sampler_utils.py); V1's
 # (v1/sample/rejection_sampler.py) knows only standard and synthetic, so on V1 "block" is accepted and verification
@@ -78,27 +79,32 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def modes() -> tuple[str, ...]:
+    """The launch modes: the target alone (:data:`TARGET_MODES`), and the target serving a draft as each method vLLM
+    serves a registered method as (the registry's ``served_as``: eagle3, dflash, dspark)."""
+    return (*TARGET_MODES, *dict.fromkeys(served_as(m) for m in PACKAGES))
+
+
 def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model_name: str | None = None,
               layer_ids: list[int] | None = None, storage_dir: str | os.PathLike | None = None,
               draft_dir: str | os.PathLike | None = None, num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
               max_model_len: int = 1024, cpu: bool = True, family: str = AUTO,
               cpu_flags: set[str] | None = None, tools: bool = False,
               speculative: dict | None = None, fixes: bool = True) -> list[str]:
-    """Server flags after the entry point, for one of :data:`MODES`: ``plain`` (the target with its family's
+    """Server flags after the entry point, for one of :func:`modes`: ``plain`` (the target with its family's
     reasoning parser, e.g. ``kimi_k2``), ``no_parser`` (the story's mistake), ``extract`` (02's
-    ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``) and
-    ``eagle3`` (the target serving the draft in ``draft_dir``), ``dflash`` (the target serving the DFlash block
-    drafter in ``draft_dir``: ``num_speculative_tokens`` its block size - 1, docs/block-drafters.md), ``dspark``
-    (the same for a DSpark drafter, k = its block size; vLLM 0.32 serves it on GPUs only, in its V2 model runner:
-    :data:`MODE_ENV`). ``family``: the target's (auto: detected from ``model_dir``); ``cpu_flags``: the CPU's flags
+    ``extract_hidden_states``: ``layer_ids`` are the aux ids plus L, files under ``storage_dir``), or a method vLLM
+    serves drafts as (the target serving the draft in ``draft_dir`` with ``num_speculative_tokens``: the
+    ``--speculative-config`` of ``vllm_config.draft_spec``; a block drafter's k is its block's, docs/block-drafters.md).
+    ``family``: the target's (auto: detected from ``model_dir``); ``cpu_flags``: the CPU's flags
     the dtype rule reads (None: this machine's); ``tools``: also parse tool calls with the family's tool-call
     parser (conversations with tools, 01's ``multi_turn``) and constrain forced ones to the tools' schemas
     (:data:`TOOL_STRUCTURED_OUTPUTS`; :func:`start_vllm` adds :data:`TOOL_ENV`); ``speculative``: more keys of the
     ``--speculative-config`` (vLLM's own names, e.g. ``{"draft_sample_method": "probabilistic"}`` for sampled
     drafting); ``fixes``: whether vLLM loads the project's plugin (:func:`start_vllm`): without it, on a CPU, an
     MLA target serves an MLA draft only."""
-    if mode not in MODES:
-        raise ValueError(f"vLLM mode {mode!r}: use one of {MODES}")
+    if mode not in modes():
+        raise ValueError(f"vLLM mode {mode!r}: use one of {modes()}")
     fam = detect(model_dir, family)
     dtype = vllm_cpu_dtype(read_config(model_dir), cpu_flags) if cpu else "auto"
     args = ["--model", str(model_dir), "--max-model-len", str(max_model_len), "--dtype", dtype]
@@ -111,33 +117,28 @@ def vllm_args(model_dir: str | os.PathLike, mode: str = "plain", *, served_model
     if tools and fam.vllm_tool_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", fam.vllm_tool_parser,
                  "--structured-outputs-config", json.dumps(TOOL_STRUCTURED_OUTPUTS)]
-    if mode == "eagle3" and not fam.vllm_eagle3:
-        raise InputError(f"vLLM {VLLM_EAGLE3_RELEASE} serves no EAGLE-3 draft for the {fam.name} family "
-                         f"(its model class lacks the EAGLE-3 interface); serve the draft with SGLang")
+    drafting = mode not in TARGET_MODES
+    if drafting and not fam.vllm_eagle3:  # every draft vLLM serves reads the target's states through it
+        raise InputError(f"vLLM {VLLM_EAGLE3_RELEASE} serves no {mode} draft for the {fam.name} family (its model "
+                         f"class lacks the EAGLE-3 interface its proposers read the target's states through); serve "
+                         "the draft with SGLang")
     if mode == "extract":
         if not layer_ids or storage_dir is None:
             raise ValueError("extract mode needs layer_ids (aux ids + the last layer) and storage_dir")
         args += ["--no-enable-chunked-prefill", "--speculative-config", json.dumps(extract_spec(layer_ids)),
                  "--kv-transfer-config", json.dumps(connector_config(storage_dir, cpu))]
-    if mode in ("eagle3", "dflash", "dspark") and draft_dir is not None and cpu and not fixes \
-            and is_mla(read_config(model_dir)):
+    if drafting and draft_dir is not None and cpu and not fixes and is_mla(read_config(model_dir)):
         draft_archs = read_config(draft_dir).get("architectures") or []
         if not any(a in MLA_ARCHS for a in draft_archs):
             raise InputError(f"stock vLLM's CPU build (fixes=False) serves an MLA target ({model_dir}) only beside an "
                              f"MLA draft (its MLA kernel takes KV blocks of 16, its other attention declares multiples "
                              f"of 32), but {draft_dir} is {'/'.join(draft_archs) or 'not an MLA draft'}: start it "
                              "with the project's vLLM plugin (docs/vllm.md) or train it with draft_attention: mla")
-    if mode == "eagle3":
+    if drafting:
         if draft_dir is None:
-            raise ValueError("eagle3 mode needs draft_dir (03_train's draft/ folder)")
+            raise ValueError(f"{mode} mode needs draft_dir (03_train's draft/ folder)")
         args += ["--speculative-config",
-                 json.dumps({**draft_spec(draft_dir, num_speculative_tokens), **(speculative or {})})]
-    if mode in ("dflash", "dspark"):
-        if draft_dir is None:
-            raise ValueError(f"{mode} mode needs draft_dir (a {mode} draft in vLLM's layout)")
-        args += ["--speculative-config", json.dumps({"method": mode, "model": str(draft_dir),
-                                                     "num_speculative_tokens": num_speculative_tokens,
-                                                     **(speculative or {})})]
+                 json.dumps({**draft_spec(draft_dir, num_speculative_tokens, mode), **(speculative or {})})]
     return args
 
 
@@ -177,7 +178,7 @@ def warn_skipped_fixes(handle: ServerHandle) -> list[str]:
 def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str = "127.0.0.1", port: int = 0,
                api_key_env: str | None = None, timeout: float = 600.0, fixes: bool = True, log_requests: bool = False,
                rounds: str | os.PathLike | None = None, **kw) -> ServerHandle:
-    """Start the real vLLM (CPU build, its own environment) in one of :data:`MODES` and wait for ``/health``.
+    """Start the real vLLM (CPU build, its own environment) in one of :func:`modes` and wait for ``/health``.
 
     ``model_dir`` may be ``toy:smoke`` / ``toy:demo`` (built first, served under that name). The API key,
     when ``api_key_env`` names a variable, reaches vLLM through its environment (``VLLM_API_KEY``), never its
@@ -189,9 +190,10 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     one ``Request <id> JSON body:`` line of its log, the traffic 05 reads). ``rounds``: a file the plugin appends the
     profile of the served rounds to (one line per engine step, ``vllm_ext/eagle3nb_vllm_fixes/rounds.py``), which
     04 predicts the endpoint's speedup from (an endpoint's ``rounds``). The mode's own environment
-    (:data:`MODE_ENV`: DSpark's V2 model runner; :data:`V2_SPECULATIVE`: block verification's) overrides the
-    caller's. Raises RuntimeError naming the fix when vLLM's environment is missing, and ServingError naming the flag
-    or field when vLLM would serve the draft wrong (:func:`check_draft`), before any process starts."""
+    (:data:`V2_ENV` for a draft of a method vLLM serves in its V2 runner only; :data:`V2_SPECULATIVE`: block
+    verification's) overrides the caller's. Raises InputError naming the fix when vLLM's environment is missing, and
+    ServingError naming the flag or field when vLLM would serve the draft wrong (:func:`check_draft`), before any
+    process starts."""
     reason = unavailable_reason()
     if reason:
         raise InputError(f"the real vLLM cannot start: {reason}")
@@ -204,7 +206,9 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "PYTHONPATH": str(VLLM_EXT),
            "VLLM_LOGGING_LEVEL": "DEBUG" if log_requests else "INFO"}
-    env.update(MODE_ENV.get(mode, {}))
+    draft_dir = kw.get("draft_dir")
+    if draft_dir is not None and mode not in TARGET_MODES and rules(declared_method(draft_dir)).v2_only:
+        env.update(V2_ENV)
     if any((kw.get("speculative") or {}).get(name) == value for name, value in V2_SPECULATIVE.items()):
         env.update(V2_ENV)
     if kw.get("tools"):
@@ -234,7 +238,7 @@ def check_draft(model_dir: str | os.PathLike, mode: str, draft_dir: str | os.Pat
     """Refuse a draft vLLM would serve wrong as ``mode`` with ``k`` beside ``model_dir`` (another method than its
     checkpoint's, another k than its block, a block layout, layer ids or vocabulary that do not fit: the rules of
     ``eagle3nb.drafts.check_serving``), in one line naming the flag or field that fixes it."""
-    if mode in {served_as(m) for m in PACKAGES} and draft_dir is not None:
+    if mode not in TARGET_MODES and draft_dir is not None:
         check_serving(draft_dir, Serving(mode, k, served_target(Path(model_dir)),
                                          method_field="the mode (vLLM's --speculative-config method)",
                                          k_field="num_speculative_tokens"))
