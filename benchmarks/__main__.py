@@ -10,6 +10,7 @@ flags ``benchmarks/harness.py`` ``QUICK`` gives it, then the long ones named wit
 from __future__ import annotations
 
 import argparse
+import resource
 import subprocess
 import sys
 import time
@@ -20,6 +21,13 @@ from benchmarks.harness import LONG, QUICK, ROOT, Bench, choose, command_line
 
 def describe(benches: Sequence[Bench]) -> str:
     return "\n".join(f"  {b.command:<70} ~{b.minutes:g} min" + (f"  ({b.note})" if b.note else "") for b in benches)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (their servers' too): what a benchmark costs whatever else
+    runs on the machine, where its wall time grows with the load."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,10 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed, t_all = [], time.perf_counter()
     for b in quick:
         print(f"\n== {b.command}", flush=True)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
         rc = subprocess.run([sys.executable, "-m", f"benchmarks.{b.name}", *b.args], cwd=ROOT).returncode
-        print(f"== {b.name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s",
-              flush=True)
+        print(f"== {b.name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s "
+              f"({cpu_seconds() - cpu0:.0f} s of CPU)", flush=True)
         if rc:
             failed.append(b.name)
     print(f"\n{len(quick) - len(failed)} of {len(quick)} quick benchmarks ran in {time.perf_counter() - t_all:.0f} s"

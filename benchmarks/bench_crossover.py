@@ -35,8 +35,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from benchmarks.harness import (
     THREADS,
     TOYS,
@@ -50,6 +48,7 @@ from benchmarks.harness import (
     ints,
     judge,
     mean_half,
+    parse,
     refuse,
     serve_drafts,
     table,
@@ -337,8 +336,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = resolve(parser().parse_args(argv))
-    torch.set_num_threads(args.threads)
+    args = resolve(parse(parser(), argv))
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

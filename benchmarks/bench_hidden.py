@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from benchmarks.harness import alternate, command_line, write_samples
+from benchmarks.harness import REPEATS, THREADS, alternate, command_line, parse, write_samples
 
 
 def make_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
@@ -63,13 +63,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tokens", type=int, default=20000, help="tokens extracted per measurement")
     ap.add_argument("--tokens-per-batch", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side, the best kept")
+    ap.add_argument("--repeats", **REPEATS)
+    ap.add_argument("--threads", **THREADS)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-
+    args = parse(parser(), argv)
     from eagle3nb.data.shards import STORAGES, bytes_per_token
     from eagle3nb.hf import STATES, load_target
     from eagle3nb.hidden.prepare import prepare_samples
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                        "extract": lambda: extract(params("bf16", f"bf16-{next(run)}"))["session_tokens_per_s"]},
                       args.repeats)  # best of each: load from other processes hits both alike
     bare, ext = sides["bare"], sides["extract"]
-    print(f"\nmodel: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+    print(f"\nmodel: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.threads} thread(s); "
           f"{sum(map(len, seqs)):,} tokens in {len(seqs)} samples, {args.tokens_per_batch} tokens/batch")
     print(f"bare decoder forward : {max(bare):10.0f} tok/s  (runs: {', '.join(f'{x:.0f}' for x in bare)})")
     print(f"extraction (bf16)    : {max(ext):10.0f} tok/s  (runs: {', '.join(f'{x:.0f}' for x in ext)})")

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.harness import THREADS, command_line
+from benchmarks.harness import THREADS, command_line, parse
 
 H, V, VD, I_, NH, HD, L, AUX = 7168, 163840, 32000, 18432, 64, 128, 61, [2, 30, 58]
 TTT, K = 7, 3
@@ -243,10 +243,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = parse(parser(), argv)
     import torch
 
-    torch.set_num_threads(args.threads)
     T = args.tokens
     work = Path(tempfile.mkdtemp(prefix="bench-kimi-"))
     ref = matmul_flops_per_s()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.harness import alternate, command_line, write_samples
+from benchmarks.harness import REPEATS, THREADS, alternate, command_line, parse, write_samples
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,12 +28,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="toy:demo")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side, the best kept")
+    ap.add_argument("--repeats", **REPEATS)
+    ap.add_argument("--threads", **THREADS)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = parse(parser(), argv)
     import torch
     import yaml
 

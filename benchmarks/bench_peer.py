@@ -56,6 +56,7 @@ from benchmarks.harness import (
     draft_module,
     greedy_data,
     median_span,
+    parse,
     project_env,
     refuse,
 )
@@ -286,11 +287,10 @@ class Runs:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = parse(parser(), argv)
     project_env()
     import torch
 
-    torch.set_num_threads(args.threads)
     from eagle3nb.data.head import read_head_tensors
     from eagle3nb.data.reader import HiddenStates
     from eagle3nb.data.split import split_holdout

@@ -46,8 +46,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from benchmarks.harness import (
     MAX_TOKENS,
     SAMPLES,
@@ -62,6 +60,7 @@ from benchmarks.harness import (
     held_out,
     judge,
     mean_half,
+    parse,
     refuse,
     serve_drafts,
     train,
@@ -238,8 +237,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(parser(), argv)
     toys = choose("--toys", args.toys, list(TOYS))
     chosen = choose("--only", args.only, list(RECIPES)) if args.only else list(RECIPES)
     if args.vllm and unavailable_reason():

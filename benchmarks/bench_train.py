@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from benchmarks.harness import THREADS, command_line, median_span
+from benchmarks.harness import THREADS, command_line, median_span, parse
 from eagle3nb.drafts.eagle3.model import Eagle3Config, Eagle3Draft
 from eagle3nb.drafts.eagle3.objective import TTTObjective
 
@@ -122,8 +122,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(parser(), argv)
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS, num_key_value_heads=HEADS,
                        head_dim=HEAD_DIM, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[2, 16, 29])
@@ -160,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         by_module[name] = by_module.get(name, 0) + 2 * b * m * k * n * times
     print("FLOPs per step (fwd+bwd): " + ", ".join(f"{k} {v / 1e9:.1f}G" for k, v in by_module.items())
           + f", element-wise {elementwise_flops() / 1e9:.2f}G; total {flops / 1e9:.1f} GFLOP")
-    print(f"step time:      {spread(steps, '.2f')} s  ->  {B * T / statistics.median(steps):,.0f} tokens/s")
-    print(f"reference time: {spread(refs, '.2f')} s  (the same matmuls as plain torch.matmul)")
+    print(f"step time, s:      {spread(steps, '.2f')}  ->  {B * T / statistics.median(steps):,.0f} tokens/s")
+    print(f"reference time, s: {spread(refs, '.2f')}  (the same matmuls as plain torch.matmul)")
     med_s, med_r = statistics.median(steps), statistics.median(refs)
     print(f"achieved {flops / med_s / 1e9:.1f} GFLOP/s vs matmul {mm_flops / med_r / 1e9:.1f} GFLOP/s")
     print(f"ratio achieved/matmul: {spread(ratios, '.2f')}   goal >= {GOAL}: "

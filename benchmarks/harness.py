@@ -47,33 +47,32 @@ class Bench:
         return " ".join(("python -m benchmarks." + self.name, *self.args))
 
 
-# What `make bench` (`python -m benchmarks`) runs, in turn, each in its own process: 3.4 minutes in all, measured
-# here one after the other (2 shared cores, other work beside them).
+# What `make bench` (`python -m benchmarks`) runs, in turn, each in its own process: 4.0 minutes in all (3.0 of
+# CPU), measured here one after the other on 2 cores shared with other work (load average ~2.5).
 QUICK = (
-    Bench("bench_train", ("--repeats", "3"), 0.4),
-    Bench("bench_hidden", ("--tokens", "8000", "--repeats", "1"), 0.4),
-    Bench("bench_online", ("--model", "toy:smoke", "--samples", "32", "--steps", "6", "--repeats", "1"), 0.3),
-    Bench("bench_serve", ("--requests", "32"), 0.3),
-    Bench("bench_synth", (), 1.2),
-    Bench("bench_scale", ("--quick",), 0.5),
-    Bench("bench_gate_power", (), 0.3),
-    Bench("bench_redact", (), 0.7),
+    Bench("bench_train", ("--repeats", "3"), 0.9),
+    Bench("bench_hidden", ("--tokens", "4000", "--repeats", "1"), 0.5),
+    Bench("bench_online", ("--model", "toy:smoke", "--samples", "32", "--steps", "6", "--repeats", "1"), 0.2),
+    Bench("bench_spec", (), 0.3),
+    Bench("bench_serve", (), 0.2),
+    Bench("bench_spec_serve", (), 0.3, "0.8 min on first use: it trains its draft and caches it in .cache/"),
+    Bench("bench_synth", (), 0.9),
+    Bench("bench_gate_power", (), 0.4),
+    Bench("bench_redact", (), 0.4),
 )
-# What it names instead, with the command that reproduces each doc's figures.
+# What it names instead, with their run times (measured here, or where a doc measured them) and commands.
 LONG = (
+    Bench("bench_scale", (), 5, "10K, 100K and 1M samples, 0.76 GB of disk at 1M; --quick stops at 100K (1.3 min); "
+                                "docs/benchmarks.md"),
     Bench("bench_kimi", ("--tokens", "128", "--threads", "1"), 2,
-          "Kimi-K2.5-width modules one at a time: ~10 GB of memory at its peak (docs/benchmarks.md)"),
-    Bench("bench_spec", (), 4, "trains a small draft first, then k = 1..5 against plain decoding"),
-    Bench("bench_spec_serve", (), 5, "two embedded servers, concurrency 1, 4 and 8; trains and caches a draft on "
-                                     "first use"),
-    Bench("bench_peer", ("--seq", "256", "--epochs", "15", "--repeats", "3"), 30,
-          "per method (--method, any registered one speculators ships); installs speculators 0.9.0 into "
-          ".venv-speculators/ on first use (docs/benchmarks.md)"),
-    Bench("bench_mask_input", (), 10, "docs/recipes.md"),
+          "Kimi-K2.5 widths one module at a time: the 163840-row head alone is 4.7 GB in fp32; docs/benchmarks.md"),
+    Bench("bench_peer", (), 3, "~1 min after installing speculators 0.9.0 into .venv-speculators/ on first use "
+                               "(~2 min); --method M, any registered method it ships; docs/benchmarks.md"),
     Bench("bench_t1_spread", (), 8, "needs the real vLLM (make vllm), else --no-vllm; docs/recipes.md"),
+    Bench("bench_mask_input", (), 10, "docs/block-drafters.md"),
     Bench("bench_recipes", (), 25, "needs the real vLLM (make vllm), else --no-vllm (~17 min); docs/recipes.md"),
     Bench("bench_crossover", ("--out", "/tmp/crossover"), 30,
-          "the reduced grid, resumable from its --out; --full ~34 h (docs/recipes.md)"),
+          "the reduced grid, resumable from its --out; --full ~34 h; docs/recipes.md"),
     Bench("bench_select", (), 6, "06's selection on the smoke toy, three candidates; needs the real vLLM (make vllm), "
                                  "else --engine embedded (docs/select.md)"),
 )
@@ -94,6 +93,18 @@ SEEDS = {"type": int, "default": 3, "help": "seeds per point (0..N-1)"}
 STEPS = {"type": int, "default": 60, "help": "03's optimizer steps per run (the same for every variant)"}
 SAMPLES = {"type": int, "default": 48, "help": "toy:train prompts the toy answers (03's training and held-out data)"}
 MAX_TOKENS = {"type": int, "default": 64, "help": "tokens per decoded prompt"}
+REPEATS = {"type": int, "default": 2, "help": "alternating runs of each side, the best kept"}
+
+
+def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """A benchmark's arguments, its ``--threads`` (:data:`THREADS`) set as torch's intra-op threads before any work
+    (torch imported here: a command line that takes no threads stays light)."""
+    args = ap.parse_args(argv)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def refuse(message: str) -> NoReturn:
