@@ -94,6 +94,20 @@ def test_a_candidate_03_refuses_is_one_line_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_kimi_rehearsals_selection_is_valid_and_serves_at_04s_concurrencies():
+    """params/vllm-cpu-kimi/06_select.yaml (what make rehearse runs) validates, every registry recipe checked by 03's
+    schema with its MLA setting for EAGLE-3, and is measured at the concurrencies 04's file names (the run's plan
+    hands them over; 06's file names none)."""
+    from eagle3nb.params import from_dict
+    from eagle3nb.params_yaml import load_yaml, run_params
+
+    run = ROOT / "params" / "vllm-cpu-kimi"
+    P = from_dict("06_select", run_params(run, "06_select"), check_paths=False)
+    assert P.engine == "vllm" and P.candidates is None
+    assert P.concurrencies == load_yaml(run / "04_acceptance.yaml")["concurrency_levels"]
+    assert "concurrencies" not in load_yaml(run / "06_select.yaml")
+
+
 # ----------------------------------------------------------------------------------------- tau two ways, the load
 
 
@@ -274,6 +288,40 @@ def test_the_pick_follows_served_throughput_not_tau(tmp_path, monkeypatch, capsy
     fig = report.plot_throughput(metrics)
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == \
         ["accepts-most", "serves-most (picked)", "refused: refused", "plain (range over the pairs)"]
+
+
+def test_a_method_vllm_drafts_in_one_runner_only_is_asked_before_it_trains(tmp_path, monkeypatch):
+    """Before hours of training, a method the registry says vLLM drafts in one model runner only is probed: 03 trains
+    one step and vLLM is started on that draft; its refusal (the reason from its log) is kept, asked once, and the
+    training is not run; a method without that rule, or another engine, is not probed."""
+    import eagle3nb.select.training as training
+    from eagle3nb.drafts import PACKAGES, rules
+    from eagle3nb.errors import InputError
+    from eagle3nb.select.candidates import Training
+
+    log = tmp_path / "vllm.log"
+    log.write_text("  Value error, Model Runner V2 requires Triton. [type=value_error, input_value=...]\n")
+    calls = []
+    monkeypatch.setattr(training, "sub_stage", lambda stage, P, values: calls.append((stage, values["max_steps"])))
+
+    def refuse(P, draft, k, rounds=None):
+        calls.append(("start", k))
+        raise InputError(f"vllm-x exited with code 1 before it was ready: ...; its output ({log}) ends with:\n...")
+
+    monkeypatch.setattr(training, "start", refuse)
+    v2 = next(m for m in PACKAGES if rules(m).v2_only)
+    other = next(m for m in PACKAGES if not rules(m).v2_only)
+    P = type("P", (), {"engine": "vllm"})()
+    t = Training("v2", {"method": v2, "num_speculative_tokens": 8}, "need")
+    for _ in range(2):
+        assert training.probe(P, t, tmp_path / "data", tmp_path) == "Model Runner V2 requires Triton."
+    assert calls == [("03_train", 1), ("start", 8)]
+    assert training.probe(P, Training("o", {"method": other, "num_speculative_tokens": 3}, "n"), tmp_path,
+                          tmp_path) is None
+    P.engine = "embedded"
+    assert training.probe(P, Training("e", {"method": v2, "num_speculative_tokens": 8}, "n"), tmp_path,
+                          tmp_path) is None
+    assert len(calls) == 2
 
 
 # ----------------------------------------------------------------------------------------- end to end, resumed

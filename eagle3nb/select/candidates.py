@@ -93,28 +93,44 @@ def registry_candidates(train: dict[str, Any], per_method: dict[str, dict[str, A
     return out
 
 
-def plan(candidates: list[Any] | None, train: dict[str, Any], per_method: dict[str, dict[str, Any]],
-         num_layers: int, vocab_size: int, hidden: dict[str, Any], src: str = "06_select") -> Plan:
-    """The candidates, their trainings and extractions, every candidate's 03 settings validated by 03's schema (one
-    line naming the candidate and the setting) before any work. ``candidates``: the user's list (``Candidate``
-    models of the parameters) or None for the registry's recipes; ``num_layers`` / ``vocab_size``: the target's."""
-    chain_vocab = hidden.get("draft_vocab_size",
-                             schema_for("02_hidden_states").model_fields["draft_vocab_size"].default)
+def rows(candidates: list[Any] | None, train: dict[str, Any], per_method: dict[str, dict[str, Any]]
+         ) -> list[dict[str, Any]]:
+    """Each candidate as ``{name, draft, <its 03 settings>}``: the user's list (``Candidate`` models of the
+    parameters) or, for None, every registered method's recipes; the shared and per-method settings under each
+    candidate's own."""
+    if candidates is None:
+        return [{"draft": None, **row} for row in registry_candidates(train, per_method)]
+    return [{"name": c.name, "draft": c.draft, **train, **per_method.get(c.method, {}), **c.settings}
+            for c in candidates]
+
+
+def check_all(candidates: list[Any] | None, train: dict[str, Any], per_method: dict[str, dict[str, Any]],
+              hidden: dict[str, Any], src: str = "06_select") -> None:
+    """Every candidate to train checked by 03's schema, and the settings the selection sets itself refused in
+    ``train`` / ``hidden``: one line naming the candidate and the setting, before any work."""
     own = sorted(set(train) & set(OWN_TRAIN)) + sorted(set(hidden) & set(OWN_HIDDEN))
     if own:
         raise ParamsError(f"{src}: {', '.join(own)} set by the selection itself for each candidate; remove them from "
                           "train / hidden")
-    rows = registry_candidates(train, per_method) if candidates is None else \
-        [{"name": c.name, "draft": c.draft, **train, **per_method.get(c.method, {}), **c.settings}
-         for c in candidates]
+    for row in rows(candidates, train, per_method):
+        if not row["draft"]:
+            check(row["name"], {k: v for k, v in row.items() if k not in ("name", "draft")})
+
+
+def plan(candidates: list[Any] | None, train: dict[str, Any], per_method: dict[str, dict[str, Any]],
+         num_layers: int, vocab_size: int, hidden: dict[str, Any], src: str = "06_select") -> Plan:
+    """The candidates (:func:`rows`, checked by :func:`check_all`), their trainings and extractions; ``num_layers``
+    / ``vocab_size``: the target's."""
+    check_all(candidates, train, per_method, hidden, src)
+    chain_vocab = hidden.get("draft_vocab_size",
+                             schema_for("02_hidden_states").model_fields["draft_vocab_size"].default)
     out = Plan([], {}, {})
-    for row in rows:
-        name, given = row.pop("name"), row.pop("draft", None)
+    for row in rows(candidates, train, per_method):
+        name, given = row.pop("name"), row.pop("draft")
         if given:
             draft = resolve(given)
             out.candidates.append(Candidate(name, declared_method(draft), row[K], None, draft))
             continue
-        check(name, row, src)
         method = row["method"]
         block = rules(method).block
         key = {k: v for k, v in row.items() if block or k != K}  # a chain drafter's k: served, not trained
@@ -130,13 +146,13 @@ def plan(candidates: list[Any] | None, train: dict[str, Any], per_method: dict[s
         training.candidates.append(name)
         out.candidates.append(Candidate(name, method, row[K], row, training=tslug))
     for t in out.trainings.values():
-        check(" / ".join(t.candidates), t.settings, src)  # the shared training at its largest k
+        check(" / ".join(t.candidates), t.settings)  # the shared training at its largest k
     return out
 
 
-def check(name: str, settings: dict[str, Any], src: str) -> None:
+def check(name: str, settings: dict[str, Any]) -> None:
     """03's schema on a candidate's settings (paths not checked: 02 makes them), as one line naming it."""
     try:
-        from_dict("03_train", {**settings, "max_steps": 1}, source=f"{src} (candidate {name!r})", check_paths=False)
+        from_dict("03_train", {**settings, "max_steps": 1}, source=f"candidate {name!r}", check_paths=False)
     except ParamsError as e:
-        raise ParamsError(f"candidate {name!r}: " + "; ".join(str(e).splitlines())) from None
+        raise ParamsError("; ".join(str(e).splitlines())) from None

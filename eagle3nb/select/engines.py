@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from eagle3nb.drafts import served_method
+from eagle3nb.drafts import ServingError, served_method
 from eagle3nb.launch import ServerHandle, start_server
 from eagle3nb.serve.vllm import start_vllm
 from eagle3nb.vllm_config import draft_spec
@@ -36,8 +36,11 @@ def start(P, draft: Path | None = None, k: int | None = None, rounds: Path | Non
 
 def refusal(error: Exception) -> str:
     """The engine's own reason for not starting, one line: from the server's log named in the error (a refused
-    config, else its first exception), else the error's first line."""
+    config, else its first exception), else the error's first line; a draft the project's own serving check refused
+    before any server started (``eagle3nb.drafts.check_serving``) says so."""
     text = str(error)
+    if isinstance(error, ServingError):
+        return f"refused before the engine started, by eagle3nb's serving check: {text.splitlines()[0][:300]}"
     found = _LOG.search(text)
     log = Path(found.group(1)) if found else None
     lines = log.read_text(errors="replace").splitlines() if log is not None and log.exists() else text.splitlines()

@@ -13,6 +13,7 @@ from eagle3nb.accept.params import AcceptParams
 from eagle3nb.drafts import DEFAULT, PACKAGES
 from eagle3nb.params import ParamsError, TargetParams, register
 from eagle3nb.paths import resolve
+from eagle3nb.select.candidates import check_all
 
 STAGE = "06_select"
 
@@ -119,6 +120,10 @@ class SelectParams(TargetParams):
             names = [c.name for c in self.candidates]
             if not names or len(set(names)) != len(names):
                 raise ValueError(f"candidates {names}: give at least one, each name once")
+        try:  # every candidate's 03 settings, as 03 itself would refuse them, before any work
+            check_all(self.candidates, self.train, self.method_settings, self.hidden, self.params_file or STAGE)
+        except ParamsError as e:
+            raise ValueError(str(e)) from None
         return self
 
     @property

@@ -54,8 +54,8 @@ def _run(P: SelectParams, out) -> dict[str, Any]:
     try:
         for c in plan.candidates:
             cost = costs.get(c.training) or {}
-            if "skipped" in cost:
-                results[c.name] = {"skipped": cost["skipped"]}
+            if "skipped" in cost or "refused" in cost:  # left out by the budget, or refused when probed
+                results[c.name] = {k: cost[k] for k in ("skipped", "refused") if k in cost}
                 progress.update(len(P.concurrencies))
                 continue
             draft = c.draft or out / "train" / c.training / "draft"

@@ -68,7 +68,7 @@ def candidate_rows(plan: Plan, costs: dict[str, dict[str, Any]], results: dict[s
                                                                          .candidates if cand.training else [])
                                                                         if n != cand.name],
                      "draft": str(cand.draft) if cand.draft else (cost or {}).get("draft"),
-                     "cost": None if cost is None or "skipped" in cost else cost,
+                     "cost": None if cost is None or "skipped" in cost or "refused" in cost else cost,
                      "tau": r.get("tau"), "score": score(r, weights), "at_load": at_load(r, weights),
                      "cells": cells})
     return rows

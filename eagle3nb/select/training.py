@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3nb.drafts import rules
+from eagle3nb.errors import UserError
 from eagle3nb.params import from_dict
 from eagle3nb.progress import Progress, write_json_atomic
 from eagle3nb.select.candidates import Plan, Training
+from eagle3nb.select.engines import refusal, start
 from eagle3nb.stage_cli import run_stage
 
 COST = "cost.json"  # beside 03's folder: what its training cost
@@ -35,6 +38,29 @@ def extract(P, plan: Plan, need: str, out: Path) -> Path:
                                              "trust_remote_code": P.trust_remote_code, "family": P.family,
                                              "draft_method": n.method, "draft_num_layers": n.num_layers,
                                              "draft_vocab_size": n.vocab, "output_dir": out / "hidden" / need})
+
+
+def probe(P, training: Training, data: Path, out: Path) -> str | None:
+    """Whether vLLM serves this training's method at all, asked before its hours of training when the registry says
+    vLLM drafts the method in one model runner only (``MethodRules.v2_only``: its CPU build has no Triton for it):
+    03 trains one step into ``train/<slug>-probe/`` and vLLM is started on that draft. The engine's own reason when
+    it refuses (kept in ``probe.json``, so a resume does not ask again), else None."""
+    if P.engine != "vllm" or not rules(training.settings["method"]).v2_only:
+        return None
+    folder = out / "train" / f"{training.slug}-probe"
+    record = folder / "probe.json"
+    if record.exists():
+        return json.loads(record.read_text())["refused"]
+    sub_stage("03_train", P, {**training.settings, "data_dir": data, "max_steps": 1, "eval_every": 0,
+                              "output_dir": folder})
+    try:
+        start(P, folder / "draft", training.settings["num_speculative_tokens"]).stop()
+        refused = None
+    except (UserError, RuntimeError) as e:
+        refused = refusal(e)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(record, {"refused": refused})
+    return refused
 
 
 def train_one(P, training: Training, data: Path, out: Path) -> dict[str, Any]:
@@ -60,8 +86,9 @@ def train_one(P, training: Training, data: Path, out: Path) -> dict[str, Any]:
 
 def train_all(P, plan: Plan, out: Path) -> dict[str, dict[str, Any]]:
     """Every training of the plan in order, each extraction made when its first training needs it: training slug
-    -> its cost, or ``{"skipped": why}`` for those the wall-time budget left out (the wall seconds of the trainings
-    and extractions done so far, those of an earlier attempt included, against ``budget_minutes``)."""
+    -> its cost, ``{"skipped": why}`` for those the wall-time budget left out (the wall seconds of the trainings
+    and extractions done so far, those of an earlier attempt included, against ``budget_minutes``), or
+    ``{"refused": the engine's reason}`` for a method the engine refused to serve when probed (:func:`probe`)."""
     budget = P.budget_minutes * 60 if P.budget_minutes else None
     done: dict[str, dict[str, Any]] = {}
     data: dict[str, Path] = {}
@@ -80,7 +107,13 @@ def train_all(P, plan: Plan, out: Path) -> dict[str, dict[str, Any]]:
         t0, fresh = time.perf_counter(), training.need not in data
         if fresh:
             data[training.need] = extract(P, plan, training.need, out)
-        done[slug] = train_one(P, training, data[training.need], out)
+        refused = None if finished else probe(P, training, data[training.need], out)
+        if refused:
+            print(f"[06_select] the engine refuses {', '.join(training.candidates)} (asked with a one-step draft): "
+                  f"{refused}; not trained", flush=True)
+            done[slug] = {"refused": refused, "wall_s": time.perf_counter() - t0}
+        else:
+            done[slug] = train_one(P, training, data[training.need], out)
         if fresh and not finished:  # 02's time counts in the budget, charged to the training that made it run
             done[slug]["extract_s"] = time.perf_counter() - t0 - done[slug]["wall_s"]
         prog.update(1, trained=", ".join(training.candidates), wall_s=round(done[slug]["wall_s"], 1))
