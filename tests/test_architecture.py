@@ -343,6 +343,8 @@ def test_draft_packages_share_one_shape_and_are_registered():
     (a package may serve variants engines name apart, DSpark in DFlash's, each one registry line naming it), the
     registry's a real import of each package (a reader, or a tool, follows it: no module named by a string), and
     the registry the only way in from outside eagle3nb/drafts/ (the named exceptions, still needed)."""
+    import importlib
+
     from eagle3nb.drafts import PACKAGES, get
 
     packages = sorted(p.name for p in (PKG / "drafts").iterdir() if (p / "__init__.py").exists())
@@ -353,8 +355,10 @@ def test_draft_packages_share_one_shape_and_are_registered():
         assert missing == [], f"eagle3nb/drafts/{name}/ lacks {missing}"
     for name, package in served.items():
         assert get(name).name == name
-        assert sorted(PACKAGES[name].METHODS) == sorted(
-            n for n, p in served.items() if p == package), f"{package} serves other methods than the registry says"
+        methods = importlib.import_module(f"{PACKAGES[name].__name__}.method").METHODS
+        assert sorted(methods) == sorted(n for n, p in served.items() if p == package), \
+            f"{package} serves other methods than the registry says"
+        assert PACKAGES[name].method_named(name) is methods[name]
     assert {f"eagle3nb.drafts.{p}" for p in packages} <= graph()["eagle3nb.drafts"], "import each package for real"
     found = {(m, d) for m, deps in graph().items() for d in deps if not m.startswith("eagle3nb.drafts")
              and d.startswith("eagle3nb.drafts.") and d.split(".")[2] in packages}

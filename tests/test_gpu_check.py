@@ -32,7 +32,7 @@ CHILD = """if True:
     fake = types.ModuleType("fake_draft")
     fake.NUM_LAYERS = 2
     fake.RULES = {%(fake)r: drafts.MethodRules(summary="a test's block drafter", block=True)}
-    fake.METHODS = {%(fake)r: types.SimpleNamespace(name=%(fake)r, confidences=lambda *a: {})}
+    fake.method_named = lambda name: types.SimpleNamespace(name=name, confidences=lambda *a: {})
     drafts.PACKAGES[%(fake)r] = fake
 
     class Collected:

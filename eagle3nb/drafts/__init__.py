@@ -3,43 +3,22 @@
 Each package ``eagle3nb/drafts/<method>/`` has the same files (as vllm-project/speculators'
 ``src/speculators/models/<algo>/``): ``model.py`` the model (no I/O, ``# shape:`` lines), ``objective.py`` its
 training objective, ``layouts.py`` its checkpoint layouts (ours, vLLM's, speculators', SGLang's), ``drafting.py``
-its step in the batched decoder, ``offline.py`` 04's offline acceptance simulation, ``method.py`` whose
-``METHODS`` maps each method it serves to its ``eagle3nb.drafts.base.DraftMethod`` (one package may serve variants
-that engines name apart: ``dflash`` serves DFlash and DSpark, DFlash's backbone with two heads), and a light
-``__init__.py`` (no torch: 03's parameters read it while validating) holding ``NUM_LAYERS``, a fresh draft's depth
-when 03's ``num_layers`` is null (:func:`fresh_num_layers`), ``RULES``, each method's ``base.MethodRules`` (what
-03's parameters, the resume check, the benchmarks and the GPU check read of it: :func:`rules`, :func:`block_methods`,
-:func:`params_readers`), and ``METHODS`` loaded from ``method.py`` on first use
-(``eagle3nb.drafts.base.lazy_methods``):
+its step in the batched decoder, ``offline.py`` 04's offline acceptance simulation, ``method.py`` whose classes
+subclass ``eagle3nb.drafts.base.DraftMethod`` (the contract: ``claims``, ``load``, ``save``, ``config_json``,
+``objective``, ``drafting``, ``chain_acceptance``, ``fresh``, ``serving_problems``, ``tensor_problems``,
+``check_usable``), one per method it serves (``dflash`` serves DFlash, DSpark and DFlash2, DFlash's backbone with
+more heads), and a light ``__init__.py`` (no torch: 03's parameters read it while validating) holding ``NUM_LAYERS``
+(:func:`fresh_num_layers`), ``PARAMS`` (its own 03 settings, which 03's schema assembles), ``RULES`` (each method's
+``base.MethodRules``: :func:`rules`, :func:`block_methods`, :func:`params_readers`) and ``method_named(name)``, which
+imports its ``method.py`` on first use.
 
-- ``name`` (the method's name in a draft's config: vLLM's speculative-config ``method``, speculators'
-  ``speculators_model_type``), ``title``, ``claims(config_dict) -> bool`` (does it read this config.json);
-- ``load(dir, embed_tokens=None, device="cpu", dtype=torch.float32, lm_head=None) -> model`` (the target's
-  embedding and head [V, H], for a checkpoint that carries none: a block drafter never does) and ``save(model,
-  dir, format, dtype=None, include_embed=True, verifier=None, num_speculative_tokens=3) -> dir``,
-  ``config_json(model, format, dtype=None, verifier=None, num_speculative_tokens=3) -> dict``; ``layouts`` the
-  formats, vLLM's first;
-- ``fresh(P, data, target_config) -> model``: 03's new draft on 02's data (its meta, draft vocabulary, the
-  target's embedding and head), shaped by the method's own 03 params;
-- ``unit``: what a round's i-th drafted token is called (TTT step, block position), for 03's and 04's labels;
-- ``objective(model, P) -> nn.Module`` whose ``forward(batch)`` returns (loss, stats [4, steps]: loss sum, loss
-  positions, correct, scored positions), batch as 03 builds it (``aux``, ``input_ids``, ``loss_mask``,
-  ``target_argmax``, ``target_probs``);
-- ``drafting(model, k, device) -> Drafting`` (``prefill``, ``propose``, ``step_timer``: ``eagle3nb.drafts.base``);
-- ``chain_acceptance(model, item, target_argmax, target_probs, steps, temperature) -> dict`` (``greedy`` /
-  ``sampled`` / ``valid`` [steps, T-1], ``guess`` / ``target`` [T-1]) for one held-out sample;
-- ``check_usable(model, where)``: a one-line ``DraftMismatchError`` for a loaded draft that cannot work whatever its
-  training (a block drafter whose mask slots read a dead row), called by 03 before fine-tuning and the doctor.
-- ``serving_problems(dir, config_dict, Serving) -> [(what, fix)]``: what vLLM would read wrong from the checkpoint
-  served with that k beside that target (its package's ``serving.py``); :func:`check_serving` runs it after the
-  registry's own rule (the method served is the one the checkpoint declares), before any server starts.
-
-Every model has a ``method`` attribute (its name here) and a ``config`` with ``vocab_size``, ``draft_vocab_size``,
-``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` / ``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the
-decoder, the embedded server, the doctor and the export call only this module: :func:`get` by name, :func:`of` a
-model, :func:`method_of` a config.json, :func:`load_draft` a folder (03's EAGLE-3 parameters aside, the imports
-``tests/test_architecture.py`` names). A new algorithm is its package plus one line in ``PACKAGES``; ``objective``'s
-stats are by TTT step for EAGLE-3 and by block position for a block drafter.
+This module imports each light package for real (:data:`PACKAGES`), so a call such as ``get(name).fresh(...)`` is
+followed into the method's package by a reader or a tool. Every model has a ``method`` attribute (its name here)
+and a ``config`` with ``vocab_size``, ``draft_vocab_size``, ``target_hidden_size`` and ``aux_layer_ids``; ``d2t`` /
+``t2d`` buffers and ``draft_to_target(ids)``. 03, 04, the decoder, the embedded server, the doctor and the export
+call only this module: :func:`get` by name, :func:`of` a model, :func:`method_of` a config.json, :func:`load_draft` a
+folder (03's EAGLE-3 parameters aside, the imports ``tests/test_architecture.py`` names). A new algorithm is its
+package plus one line in ``PACKAGES`` (docs/ARCHITECTURE.md "Draft algorithms").
 """
 
 from __future__ import annotations
@@ -83,7 +62,7 @@ def get(name: str) -> DraftMethod:
     """The draft algorithm called ``name``."""
     if name not in PACKAGES:
         raise DraftMismatchError(f"unknown draft method {name!r}; known: {', '.join(PACKAGES)}")
-    return PACKAGES[name].METHODS[name]
+    return PACKAGES[name].method_named(name)
 
 
 def fresh_num_layers(name: str) -> int:

@@ -5,8 +5,8 @@ rejection sampling the offline simulations score with."""
 
 from __future__ import annotations
 
-import importlib
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,46 +88,86 @@ class Drafting(Protocol):
         it, for timing (what ``cost_ratio`` divides by a target step)."""
 
 
-@dataclass(frozen=True)
-class DraftMethod:
-    """One draft algorithm, as every stage, the decoder, the server and the doctor call it (``eagle3nb.drafts``)."""
+class DraftMethod(ABC):
+    """One draft algorithm, as every stage, the decoder, the server and the doctor call it (``eagle3nb.drafts``):
+    a package's ``method.py`` subclasses it once per method it serves, so a call such as
+    ``drafts.get(name).fresh(P, data, target_config)`` leads, in the code as in a reader's eye, into the method's
+    own package. The signatures below are the contract; ``calibrate`` and ``confidences`` are None where the method
+    has no such head."""
 
     name: str  # vLLM's speculative-config "method", a speculators config's speculators_model_type
     title: str  # how papers and people write it, for messages
-    claims: Callable[[dict[str, Any]], bool]  # does this method read a draft whose config.json is this dict
-    load: Callable[..., nn.Module]  # (dir, embed_tokens=None, device="cpu", dtype=float32, lm_head=None) -> eval
-    save: Callable[..., Path]  # (model, dir, format, dtype, include_embed, verifier, num_speculative_tokens)
-    config_json: Callable[..., dict[str, Any]]  # (model, format, dtype, verifier, num_speculative_tokens)
-    objective: Callable[[nn.Module, Any], nn.Module]  # (model, 03's params) -> forward(batch) = (loss, stats)
-    drafting: Callable[..., Drafting]  # (model, k, device) -> its step in the batched decoder
-    chain_acceptance: Callable[..., dict[str, Any]]  # 04's offline simulation on one held-out sample
     layouts: tuple[str, ...]  # the formats ``save`` writes; the first is the one vLLM serves (03's draft/)
-    # (03's params, 02's data: meta, d2t / t2d, embed_tokens() and lm_head() [V, H], the target's config.json)
-    # -> 03's fresh draft, shaped by the method's own params
-    fresh: Callable[..., nn.Module]
-    # what a round's i-th drafted token is called (EAGLE-3's TTT step, a block drafter's block position): the
-    # label 03's stats and 04's records and views carry
+    # what a round's i-th drafted token is called (EAGLE-3's TTT step, a block drafter's block position): the label
+    # 03's stats and 04's records and views carry
     unit: str
-    # (draft dir, its config.json dict, Serving) -> the method's own misfits: what vLLM would read wrong from the
-    # checkpoint served so (k, layout, layer ids, vocabulary), [] when it fits; the registry has checked the method
-    serving_problems: Callable[[Path, dict[str, Any], Serving], list[Misfit]]
-    # (config.json dict, {tensor name: shape} of the checkpoint's files, the target's hidden size) -> what its tensors
-    # lack or shape wrong for that target, [] when they fit: the doctor's shapes_vocab reads a checkpoint raw (a
-    # broken one described, not refused), and only the method knows which tensors it writes
-    tensor_problems: Callable[[dict[str, Any], dict[str, list[int]], int], list[Misfit]]
     # (03's objective on the best weights, the held-out micro-batches) -> metrics.json's "calibration": a post-hoc
     # calibration of the draft's own heads after training, folded into the exported weights (DSpark's confidence
     # head); None: the method has nothing to calibrate
     calibrate: Callable[..., dict[str, Any]] | None = None
-    # (model, held-out item, target_argmax) -> per block a round can draft in the sample: ``anchors`` [A], the
-    # draft's own acceptance estimates ``confidence`` [A, k], the accepted ``run`` [A] and ``full`` [A] (the block
-    # lies in generated tokens): 04's adaptive-verification simulation (``eagle3nb.accept.adaptive``); None: the
-    # method estimates no acceptance (DSpark's confidence head does)
+    # (model, held-out item, target_argmax) -> per block a round can draft in the sample: ``anchors`` [A], the draft's
+    # own acceptance estimates ``confidence`` [A, k], the accepted ``run`` [A] and ``full`` [A] (the block lies in
+    # generated tokens): 04's adaptive-verification simulation (``eagle3nb.accept.adaptive``); None: the method
+    # estimates no acceptance (DSpark's confidence head does)
     confidences: Callable[..., dict[str, Any]] | None = None
-    # (model, where) -> None, or DraftMismatchError in one line for a loaded draft that cannot work whatever its
-    # training (a block drafter whose mask slots read a dead row): 03 calls it before fine-tuning, the doctor
-    # before judging
-    check_usable: Callable[[nn.Module, str], None] = lambda model, where: None
+
+    def __repr__(self) -> str:
+        return f"<draft method {self.name}>"
+
+    @abstractmethod
+    def claims(self, config: dict[str, Any]) -> bool:
+        """Whether this method reads a draft whose config.json is ``config``."""
+
+    @abstractmethod
+    def load(self, path: str | Path, embed_tokens: torch.Tensor | None = None, device: Any = "cpu",
+             dtype: Any = None, lm_head: torch.Tensor | None = None) -> nn.Module:
+        """The draft in folder ``path``, in eval mode; the target's embedding and head [V, H] for a checkpoint that
+        carries none (a block drafter never does); ``dtype`` None: float32."""
+
+    @abstractmethod
+    def save(self, model: nn.Module, path: str | Path, format: str, dtype: Any = None,
+             include_embed: bool | None = None, verifier: str | None = None,
+             num_speculative_tokens: int | None = None) -> Path:
+        """Write ``model`` to ``path`` in ``format`` (one of ``layouts``); None: the method's own default."""
+
+    @abstractmethod
+    def config_json(self, model: nn.Module, format: str, dtype: Any = None, verifier: str | None = None,
+                    num_speculative_tokens: int | None = None) -> dict[str, Any]:
+        """The config.json ``save`` writes in ``format``."""
+
+    @abstractmethod
+    def objective(self, model: nn.Module, P: Any) -> nn.Module:
+        """03's objective for ``model`` under 03's params ``P``: ``forward(batch)`` -> (loss, stats [4, steps]:
+        loss sum, loss positions, correct, scored positions)."""
+
+    @abstractmethod
+    def drafting(self, model: nn.Module, k: int, device: Any) -> Drafting:
+        """Its step in the batched decoder (``eagle3nb.decoder.batch.SpecBatch``), drafting ``k`` tokens a round."""
+
+    @abstractmethod
+    def chain_acceptance(self, model: nn.Module, item: dict, target_argmax: torch.Tensor,
+                         target_probs: torch.Tensor | None, steps: int, temperature: float) -> dict[str, Any]:
+        """04's offline simulation on one held-out sample: ``greedy`` / ``sampled`` / ``valid`` [steps, T-1],
+        ``guess`` / ``target`` [T-1]."""
+
+    @abstractmethod
+    def fresh(self, P: Any, data: Any, target_config: dict[str, Any]) -> nn.Module:
+        """03's fresh draft on 02's ``data`` (its meta, d2t / t2d, ``embed_tokens()`` and ``lm_head()`` [V, H]) and
+        the target's config.json, shaped by the method's own 03 params ``P``."""
+
+    @abstractmethod
+    def serving_problems(self, path: Path, config: dict[str, Any], serving: Serving) -> list[Misfit]:
+        """What vLLM would read wrong from the checkpoint in ``path`` (config.json ``config``) served as ``serving``
+        says (k, layout, layer ids, vocabulary), [] when it fits; the registry has checked the method."""
+
+    @abstractmethod
+    def tensor_problems(self, config: dict[str, Any], shapes: dict[str, list[int]], hidden_size: int) -> list[Misfit]:
+        """What the checkpoint's tensors (name -> shape, read raw) lack or shape wrong for a target of
+        ``hidden_size``, [] when they fit: the doctor's shapes_vocab reads a broken checkpoint through it."""
+
+    def check_usable(self, model: nn.Module, where: str) -> None:
+        """Refuse, in one line (DraftMismatchError), a loaded draft that cannot work whatever its training (a block
+        drafter whose mask slots read a dead row): 03 calls it before fine-tuning, the doctor before judging."""
 
 
 @dataclass(frozen=True)
@@ -174,17 +214,9 @@ class MethodRules:
         return block_size if self.samples_from_anchor else block_size - 1
 
 
-def lazy_methods(package: str) -> Callable[[str], Any]:
-    """A draft package's module ``__getattr__`` (PEP 562): its ``METHODS``, imported from ``<package>.method`` on
-    first use, so the package's light facts (``NUM_LAYERS``, read while 03's parameters are validated) load no
-    torch."""
-
-    def method_attr(name: str) -> Any:
-        if name != "METHODS":
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return importlib.import_module(f"{package}.method").METHODS
-
-    return method_attr
+def given(**options: Any) -> dict[str, Any]:
+    """The options a caller set (not None), so a method's layout function keeps its own defaults for the rest."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def check_fits(cfg, *, hidden_size: int, vocab_size: int, layer_ids: list[int] | None,

@@ -32,8 +32,8 @@ class HiddenParams(TargetParams):
                                                               "layer i); null = those draft_method's recipe reads: "
                                                               "EAGLE-3's [2, L//2, L-3], a block drafter's spread")
     draft_method: Literal[tuple(PACKAGES)] = Field(
-        DEFAULT, description="the draft these states are for (" + " | ".join(PACKAGES) + "), whose recipe's layers "
-                             "are extracted when aux_layer_ids is null; in a run folder the run's plan hands it 03's "
+        DEFAULT, description="the draft method these states are for (03's method), whose recipe's layers are "
+                             "extracted when aux_layer_ids is null; in a run folder the run's plan hands it 03's "
                              "method (set it only to override)")
     draft_num_layers: int | None = Field(None, ge=1, description="that draft's decoder layers (a block drafter reads "
                                                                  "one target layer per layer); null = the method's "

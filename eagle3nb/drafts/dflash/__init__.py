@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from eagle3nb.drafts.base import MethodRules, lazy_methods
+from eagle3nb.drafts.base import DraftMethod, MethodRules
 from eagle3nb.layers import spread_layer_ids
 
 # A fresh draft's decoder layers when 03's num_layers is null: on the smoke toy (60 steps, 3 seeds) one layer
@@ -83,4 +83,10 @@ RULES = {
                            recipes=({"block_size": 8, "block_causal": True, "num_speculative_tokens": 7},)),
 }
 
-__getattr__ = lazy_methods(__name__)
+
+
+def method_named(name: str) -> DraftMethod:
+    """This package's ``DraftMethod`` called ``name`` (its ``method`` module loads torch: imported on first use)."""
+    from eagle3nb.drafts.dflash.method import METHODS
+
+    return METHODS[name]

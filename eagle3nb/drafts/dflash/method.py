@@ -1,28 +1,85 @@
 """DFlash's, DSpark's and DFlash2's ``DraftMethod``s (the package's ``METHODS``): built here, apart from the
-package's light ``__init__``, because their modules load torch."""
+package's light ``__init__``, because their modules load torch. DSpark and DFlash2 are DFlash with heads: the same
+model, objective, layouts, drafting and offline simulation, their heads on (``heads``)."""
 
-from eagle3nb.drafts.base import DraftMethod
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3nb.drafts.base import DraftMethod, given
 from eagle3nb.drafts.dflash import calibration, drafting, layouts, model, objective, offline, serving
 
 
-def _method(name: str, title: str, heads_of, calibrate=None, confidences=None) -> DraftMethod:
-    """``heads_of(P)``: the method's own ``DFlashConfig`` fields from 03's params (DSpark's ``markov_rank``, DFlash2's
-    convolutions and selector, DFlash's and DFlash2's ``causal`` block)."""
-    return DraftMethod(
-        name=name, title=title, claims=layouts.claimer(name), load=layouts.load_draft, save=layouts.save_draft,
-        config_json=layouts.draft_config_json, objective=objective.BlockObjective.from_params,
-        drafting=drafting.BlockDrafting, chain_acceptance=offline.chain_acceptance, layouts=layouts.LAYOUTS,
-        fresh=lambda P, data, tc: model.fresh_draft(P, data.meta, tc, data.embed_tokens(), data.lm_head(),
-                                                   **heads_of(P)),
-        unit=objective.BlockObjective.unit, serving_problems=serving.serving_problems,
-        tensor_problems=layouts.tensor_problems, calibrate=calibrate, confidences=confidences,
-        check_usable=model.check_mask_input)
+class DFlash(DraftMethod):
+    """The block drafter: one forward drafts a block from the target's states at an anchor."""
+
+    name, title = "dflash", "DFlash"
+    layouts = layouts.LAYOUTS
+    unit = objective.BlockObjective.unit
+
+    def heads(self, P: Any) -> dict[str, Any]:
+        """The method's own ``DFlashConfig`` fields from 03's params (DFlash: whether the block is causal)."""
+        return {"causal": P.block_causal}
+
+    def claims(self, config: dict[str, Any]) -> bool:
+        return layouts.claimer(self.name)(config)
+
+    def load(self, path, embed_tokens=None, device="cpu", dtype=None, lm_head=None):
+        return layouts.load_draft(path, embed_tokens, device, **given(dtype=dtype), lm_head=lm_head)
+
+    def save(self, model, path, format, dtype=None, include_embed=None, verifier=None, num_speculative_tokens=None):
+        return layouts.save_draft(model, path, format, dtype, **given(include_embed=include_embed), verifier=verifier,
+                                  num_speculative_tokens=num_speculative_tokens)
+
+    def config_json(self, model, format, dtype=None, verifier=None, num_speculative_tokens=None):
+        return layouts.draft_config_json(model, format, dtype, verifier, num_speculative_tokens)
+
+    def objective(self, model, P):
+        return objective.BlockObjective.from_params(model, P)
+
+    def drafting(self, model, k, device):
+        return drafting.BlockDrafting(model, k, device)
+
+    def chain_acceptance(self, model, item, target_argmax, target_probs, steps, temperature):
+        return offline.chain_acceptance(model, item, target_argmax, target_probs, steps, temperature)
+
+    def fresh(self, P, data, target_config):
+        return model.fresh_draft(P, data.meta, target_config, data.embed_tokens(), data.lm_head(), **self.heads(P))
+
+    def serving_problems(self, path: Path, config, how):
+        return serving.serving_problems(path, config, how)
+
+    def tensor_problems(self, config, shapes, hidden_size):
+        return layouts.tensor_problems(config, shapes, hidden_size)
+
+    def check_usable(self, draft, where):
+        model.check_mask_input(draft, where)
 
 
-METHODS = {
-    "dflash": _method("dflash", "DFlash", lambda P: {"causal": P.block_causal}),
-    "dspark": _method("dspark", "DSpark", lambda P: {"markov_rank": P.markov_rank},
-                      calibration.calibrate, offline.block_confidences),  # its confidence head
-    "dflash2": _method("dflash2", "DFlash2", lambda P: {"causal": P.block_causal,
-                                                        **{k: getattr(P, k) for k in layouts.DFLASH2_KEYS}}),
-}
+class DSpark(DFlash):
+    """DFlash with a Markov head (the block sampled left to right) and a confidence head, calibrated after training
+    and read by adaptive verification."""
+
+    name, title = "dspark", "DSpark"
+
+    def heads(self, P: Any) -> dict[str, Any]:
+        return {"markov_rank": P.markov_rank}
+
+    def calibrate(self, objective_, held_batches):
+        return calibration.calibrate(objective_, held_batches)
+
+    def confidences(self, draft, item, target_argmax):
+        return offline.block_confidences(draft, item, target_argmax)
+
+
+class DFlash2(DFlash):
+    """DFlash with grouped dynamic convolutions and a candidate selector."""
+
+    name, title = "dflash2", "DFlash2"
+
+    def heads(self, P: Any) -> dict[str, Any]:
+        return {"causal": P.block_causal, **{k: getattr(P, k) for k in layouts.DFLASH2_KEYS}}
+
+
+METHODS = {m.name: m for m in (DFlash(), DSpark(), DFlash2())}

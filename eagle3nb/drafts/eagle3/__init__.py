@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from eagle3nb.drafts.base import MethodRules, lazy_methods
+from eagle3nb.drafts.base import DraftMethod, MethodRules
 
 # A fresh draft's decoder layers when 03's num_layers is null: EAGLE-3's one layer (a second accepted +0.14
 # offline on the smoke toy but served slower, 1.12x against 1.33x: docs/recipes.md).
@@ -80,4 +80,10 @@ def check(P: Any) -> str | None:
 RULES = {"eagle3": MethodRules(summary="EAGLE-3 and its options below", speculative=speculative, check=check,
                                    recipes=tuple({"num_speculative_tokens": k} for k in (3, 5, 7)))}
 
-__getattr__ = lazy_methods(__name__)
+
+
+def method_named(name: str) -> DraftMethod:
+    """This package's ``DraftMethod`` called ``name`` (its ``method`` module loads torch: imported on first use)."""
+    from eagle3nb.drafts.eagle3.method import METHODS
+
+    return METHODS[name]

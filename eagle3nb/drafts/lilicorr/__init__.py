@@ -13,16 +13,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from eagle3nb.drafts.base import MethodRules, lazy_methods
+from eagle3nb.drafts.base import DraftMethod, MethodRules
 from eagle3nb.drafts.dflash import BLOCK, check_convolutions
 from eagle3nb.drafts.dflash import NUM_LAYERS as BACKBONE_LAYERS
+from eagle3nb.drafts.lilicorr.settings import PUBLISHED_WIDTH, topk_problem, weights_problem
 from eagle3nb.layers import spread_layer_ids
 
 # The backbone is DFlash's and so is its depth.
 NUM_LAYERS = BACKBONE_LAYERS
-# The published head (ModelOpt's lilicorr recipe, Qwen3-8B: a 4096-wide draft) is 1024 wide; a narrower draft (the
-# toys' 64) gets a head as wide as itself.
-PUBLISHED_WIDTH = 1024
 
 # Its own 03 settings (name -> (type, Field)); the defaults are the published recipe's (ModelOpt's lilicorr.yaml:
 # the ``base`` variant; ``margin`` is w_ce 0.125, w_margin 0.125).
@@ -64,30 +62,6 @@ PARAMS: dict[str, tuple[Any, Any]] = {
 }
 
 
-
-def topk_problem(topk: int) -> str | None:
-    """Why vLLM's head cannot take ``topk`` candidates per slot (one line naming 03's setting), or None."""
-    if 1 <= topk <= 16 and not topk & (topk - 1):
-        return None
-    return (f"lilicorr_topk {topk}: vLLM's LiLiCorr head takes a power of two up to 16 candidates per slot (1, 2, 4, "
-            "8 or 16): set lilicorr_topk in 03_train")
-
-
-def weights_problem(w_ce: float, w_margin: float, w_pen: float, margin: float) -> str | None:
-    """Why these lattice weights cannot train the head (one line naming 03's setting), or None."""
-    if min(w_ce, w_margin, w_pen) < 0:
-        return (f"lilicorr_w_ce {w_ce}, lilicorr_w_margin {w_margin}, lilicorr_w_pen {w_pen}: the lattice's weights "
-                "are absolute and at least 0: fix them in 03_train")
-    if not (w_ce or w_margin or w_pen):
-        return ("lilicorr_w_ce, lilicorr_w_margin and lilicorr_w_pen are all 0: the lattice head would never train "
-                "and be exported as initialised: set at least one above 0 in 03_train (published: w_ce 0.25, w_pen "
-                "0.25)")
-    if w_margin > 0 and margin <= 0:
-        return (f"lilicorr_w_margin {w_margin} with lilicorr_margin {margin}: the hinge needs a positive width: set "
-                "lilicorr_margin above 0 in 03_train (published: 2.0)")
-    return None
-
-
 def check(P: Any) -> str | None:
     """03's parameters that cannot train a LiLiCorr draft vLLM serves (its schema runs this before any work): the
     candidate count, the lattice's weights, and with ``lilicorr_conv`` DFlash2's rule for its convolutions."""
@@ -106,4 +80,9 @@ RULES = {
                             check=check, recipes=({"block_size": 8, "num_speculative_tokens": 7},)),
 }
 
-__getattr__ = lazy_methods(__name__)
+
+def method_named(name: str) -> DraftMethod:
+    """This package's ``DraftMethod`` called ``name`` (its ``method`` module loads torch: imported on first use)."""
+    from eagle3nb.drafts.lilicorr.method import METHODS
+
+    return METHODS[name]

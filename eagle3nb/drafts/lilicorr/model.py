@@ -38,7 +38,7 @@ from torch import nn
 from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.dflash.model import DFlashConfig, DFlashDraft
 from eagle3nb.drafts.dflash.model import fresh_draft as fresh_backbone
-from eagle3nb.drafts.lilicorr import PUBLISHED_WIDTH, topk_problem
+from eagle3nb.drafts.lilicorr.settings import PUBLISHED_WIDTH, topk_problem
 from eagle3nb.drafts.nn import RMSNorm
 
 FEATURES = 5  # log p, p, log p - max log p, rank / (K - 1), is top-1

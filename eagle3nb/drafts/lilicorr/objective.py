@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from eagle3nb.drafts.base import DraftMismatchError
 from eagle3nb.drafts.dflash.objective import BlockObjective, block_loss
-from eagle3nb.drafts.lilicorr import weights_problem
 from eagle3nb.drafts.lilicorr.model import LiLiCorrDraft, chain_logits, greedy_path
+from eagle3nb.drafts.lilicorr.settings import weights_problem
 
 TERMS = ("ce", "hinge", "penalty")
 # What each slot's lattice is held to: the target's argmax there (what greedy decoding accepts, and what DFlash's
