@@ -50,13 +50,19 @@ def target(toy_smoke):
 
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory, toy_smoke):
-    """02's output over 32 toy dialogues with the whole vocabulary (a block drafter's), read back (~2 s)."""
-    from eagle3nb.data.reader import HiddenStates
-
+def stored_dir(tmp_path_factory, toy_smoke) -> Path:
+    """02's output folder over 32 toy dialogues with the whole vocabulary (a block drafter's) (~2 s)."""
     from train_data import make_hidden_states
 
-    return HiddenStates(make_hidden_states(tmp_path_factory.mktemp("hidden"), toy_smoke, n=32, draft_vocab_size=546))
+    return make_hidden_states(tmp_path_factory.mktemp("hidden"), toy_smoke, n=32, draft_vocab_size=546)
+
+
+@pytest.fixture(scope="module")
+def stored(stored_dir):
+    """02's output, read back."""
+    from eagle3nb.data.reader import HiddenStates
+
+    return HiddenStates(stored_dir)
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +332,47 @@ def test_a_short_training_on_stored_states_lifts_the_walk_above_the_backbones_to
     assert before["selected"] < 0.2 and after["selected"] > 0.6
     assert after["selected"] > after["top1"] + 0.25
     assert after["top1"] <= after["oracle"] and after["selected"] <= after["oracle"]
+
+
+def test_03s_evaluations_carry_the_prefix_diagnostics_for_lilicorr_not_for_dflash(one_thread, stored_dir, stored,
+                                                                                     tmp_path):
+    """03 itself, 4 steps from the same states: a LiLiCorr run's every held-out evaluation row (metrics.jsonl) and
+    its metrics.json ``best`` carry the lattice's prefix diagnostics (the objective's ``EvalDiagnostics``), the best's
+    equal to the prefixes the registry's objective gives on the exported draft over 03's held-out samples, ordered as
+    they must be (walk, top-1 <= oracle); a DFlash run's rows and best carry none. ~4 s."""
+    from eagle3nb.data.split import split_holdout
+    from eagle3nb.drafts import get, load_draft
+    from eagle3nb.params import from_dict
+    from eagle3nb.train.data import DeviceTargets, collate
+    from eagle3nb.train.report import read_metrics
+    from eagle3nb.train.stage import run
+
+    base = dict(run_name="test", block_size=BLOCK, num_layers=1, anchors_per_seq=64, max_length=256,
+                batch_tokens=400, lr=5e-3, warmup_ratio=0.05, max_steps=4, eval_every=2, save_every=1000,
+                holdout_fraction=0.25, seed=0, data_dir=str(stored_dir))
+    runs = {}
+    for method in ("lilicorr", "dflash"):
+        P = from_dict("03_train", {**base, "method": method, "num_speculative_tokens": BLOCK - 1,
+                                   "output_dir": str(tmp_path / method)})
+        runs[method] = P, run(P), [r for r in read_metrics(tmp_path / method) if r["kind"] == "eval"]
+    P, metrics, evals = runs["lilicorr"]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    names = {"prefix_selected", "prefix_top1", "prefix_oracle", "prefix_blocks"}
+    assert all(set(r["diagnostics"]) == names for r in evals)
+    best = metrics["best"]["diagnostics"]
+    assert best == next(r["diagnostics"] for r in evals if r["step"] == metrics["best"]["step"])
+    held = split_holdout([s["id"] for s in stored.meta["samples"]], P.holdout_fraction)[1]
+    draft = load_draft(tmp_path / "lilicorr" / "draft", embed_tokens=stored.embed_tokens(), lm_head=stored.lm_head())
+    targets = DeviceTargets(stored, torch.device("cpu"))
+    want = prefixes(get("lilicorr").objective(draft, P), [collate(stored, [i], P.max_length, torch.device("cpu"),
+                                                                  targets) for i in held])
+    assert best["prefix_blocks"] > 20
+    for name in ("selected", "top1", "oracle"):
+        assert math.isclose(best[f"prefix_{name}"], want[name], rel_tol=1e-6, abs_tol=1e-9), (name, best, want)
+    assert best["prefix_selected"] <= best["prefix_oracle"] and best["prefix_top1"] <= best["prefix_oracle"]
+    assert best["prefix_oracle"] > 0
+    _, metrics, evals = runs["dflash"]
+    assert len(evals) == 3 and not any("diagnostics" in r for r in evals) and "diagnostics" not in metrics["best"]
 
 
 # ---- decoding ------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """What every draft algorithm shares: the interface a package offers (``DraftMethod``, ``Drafting``), the error a
 draft that does not fit raises, fitting a draft's shape to the target's data, what a draft is served as
-(``Serving``) and the rules every method's serving check shares, reading checkpoint tensors, and the acceptance of
-rejection sampling the offline simulations score with."""
+(``Serving``) and the rules every method's serving check shares, what an objective may add to 03's evaluations
+(``EvalDiagnostics``), reading checkpoint tensors, and the acceptance of rejection sampling the offline simulations
+score with."""
 
 from __future__ import annotations
 
@@ -168,6 +169,24 @@ class DraftMethod(ABC):
     def check_usable(self, model: nn.Module, where: str) -> None:
         """Refuse, in one line (DraftMismatchError), a loaded draft that cannot work whatever its training (a block
         drafter whose mask slots read a dead row): 03 calls it before fine-tuning, the doctor before judging."""
+
+
+class EvalDiagnostics(ABC):
+    """What an objective may add to 03's held-out evaluations, 03's loop naming no method (LiLiCorr's lattice:
+    the walk's, the backbone's top-1 and the oracle prefixes). After each held-out batch the loop reads
+    ``eval_sums()``, one number per name of ``EVAL_SUMS``, adds them up over the batches and processes, and
+    ``eval_diagnostics(totals)`` is what the evaluation row (``metrics.jsonl``) and ``metrics.json``'s ``best``
+    carry under ``diagnostics``. An objective that does not subclass it adds nothing to either."""
+
+    EVAL_SUMS: tuple[str, ...] = ()
+
+    @abstractmethod
+    def eval_sums(self) -> dict[str, torch.Tensor]:
+        """The latest batch's sums, by the names of ``EVAL_SUMS`` (tensors: no device sync per batch)."""
+
+    @abstractmethod
+    def eval_diagnostics(self, totals: dict[str, float]) -> dict[str, float]:
+        """The evaluation's diagnostics from the sums over all held-out batches."""
 
 
 @dataclass(frozen=True)

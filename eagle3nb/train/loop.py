@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from eagle3nb import drafts
+from eagle3nb.drafts.base import EvalDiagnostics
 from eagle3nb.formulas import tau_from_conditional
 from eagle3nb.params import StageError
 from eagle3nb.progress import Progress
@@ -79,15 +80,24 @@ def summarize(stats: torch.Tensor, decay: float) -> dict[str, Any]:
 def evaluate(objective: torch.nn.Module, data, batches: list[list[int]], P: TrainParams, device: torch.device,
              rank: int = 0, world: int = 1, targets: DeviceTargets | None = None) -> dict[str, Any]:
     """Held-out loss, per-step accuracy (draft argmax == target argmax) and simulated acceptance length; ``acc_by``
-    names the steps (the objective's ``unit``: TTT step, or block position for a block drafter)."""
+    names the steps (the objective's ``unit``: TTT step, or block position for a block drafter); ``diagnostics``,
+    what an objective that reports more adds (``drafts.base.EvalDiagnostics``), from its sums over the batches."""
     was = objective.training
     objective.eval()
     stats = torch.zeros(4, objective.steps, dtype=torch.float64, device=device)
+    names = objective.EVAL_SUMS if isinstance(objective, EvalDiagnostics) else ()
+    sums = torch.zeros(len(names), dtype=torch.float64, device=device)
     for mb in batches[rank::world]:
         with autocast_for(P.autocast, device):
             stats += objective(collate(data, mb, P.max_length, device, targets))[1]
+        if names:
+            got = objective.eval_sums()
+            sums += torch.stack([got[n].double().to(device) for n in names])
     objective.train(was)
-    return {**summarize(all_reduce(stats, world).cpu(), objective.decay), "acc_by": objective.unit}
+    ev = {**summarize(all_reduce(stats, world).cpu(), objective.decay), "acc_by": objective.unit}
+    if names:
+        ev["diagnostics"] = objective.eval_diagnostics(dict(zip(names, all_reduce(sums, world).tolist())))
+    return ev
 
 
 def data_seen(plan, lengths: list[int], max_length: int) -> list[dict[str, int]]:
@@ -172,10 +182,12 @@ class Best:
     acceptance_length: float = -math.inf
     acc: list[float] | None = None
     state: dict[str, torch.Tensor] | None = None
+    diagnostics: dict[str, Any] | None = None  # the evaluation's, where the objective reports them
 
     def offer(self, step: int, ev: dict[str, Any], draft) -> None:
         if ev["acceptance_length"] >= self.acceptance_length:
             self.step, self.acceptance_length, self.acc = step, ev["acceptance_length"], list(ev["acc"])
+            self.diagnostics = ev.get("diagnostics")
             self.state = _weights(draft)
 
     def saved(self, step: int) -> dict[str, Any] | None:
@@ -191,10 +203,11 @@ class Best:
         if saved is None:
             return cls()
         state = saved["model"] if saved["model"] is not None else _weights(draft)
-        return cls(saved["step"], saved["acceptance_length"], saved["acc"], state)
+        return cls(saved["step"], saved["acceptance_length"], saved["acc"], state, saved.get("diagnostics"))
 
     def summary(self) -> dict[str, Any]:
-        return {"step": self.step, "acceptance_length": self.acceptance_length, "acc": self.acc}
+        out = {"step": self.step, "acceptance_length": self.acceptance_length, "acc": self.acc}
+        return out if self.diagnostics is None else {**out, "diagnostics": self.diagnostics}
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eagle3nb.drafts.base import DraftMismatchError
+from eagle3nb.drafts.base import DraftMismatchError, EvalDiagnostics
 from eagle3nb.drafts.dflash.objective import BlockObjective, block_loss
 from eagle3nb.drafts.lilicorr.model import LiLiCorrDraft, chain_logits, greedy_path
 from eagle3nb.drafts.lilicorr.settings import weights_problem
@@ -116,10 +116,13 @@ def lattice_loss(model: LiLiCorrDraft, blocks: dict[str, torch.Tensor], input_id
     return {**out, "correct": correct, "prefix": {**prefix, "blocks": full.sum()}}
 
 
-class LatticeObjective(BlockObjective):
+class LatticeObjective(BlockObjective, EvalDiagnostics):
     """LiLiCorr under 03's loop: DFlash's ``BlockObjective`` (its anchors, stats by block position) plus the
     lattice's weighted terms. A slot's ``correct`` is the walk's pick, as served. ``last`` holds the latest batch's
-    terms and prefix sums, for a report."""
+    terms and prefix sums; 03's evaluations report the prefixes over the held-out batches (``EvalDiagnostics``):
+    ``prefix_selected``, ``prefix_top1``, ``prefix_oracle`` (means per fully scored block) and ``prefix_blocks``."""
+
+    EVAL_SUMS = (*PREFIXES, "blocks")
 
     def __init__(self, draft: LiLiCorrDraft, anchors_per_seq: int, loss: str, weighting: str, gamma: float,
                  dpace_alpha: float, w_ce: float, w_margin: float, w_pen: float, margin: float, truth: str = "target"):
@@ -152,3 +155,13 @@ class LatticeObjective(BlockObjective):
         self.last = {**{name: lat[name].detach() for name in TERMS}, **lat["prefix"]}  # tensors: no sync here
         stats = torch.stack([out["loss_sum"], out["counted"], lat["correct"], out["counted"]])[:, 1:]
         return loss, stats.double()  # shape: [], [4, drafts_per_block]
+
+    def eval_sums(self) -> dict[str, torch.Tensor]:
+        """The latest batch's prefix sums and its count of fully scored blocks."""
+        return {name: self.last[name] for name in self.EVAL_SUMS}
+
+    def eval_diagnostics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Mean prefix per fully scored block: the walk's, the backbone's top-1 and the oracle's, and the blocks."""
+        blocks = totals["blocks"]
+        return {**{f"prefix_{name}": totals[name] / max(blocks, 1.0) for name in PREFIXES},
+                "prefix_blocks": int(blocks)}
