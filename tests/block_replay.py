@@ -1,7 +1,7 @@
 """A block drafter's greedy decode held to 04's offline simulation of it: ``decode_and_replay`` decodes a prompt with
 the batched decoder, runs the target over its own output and simulates the rounds on those states with the draft's
-``chain_acceptance`` (shared by the block drafters' modules: test_lilicorr.py; test_dflash.py's batched-decoder test
-runs the same loop)."""
+``chain_acceptance`` (shared by the block drafters' modules: test_lilicorr.py's and test_dflash.py's batched-decoder
+tests)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ train prompts and is judged on held-out ones."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import vllm_drafts
 from served_drafts import vllm_name
 
 from worlds import requires_vllm
@@ -202,47 +202,18 @@ def test_exports_load_back_exactly_in_both_layouts(tmp_path, target, target_conf
                                     "target_layer_ids": [i - 1 for i in m.config.aux_layer_ids]}
 
 
+# appended to vllm_drafts.OPENING: per draft (label -> [vLLM's method for it, the folder]), its parameters as vLLM
+# loaded them, what its V1 runner says, the aux layers it reads and its layers' attention
 VLLM_LOAD = r"""
-import json, sys
-import torch
-from safetensors.torch import load_file, save_file
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.models.registry import ModelRegistry
-from vllm.utils.network_utils import get_open_port
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
-# The CPU build's V1 runner refuses dspark and DFlash2 at config time (what it says is reported as "v1"); the loader
-# under test does not depend on the runner.
-v1_check, VllmConfig._validate_v1_model_runner = VllmConfig._validate_v1_model_runner, lambda self: None
-target, out, drafts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-report, ready = {}, False
 for label, (method, draft) in drafts.items():
-    cfg = EngineArgs(model=target, dtype="float32", max_model_len=256, enforce_eager=True, speculative_config={
-        "method": method, "model": draft, "num_speculative_tokens": 3}).create_engine_config()
-    arch = cfg.speculative_config.draft_model_config.hf_config.architectures
-    cls, _ = ModelRegistry.resolve_model_cls(arch, model_config=cfg.speculative_config.draft_model_config)
-    with set_current_vllm_config(cfg):
-        if not ready:
-            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{get_open_port()}", 0, backend="gloo")
-            initialize_model_parallel(1, 1)
-            ready = True
-        model = cls(vllm_config=cfg)
-        params = dict(model.named_parameters())
-        for p in params.values():
-            p.data.fill_(float("nan"))
-        model.load_weights(load_file(f"{draft}/model.safetensors").items())
-    save_file({n: p.detach().contiguous() for n, p in params.items()}, f"{out}/{label}.safetensors")
-    try:
-        v1_check(cfg)
-        v1 = None
-    except ValueError as e:
-        v1 = str(e)
-    report[label] = {"class": cls.__name__, "v1": v1,
-                     "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
-                     "causal": [layer.self_attn.causal for layer in model.model.layers],
-                     "unset": sorted(n for n, p in params.items() if torch.isnan(p).any())}
+    with built(method, draft, 3) as (cfg, model, params, v1):
+        save_file({n: p.detach().contiguous() for n, p in params.items()}, f"{out}/{label}.safetensors")
+        report[label] = {"class": type(model).__name__, "v1": v1,
+                         "aux": list(get_eagle3_aux_layers_from_config(cfg.speculative_config)),
+                         "causal": [layer.self_attn.causal for layer in model.model.layers],
+                         "unset": sorted(n for n, p in params.items() if torch.isnan(p).any())}
 print("REPORT" + json.dumps(report))
 """
 
@@ -261,7 +232,6 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
 
     from eagle3nb.drafts import served_as
     from eagle3nb.drafts.dflash.layouts import save_draft
-    from eagle3nb.serve.vllm import vllm_python
 
     models = {"dflash": drafter(target, target_config), "dspark": drafter(target, target_config, markov_rank=8),
               "dflash2": drafter(target, target_config, **DFLASH2)}
@@ -275,10 +245,7 @@ def test_vllm_loads_the_exports_onto_its_own_parameters(tmp_path, target, target
     # label -> [vLLM's method for it (DFlash2 is served as dflash), the folder]
     drafts = {f"{method}-{layout}": [served_as(method), str(save_draft(m, tmp_path / f"{method}-{layout}", layout))]
               for method, m in models.items() for layout in ("vllm", "speculators")}
-    done = subprocess.run([str(vllm_python()), "-c", VLLM_LOAD, str(toy_smoke), str(tmp_path), json.dumps(drafts)],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.split("REPORT", 1)[1])
+    report = vllm_drafts.run(VLLM_LOAD, toy_smoke, tmp_path, drafts)
     cls = {"dflash": "DFlashQwen3ForCausalLM", "dspark": "Qwen3DSparkForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}
     assert {k: v["class"] for k, v in report.items()} == {k: cls[k.split("-")[0]] for k in drafts}
     # the CPU build's V1 runner serves DFlash only: DSpark's speculator and DFlash2's candidate walk are V2's
@@ -726,9 +693,10 @@ def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_i
     that output, then ``simulate_rounds``) replays the decode's accepted count round by round, and 04's offline
     acceptance reports one rate per block position, its first near 03's held-out accuracy there; its predicted
     speedup charges one draft forward per block."""
-    from eagle3nb import drafts
+    from block_replay import decode_and_replay
+
     from eagle3nb.accept.local import measure_costs
-    from eagle3nb.accept.offline import offline_acceptance, simulate_rounds
+    from eagle3nb.accept.offline import offline_acceptance
     from eagle3nb.accept.predict import predict
     from eagle3nb.decoder.batch import SpecDecoder
     from eagle3nb.decoder.reference import plain_generate
@@ -742,16 +710,8 @@ def test_the_batched_decoder_decodes_a_block_drafter_losslessly_and_04_replays_i
     for i in held[:4]:
         item = data[i]
         prompt = item["input_ids"][item["loss_mask"] == 0].tolist()
-        out = dec.generate(prompt, 24)
+        out, _, rounds = decode_and_replay(dec, prompt, 24)
         assert out.tokens == plain_generate(target, prompt, 24)
-        ids = torch.tensor(prompt + out.tokens)
-        with torch.no_grad():
-            states = target(input_ids=ids[None], output_hidden_states=True)
-        aux = torch.cat([states.hidden_states[j][0] for j in draft.config.aux_layer_ids], -1)
-        mask = (torch.arange(len(ids)) >= len(prompt)).long()
-        r = drafts.of(draft).chain_acceptance(draft, {"aux": aux, "input_ids": ids, "loss_mask": mask},
-                                              states.logits[0].argmax(-1), None, k, 0.0)
-        rounds = simulate_rounds(r["greedy"], r["valid"], mask, k)
         assert len(rounds) >= 3 and rounds == out.accepted_per_round[:len(rounds)]
         replayed += sum(rounds)
     assert replayed > 0, "the trained drafter had no draft accepted"

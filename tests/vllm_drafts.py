@@ -2,7 +2,7 @@
 exported draft folder and loaded with their own ``load_weights``: the script's opening (``OPENING``: vLLM's imports,
 its CPU build's V1-runner check set aside to report what it says, one gloo process group, and ``built``, the context
 that yields each model), to which a test appends what it reads of the models, and ``run``, which runs it. Shared by
-the block drafters' modules (test_lilicorr.py; test_dflash.py's ``VLLM_LOAD`` opens the same way)."""
+the block drafters' modules (test_lilicorr.py's ``VLLM_LILICORR``, test_dflash.py's ``VLLM_LOAD``)."""
 
 from __future__ import annotations
 
