@@ -322,6 +322,19 @@ def test_a_method_vllm_drafts_in_one_runner_only_is_asked_before_it_trains(tmp_p
     assert training.probe(P, Training("e", {"method": v2, "num_speculative_tokens": 8}, "n"), tmp_path,
                           tmp_path) is None
     assert len(calls) == 2
+    # the project's own serving check refusing (code that may change) is said as such and asked again next time
+    from eagle3nb.drafts import ServingError
+
+    def check_refuses(P, draft, k, rounds=None):
+        calls.append(("start", k))
+        raise ServingError("the draft's block does not fit k: set num_speculative_tokens")
+
+    monkeypatch.setattr(training, "start", check_refuses)
+    P.engine = "vllm"
+    for _ in range(2):
+        why = training.probe(P, Training("s", {"method": v2, "num_speculative_tokens": 8}, "n"), tmp_path, tmp_path)
+        assert why.startswith("refused before the engine started, by eagle3nb's serving check: the draft's block")
+    assert calls[2:] == [("03_train", 1), ("start", 8)] * 2
 
 
 # ----------------------------------------------------------------------------------------- end to end, resumed

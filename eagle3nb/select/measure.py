@@ -18,6 +18,7 @@ from eagle3nb.accept.cache import cached, fingerprint
 from eagle3nb.accept.forecast import PARTS
 from eagle3nb.accept.online import bench_endpoint, first_model, metrics_url, scrape
 from eagle3nb.data.prompts import load_prompts
+from eagle3nb.drafts import ServingError
 from eagle3nb.errors import UserError
 from eagle3nb.formulas import spec_counters, spec_delta, tau_per_request_mean, tau_pooled
 from eagle3nb.launch import ServerHandle
@@ -151,9 +152,10 @@ def serve(P, cand: Candidate, draft: Path, plain: Lazy, sent: Sent, out: Path, p
             progress.update(1, candidate=cand.name, concurrency=c, speedup=cells[c]["speedup"] or 0.0)
         tau = cached(folder / "tau.json", {**key, "requests": P.tau_requests}, lambda: per_request(sent, server.get()))
     except Refused as e:
-        print(f"[06_select] the engine refuses {cand.name}: {e.reason}", flush=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(refused, {"config": key, "result": {"reason": e.reason}})
+        print(f"[06_select] {cand.name} is not served: {e.reason}", flush=True)
+        if not isinstance(e.__cause__, ServingError):  # kept: the engine's; the project's own check is asked again
+            folder.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(refused, {"config": key, "result": {"reason": e.reason}})
         progress.update(len(P.concurrencies) - len(cells))
         return {"refused": e.reason}
     finally:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.drafts import rules
+from eagle3nb.drafts import ServingError, rules
 from eagle3nb.errors import UserError
 from eagle3nb.params import from_dict
 from eagle3nb.progress import Progress, write_json_atomic
@@ -44,7 +44,8 @@ def probe(P, training: Training, data: Path, out: Path) -> str | None:
     """Whether vLLM serves this training's method at all, asked before its hours of training when the registry says
     vLLM drafts the method in one model runner only (``MethodRules.v2_only``: its CPU build has no Triton for it):
     03 trains one step into ``train/<slug>-probe/`` and vLLM is started on that draft. The engine's own reason when
-    it refuses (kept in ``probe.json``, so a resume does not ask again), else None."""
+    it refuses (kept in ``probe.json``, so a resume does not ask again; a refusal by the project's own serving check
+    is not kept, the code may change), else None."""
     if P.engine != "vllm" or not rules(training.settings["method"]).v2_only:
         return None
     folder = out / "train" / f"{training.slug}-probe"
@@ -58,6 +59,8 @@ def probe(P, training: Training, data: Path, out: Path) -> str | None:
         refused = None
     except (UserError, RuntimeError) as e:
         refused = refusal(e)
+        if isinstance(e, ServingError):  # the project's own check, not the engine's: asked again on a resume
+            return refused
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(record, {"refused": refused})
     return refused
@@ -109,7 +112,7 @@ def train_all(P, plan: Plan, out: Path) -> dict[str, dict[str, Any]]:
             data[training.need] = extract(P, plan, training.need, out)
         refused = None if finished else probe(P, training, data[training.need], out)
         if refused:
-            print(f"[06_select] the engine refuses {', '.join(training.candidates)} (asked with a one-step draft): "
+            print(f"[06_select] {', '.join(training.candidates)}: not served (asked with a one-step draft): "
                   f"{refused}; not trained", flush=True)
             done[slug] = {"refused": refused, "wall_s": time.perf_counter() - t0}
         else:
