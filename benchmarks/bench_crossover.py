@@ -258,8 +258,12 @@ def train_point(point: dict, toy: str, data_dir: Path, held: HiddenStates, root:
     point["evals"] = [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").open())
                       if r.get("kind") == "eval"]  # 03's held-out loss: where the curve flattens
     point["tps"], point["seconds"] = metrics["tokens_per_s"], time.perf_counter() - t0
+    diagnostics = metrics.get("best", {}).get("diagnostics")  # what the method's objective reports (LiLiCorr: prefixes)
+    if diagnostics:
+        point["diagnostics"] = diagnostics
     print(f"{toy} n={point['n']} {point['label']} seed {point['seed']} ({point['steps']} steps, "
-          f"{point['seconds']:.0f} s): tau T=0 {point['t0']:.3f}, T=1 {point['t1']:.3f}", flush=True)
+          f"{point['seconds']:.0f} s): tau T=0 {point['t0']:.3f}, T=1 {point['t1']:.3f}" +
+          (f"; 03's best evaluation: {json.dumps(diagnostics)}" if diagnostics else ""), flush=True)
 
 
 def serve_points(toy: str, results: Results, n: int, depth: int, prompts: int) -> str:
