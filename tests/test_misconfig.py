@@ -59,8 +59,10 @@ def block_draft(folder: Path, target_config: dict, rows: dict[str, int], method:
     from eagle3nb.drafts.dflash.model import DFlashDraft, from_target
 
     torch.manual_seed(0)
+    heads = {"dspark": {"markov_rank": 8},  # DFlash2's additions at a shape the toy fits
+             "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 2}}
     m = DFlashDraft(from_target(target_config, num_layers=1, block_size=BLOCK, mask_token_id=rows[mask],
-                                markov_rank=8 if method == "dspark" else 0))
+                                **heads.get(method, {})))
     folder = save_draft(m, folder, layout)
     (folder / "mask_embedding.pt").unlink(missing_ok=True)
     return edit_config(folder, edit)
@@ -125,6 +127,10 @@ REFUSED = {
     "DFlash with dflash_config.sample_from_anchor true": Case(
         lambda f, tc, r: block_draft(f, tc, r, "dflash", edit=lambda c: c["dflash_config"].update(
             sample_from_anchor=True)), "dflash", BLOCK - 1, ("set dflash_config.sample_from_anchor: false",)),
+    "DFlash2 heads in DFlash's layout": Case(
+        lambda f, tc, r: block_draft(f, tc, r, "dflash2", edit=lambda c: c.update(architectures=["DFlashDraftModel"])),
+        "dflash", BLOCK - 1, ("selector_rank 4", "make it dflash2", "write architectures ['DFlash2DraftModel']"),
+        trained={"method": "dflash"}),
     "DSpark heads in DFlash's layout": Case(
         lambda f, tc, r: block_draft(f, tc, r, "dspark", edit=lambda c: c.update(architectures=["DFlashDraftModel"])),
         "dflash", BLOCK - 1, ("markov_rank 8", "architectures ['Qwen3DSparkModel']", "{method} dspark"),
@@ -191,6 +197,10 @@ SERVED_RIGHT = {
     "DSpark (speculators layout)": Case(
         lambda f, tc, r: block_draft(f, tc, r, "dspark", "speculators"), "dspark", BLOCK),
     "EAGLE-3": Case(lambda f, tc, _: eagle3_draft(f, tc), "eagle3", 3),
+    # vLLM serves DFlash2 as dflash, its model picked by the architecture; the check once compared the heads' method
+    # with the served one and refused every DFlash2 draft before vLLM started
+    "DFlash2 (vLLM layout) served as dflash": Case(
+        lambda f, tc, r: block_draft(f, tc, r, "dflash2"), "dflash", BLOCK - 1, trained={"method": "dflash2"}),
     "a dead mask row with a trained mask_embedding.pt": Case(
         lambda f, tc, r: with_mask_embedding(block_draft(f, tc, r, "dflash", mask="dead")), "dflash", BLOCK - 1),
     "a dead mask row with a fresh export's mask_embedding.pt (the live rows' mean)": Case(
@@ -239,7 +249,7 @@ def serve_args(toy_smoke: Path, case: Case, draft: Path) -> list[str]:
 def doctor_run(folder: Path, toy_smoke: Path, case: Case, draft: Path) -> Path:
     """A run on the toy: 03 trained ``case.method`` (its valid k), 04 serves ``draft`` with ``case.k``."""
     method = case.trained.get("method", case.method)
-    own_k = {"eagle3": 3, "dflash": BLOCK - 1, "dspark": BLOCK}[method]
+    own_k = {"eagle3": 3, "dflash": BLOCK - 1, "dspark": BLOCK, "dflash2": BLOCK - 1}[method]
     return write_run(folder, {
         "01_synth": {"model_path": str(toy_smoke)}, "02_hidden_states": {"model_path": str(toy_smoke)},
         "03_train": {"method": method, "block_size": BLOCK, "num_speculative_tokens": own_k},

@@ -13,7 +13,7 @@ from eagle3nb.doctor.checks.causes import rank_causes
 from eagle3nb.doctor.checks.common import ENGINES, worst_of
 from eagle3nb.doctor.context import Context, Subset, Unavailable
 from eagle3nb.doctor.result import FAIL, PASS, WARN, CheckResult
-from eagle3nb.drafts import DraftMismatchError, Serving, method_layer_ids, method_of, serving_problems
+from eagle3nb.drafts import DraftMismatchError, Serving, method_layer_ids, method_of, served_as, serving_problems
 from eagle3nb.formulas import speedup
 from eagle3nb.layers import LayerIdError, default_aux_layer_ids, from_sglang, to_sglang
 from eagle3nb.layers import check_layer_ids as validate_layer_ids
@@ -226,13 +226,14 @@ def _argmax_coverage(ctx: Context, t2d) -> tuple[float, int]:
 # -- 5b. serving ----------------------------------------------------------------------------------------------------
 
 def _served_as(ctx: Context, draft: Path) -> tuple[tuple[str, str], list[tuple[int, str]]]:
-    """(method, the parameter naming it) and each (k, the parameter naming it) the run serves ``draft`` with:
-    03's method (else the draft's own) and printed k, 04's k (or its ks sweep)."""
+    """(the method vLLM serves it as, the parameter naming it) and each (k, the parameter naming it) the run serves
+    ``draft`` with: as 03's method is served (else the draft's own) and printed k, 04's k (or its ks sweep)."""
     P3, P4 = ctx.params.get("03_train"), ctx.params.get("04_acceptance")
     if P3 is not None:
-        method = (P3.method, "03_train method")
+        method = (served_as(P3.method), "03_train method")
     else:
-        method = (method_of(json.loads((draft / "config.json").read_text()), str(draft)).name, "the draft's method")
+        method = (served_as(method_of(json.loads((draft / "config.json").read_text()), str(draft)).name),
+                  "the draft's method")
     ks = [(P3.num_speculative_tokens, "03_train num_speculative_tokens")] if P3 is not None else []
     if P4 is not None:
         ks += [(k, "04_acceptance k" if P4.ks is None else "04_acceptance ks") for k in P4.sweep_ks]

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3nb.drafts.base import Misfit, Serving, aux_ids_misfits, read_tensor, vocab_misfits
-from eagle3nb.drafts.dflash.layouts import ARCHITECTURES, config_from_json
+from eagle3nb.drafts.dflash.layouts import ARCHITECTURES, claimer, config_from_json
 from eagle3nb.drafts.dflash.mask import mask_problems
 from eagle3nb.drafts.dflash.model import DFlashConfig
+from eagle3nb.drafts.dflash.rules import RULES
 
 
 def _anchor_as_read(config: dict[str, Any], method: str) -> tuple[str, bool, bool]:
@@ -41,12 +42,15 @@ def _anchor_as_read(config: dict[str, Any], method: str) -> tuple[str, bool, boo
 
 def _layout_problems(path: Path, config: dict[str, Any], cfg: DFlashConfig, serving: Serving) -> list[Misfit]:
     """The declared kind against the heads, and the block layout vLLM would run against the trained one."""
-    if cfg.method != serving.method:  # the registry matched the declaration; the heads say another method
+    declared = next(m for m in ARCHITECTURES if claimer(m)(config))  # the registry matched one of ours
+    if cfg.method != declared:  # the heads say another method than the declaration
         speculators = config.get("speculators_model_type") is not None
         field, right = ("speculators_model_type", cfg.method) if speculators else \
             ("architectures", [ARCHITECTURES[cfg.method]])
-        return [(f"{path}/config.json declares a {serving.method} draft but its markov_rank {cfg.markov_rank} makes "
-                 f"it {cfg.method}", f"write {field} {right} and serve it with {serving.method_field} {cfg.method}")]
+        served = RULES[cfg.method].served_as or cfg.method
+        also = "" if served == serving.method else f" and serve it with {serving.method_field} {served}"
+        return [(f"{path}/config.json declares a {declared} draft but its heads (markov_rank {cfg.markov_rank}, "
+                 f"selector_rank {cfg.selector_rank}) make it {cfg.method}", f"write {field} {right}{also}")]
     field, read, written = _anchor_as_read(config, serving.method)
     if read == cfg.sample_from_anchor:
         return []

@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from eagle3nb.drafts.base import DraftMethod, MethodRules
-from eagle3nb.drafts.dflash import BLOCK, check_convolutions
-from eagle3nb.drafts.dflash import NUM_LAYERS as BACKBONE_LAYERS
+from eagle3nb.drafts.dflash.rules import BLOCK, check_convolutions
+from eagle3nb.drafts.dflash.rules import NUM_LAYERS as BACKBONE_LAYERS
 from eagle3nb.drafts.lilicorr.settings import PUBLISHED_WIDTH, topk_problem, weights_problem
 from eagle3nb.layers import spread_layer_ids
 
