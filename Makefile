@@ -101,7 +101,7 @@ test-fast: $(STAMP)
 
 ## The production recipe with the real vLLM on this machine (params/vllm-cpu/ -> outputs/vllm-cpu/).
 rehearse: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m eagle3nb.serve.rehearse $(REHEARSE)
+	$(BIN)/python -m eagle3nb.rehearse $(REHEARSE)
 
 ## The notebooks' parameters cells, regenerated from the stage schemas (after changing a default or adding a parameter).
 params-cells: $(STAMP)

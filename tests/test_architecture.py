@@ -21,7 +21,7 @@ CORE = ("paths", "params", "progress", "formulas", "tokens", "families", "layers
 DATA = ("data",)  # the contracts between the stages (docs/ARCHITECTURE.md "The data layer")
 # 05 refresh has a stage's roles (params, run(P), report) but runs 01-04's stages on its own data: it sits on top of
 # them, as the runner does.
-TOP = ("serve", "doctor", "run", "render", "cli", "__main__", "refresh", "select")
+TOP = ("serve", "doctor", "run", "render", "cli", "__main__", "refresh", "select", "rehearse")
 # A stage reads what an earlier stage wrote through eagle3nb.data, never through that stage's package. The only
 # stage-to-stage imports, (importer, imported) -> why; at most three.
 STAGE_IMPORTS = {

@@ -1,4 +1,4 @@
-"""The production recipe rehearsed with the real vLLM on this machine: ``python -m eagle3nb.serve.rehearse
+"""The production recipe rehearsed with the real vLLM on this machine: ``python -m eagle3nb.rehearse
 params/vllm-cpu-kimi/`` (``make rehearse``).
 
 The README's recipe, step by step, with each vLLM server started (CPU build, :mod:`eagle3nb.serve.vllm`)
@@ -162,7 +162,7 @@ def serve_and_judge(run_dir: Path, model: str, P4, again: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eagle3nb.serve.rehearse", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eagle3nb.rehearse", description=__doc__.split("\n")[0])
     p.add_argument("run_dir", type=Path, help="params/<run>/ (e.g. params/vllm-cpu/)")
     p.add_argument("--force", action="store_true", help="redo stages that are done")
     args = p.parse_args(argv)
