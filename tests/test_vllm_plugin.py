@@ -73,6 +73,45 @@ def test_a_skipped_fix_is_repeated_as_a_warning():
         assert len(warn_skipped_fixes(FakeHandle(line * 2))) == 1
 
 
+WATCHER = """
+import importlib.machinery, importlib.util, sys, time
+spec = importlib.machinery.PathFinder.find_spec("eagle3nb_vllm_fixes", [sys.argv[1]])
+importlib.util.module_from_spec(spec)
+parent = importlib.machinery.PathFinder.find_spec("parent", spec.submodule_search_locations)
+module = importlib.util.module_from_spec(parent)
+parent.loader.exec_module(module)
+module.install()
+print("watching", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_vllm_process_stops_once_the_process_that_started_it_is_gone():
+    """What every vLLM process the project starts runs (the plugin's parent.py, given start_vllm's pid in its
+    environment): a stand-in started by a process that is then killed -9 stops within seconds, as a vLLM server of
+    a killed stage would, instead of holding its memory and port until the machine restarts; without the variable
+    (a vLLM started by hand) nothing is watched."""
+    from eagle3nb.serve.vllm import PARENT_ENV, VLLM_EXT
+
+    starter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    env = {**os.environ, PARENT_ENV: str(starter.pid)}
+    watched = subprocess.Popen([sys.executable, "-c", WATCHER, str(VLLM_EXT)], env=env, stdout=subprocess.PIPE,
+                               text=True)
+    alone = subprocess.Popen([sys.executable, "-c", WATCHER, str(VLLM_EXT)],
+                             env={k: v for k, v in env.items() if k != PARENT_ENV}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert watched.stdout.readline().strip() == "watching" and alone.stdout.readline().strip() == "watching"
+        assert watched.poll() is None  # its starter lives
+        starter.kill()
+        starter.wait()
+        assert watched.wait(timeout=10) == -15  # SIGTERM, vLLM's own shutdown
+        assert alone.poll() is None
+    finally:
+        for p in (starter, watched, alone):
+            p.kill()
+            p.wait()
+
+
 def test_the_wheel_ships_the_plugin_and_the_installed_package_finds_it(tmp_path):
     """A wheel built from the tracked files holds the plugin, its entry point and the connector; installed
     (not editable) into a folder and imported from another directory, the launcher's folder is the installed

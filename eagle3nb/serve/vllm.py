@@ -58,6 +58,9 @@ V2_SPECULATIVE = {"rejection_sample_method": "block"}
 # by eagle3nb: vLLM's environment runs it without eagle3nb installed.
 VLLM_EXT = Path(__file__).resolve().parent / "vllm_ext"
 PLUGIN_GROUP = "vllm.general_plugins"
+# The pid every vLLM process the project starts stops itself after (eagle3nb_vllm_fixes/parent.py ENV): a stage
+# killed with kill -9 leaves no server behind
+PARENT_ENV = "EAGLE3NB_EXIT_WITH_PARENT"
 # The file the plugin writes the profile of the served rounds to (eagle3nb_vllm_fixes/rounds.py ENV)
 ROUNDS_ENV = "EAGLE3NB_VLLM_ROUNDS"
 SKIPPED = ": skipped: "  # how a fix the plugin could not install says so (eagle3nb_vllm_fixes/guard.py)
@@ -204,7 +207,7 @@ def start_vllm(model_dir: str | os.PathLike, mode: str = "plain", *, host: str =
     check_draft(model, mode, kw.get("draft_dir"), kw.get("num_speculative_tokens", NUM_SPECULATIVE_TOKENS))
     args = vllm_args(model, mode, fixes=fixes, **kw) + (["--enable-log-requests"] if log_requests else [])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "PYTHONPATH": str(VLLM_EXT),
+           "PYTHONPATH": str(VLLM_EXT), PARENT_ENV: str(os.getpid()),
            "VLLM_LOGGING_LEVEL": "DEBUG" if log_requests else "INFO"}
     draft_dir = kw.get("draft_dir")
     if draft_dir is not None and mode not in TARGET_MODES and rules(declared_method(draft_dir)).v2_only:

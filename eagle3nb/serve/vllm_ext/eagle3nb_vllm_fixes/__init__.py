@@ -27,6 +27,8 @@ def register() -> None:
         guarded(name, fix.install, fix.WITHOUT)
     # not a fix: the profile of the served rounds 04 predicts an endpoint from, only where EAGLE3NB_VLLM_ROUNDS
     # names its file (rounds.py)
-    from eagle3nb_vllm_fixes import rounds
+    from eagle3nb_vllm_fixes import parent, rounds
 
     guarded("rounds", rounds.install, "no profile of the served rounds is written")
+    # not a fix either: a vLLM eagle3nb started stops when the process that started it is gone (parent.py)
+    guarded("parent", parent.install, "this vLLM outlives the process that started it")
