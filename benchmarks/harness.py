@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -372,20 +371,6 @@ async def chat(client: Any, model: str, asked: list[str], concurrency: int, max_
     return list(out), time.perf_counter() - t0
 
 
-def root_cause(e: Exception) -> str:
-    """The first error vLLM's log names (its engine's own, not the "initialization failed" that follows it; for a
-    config vLLM's pydantic validation refuses, the refusal's own words on the line after), else the exception's last
-    line: what a row says when vLLM did not start on its draft."""
-    text = str(e).strip()
-    log = re.search(r"its output \((\S+)\)", text)
-    lines = Path(log.group(1)).read_text(errors="replace").splitlines() if log and Path(log.group(1)).exists() \
-        else text.splitlines()
-    causes = [m.group(1) for line in lines if (m := re.search(r"\bValue error, (.*?) \[type=", line))]
-    causes += [m.group(0) for line in lines if (m := re.search(r"\b\w+Error: .*", line))
-               and "WARNING" not in line and "initialization failed" not in line]
-    return (causes[0] if causes else text.splitlines()[-1]).split(". ")[0][:200]  # its first sentence
-
-
 def serve_drafts(toy: str, drafts: dict[str, tuple[Path, int]], prompts: list[dict], max_tokens: int,
                  fixes: bool = True, levels: tuple[int, ...] = (1,)) -> dict[str, dict | str]:
     """Each draft (name: folder, k) on the real vLLM, served as the method its config.json declares
@@ -397,6 +382,7 @@ def serve_drafts(toy: str, drafts: dict[str, tuple[Path, int]], prompts: list[di
     from eagle3nb.accept.online import bench_endpoint
     from eagle3nb.drafts import served_method
     from eagle3nb.errors import UserError
+    from eagle3nb.select.engines import refusal
     from eagle3nb.serve.vllm import start_vllm
 
     out: dict[str, dict | str] = {}
@@ -410,7 +396,7 @@ def serve_drafts(toy: str, drafts: dict[str, tuple[Path, int]], prompts: list[di
                                     num_speculative_tokens=k, speculative={"draft_sample_method": "probabilistic"},
                                     fixes=fixes)
             except (RuntimeError, UserError) as e:
-                out[name] = root_cause(e)
+                out[name] = refusal(e)
                 print(f"{toy} {name}: vLLM did not serve it: {out[name]}", flush=True)
                 continue
             with server:

@@ -90,7 +90,7 @@ class Budget:
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
             module = item.nodeid.split("::")[0]
-            self.tiers[module].update(m for m in ("engine", "browser", "slow") if item.get_closest_marker(m))
+            self.tiers[module].update(m for m in ("engine", "browser", "slow", "gpu") if item.get_closest_marker(m))
 
     @property
     def controller(self) -> bool:

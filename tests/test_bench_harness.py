@@ -120,5 +120,7 @@ def test_a_draft_vllm_refuses_is_reported_by_its_first_cause(tmp_path):
                    "pydantic ValidationError: 1 validation error for SpeculativeConfig\n"
                    "  Value error, dspark needs the V2 model runner. Set it. [type=value_error]\n"
                    "RuntimeError: Engine core initialization failed. See root cause above.\n")
-    cause = harness.root_cause(RuntimeError(f"vLLM exited; its output ({log})"))
-    assert cause == "dspark needs the V2 model runner"
+    from eagle3nb.select.engines import refusal
+
+    cause = refusal(RuntimeError(f"vLLM exited; its output ({log})"))  # what serve_drafts reports, as 06 does
+    assert cause.startswith("dspark needs the V2 model runner")

@@ -66,7 +66,7 @@ class Traffic:
         return {g: n / total for g, n in sorted(self.groups.items())} if total else {}
 
 
-def _files(source: Path) -> list[Path]:
+def log_files(source: Path) -> list[Path]:
     if source.is_dir():
         files = sorted(p for p in source.rglob("*") if p.is_file() and
                        (p.suffix in LOG_SUFFIXES or (p.suffix == ".gz" and Path(p.stem).suffix in LOG_SUFFIXES)))
@@ -79,7 +79,7 @@ def _files(source: Path) -> list[Path]:
     return [source]
 
 
-def _lines(path: Path) -> Iterator[str]:
+def log_lines(path: Path) -> Iterator[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         yield from f
@@ -255,9 +255,9 @@ def read_traffic(source: str | Path, per_group: int, *, group_by: list[str] | No
     rng = random.Random(seed)
     out = Traffic(rows=[], requests=0)
     reservoirs: dict[str, list[dict]] = {}
-    for path in _files(Path(source)):
+    for path in log_files(Path(source)):
         jsonl = bool({".jsonl", ".json"} & set(path.suffixes))
-        for n, line in enumerate(_lines(path), 1):
+        for n, line in enumerate(log_lines(path), 1):
             body, tags, why = _body(line, jsonl)
             if body is not None:
                 row, hits, why = _request(body, tags, group_by, tag_allowlist, f"{path.name}:{n}")

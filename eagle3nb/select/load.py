@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from eagle3nb.data.traffic import VLLM_BODY, _files, _lines
+from eagle3nb.data.traffic import VLLM_BODY, log_files, log_lines
 from eagle3nb.errors import InputError
 
 # vLLM's log line stamp ("DEBUG 12-02 04:29:58"; its year is the log's, not written), and the keys a gateway's JSONL
@@ -55,7 +55,7 @@ def arrival(line: str, year: int = 2000) -> float | None:
 
 def arrivals(source: str | Path) -> list[float]:
     """The arrival times of every request of ``source`` (a log file or a folder, as 05 reads traffic), sorted."""
-    times = [t for path in _files(Path(source)) for line in _lines(path) if (t := arrival(line)) is not None]
+    times = [t for path in log_files(Path(source)) for line in log_lines(path) if (t := arrival(line)) is not None]
     if len(times) < 2 or times[-1] <= times[0]:
         raise InputError(f"traffic {source}: {len(times)} request(s) with an arrival time, too few for a rate; give a "
                          f"log whose lines carry one ({', '.join(TIME_KEYS)} in a JSONL record, or vLLM's request "
