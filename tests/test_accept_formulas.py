@@ -134,6 +134,24 @@ def test_a_good_drafter_reads_as_good_and_faster():
     assert "good" in text and "faster" in text and "Likeliest cause #" not in text
 
 
+def test_the_verdict_names_both_acceptance_lengths_of_real_decoding():
+    """Local decoding's tau as vLLM pools it and as SpecForge averages it (the mean of per-request means), side by
+    side and each named, in the headline and the verdict's table: on skewed traffic the two disagree."""
+    from eagle3nb.accept.verdict import headline
+
+    metrics = {"offline": {"k": 3, "per_position": [0.8] * 3, "acceptance_length": 3.0, "temperature": 0.0,
+                           "greedy": {"acceptance_length": 3.0, "simulated_acceptance_length": 2.9}},
+               "local": {"k": 3, "acceptance_length": 2.71, "acceptance_length_per_request": 3.14,
+                         "identical_to_target": True, "spec_tokens_per_s": 20.0, "plain_tokens_per_s": 10.0,
+                         "speedup": 2.0},
+               "online": [], "online_baseline": "baseline"}
+    measured = headline(metrics)[0]
+    assert "2.71 in real decoding here (vLLM's pooled; 3.14 as SpecForge's mean of per-request means)" in measured
+    text = verdict(metrics).data.to_string(max_colwidth=None)
+    assert "tau = 2.71 tokens per target step at k=3, pooled over every round as vLLM counts it (3.14 as " \
+           "SpecForge's mean of per-request means" in text
+
+
 def test_the_verdict_puts_the_checkups_evidence_first():
     """The doctor's causes come in as an argument (04 never runs the doctor): failed / warned checks lead,
     the verdict's own reading of the metrics follows, then the rest of the doctor's list."""

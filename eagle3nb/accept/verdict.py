@@ -74,7 +74,10 @@ def headline(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = Non
     measured = (f"acceptance length {off['acceptance_length']:.2f} tokens per target step at k={off['k']} offline"
                 if off else "no offline acceptance")
     if metrics.get("local"):
-        measured += f", {metrics['local']['acceptance_length']:.2f} in real decoding here"
+        loc = metrics["local"]
+        per_request = loc.get("acceptance_length_per_request")
+        measured += f", {loc['acceptance_length']:.2f} in real decoding here (vLLM's pooled" + (
+            f"; {per_request:.2f} as SpecForge's mean of per-request means)" if per_request is not None else ")")
     best = max(served, key=lambda r: r["speedup"], default=None)
     if best is not None:
         gain = best["speedup"] >= 1.05
@@ -148,7 +151,9 @@ def verdict(metrics: dict[str, Any], checkup_causes: Sequence[str] | None = None
                      f"NO: outputs differ from the target's on prompts {loc.get('mismatched_prompts')}"
                      if same is False else "not checked (sampling)"))
         rows.append(("Acceptance (local, real decoding)",
-                     f"tau = {loc['acceptance_length']:.2f} tokens per target step at k={loc['k']} (offline greedy "
+                     f"tau = {loc['acceptance_length']:.2f} tokens per target step at k={loc['k']}, pooled over every "
+                     f"round as vLLM counts it ({_num(loc.get('acceptance_length_per_request'))} as SpecForge's mean "
+                     f"of per-request means; offline greedy "
                      f"said {_num(off.get('greedy', {}).get('acceptance_length'))} over all positions, "
                      f"{_num(off.get('greedy', {}).get('simulated_acceptance_length'))} replaying decoding rounds); "
                      f"{loc['spec_tokens_per_s']:.1f} vs {loc['plain_tokens_per_s']:.1f} tokens/s plain = "
