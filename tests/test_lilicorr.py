@@ -295,6 +295,13 @@ def test_the_objective_adds_the_weighted_terms_to_dflashs_loss_and_trains_head_a
               draft.mask_embedding):
         assert p.grad is not None and p.grad.abs().sum() > 0
     assert draft.embed_tokens.weight.grad is None and draft.lm_head.weight.grad is None
+    # lilicorr_joint false: the same terms on the same blocks train the head and leave the backbone to DFlash's loss
+    draft.zero_grad()
+    alone = lattice_loss(draft, base["blocks"], batch["input_ids"], batch["target_probs"], 1.5, joint=False)
+    assert all(torch.equal(alone[t].detach(), lat[t].detach()) for t in ("ce", "hinge", "penalty"))
+    (alone["ce"] + alone["hinge"] + alone["penalty"]).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.lilicorr.parameters())
+    assert all(p.grad is None for n, p in draft.named_parameters() if not n.startswith("lilicorr."))
 
 
 def test_what_cannot_train_or_serve_is_refused_in_one_line():

@@ -49,6 +49,12 @@ PARAMS: dict[str, tuple[Any, Any]] = {
                               "(what greedy decoding accepts, and what the block loss learns here), or data, the "
                               "data's token (ModelOpt's recipe, whose backbone learns the data's tokens too; on the "
                               "smoke toy it walked below its own top-1, docs/block-drafters.md)")),
+    "lilicorr_joint": (bool, Field(True, description="the lattice's terms train the backbone too, through the "
+                                                     "candidates' live log-probabilities and the slots' states "
+                                                     "(ModelOpt's recipe); false: the head only, the backbone on "
+                                                     "DFlash's block loss alone (on the demo and Kimi toys at 400 "
+                                                     "steps joint training cost the backbone 0.4-1.1 tau, "
+                                                     "docs/block-drafters.md)")),
     "lilicorr_w_ce": (float, Field(0.25, ge=0, description="weight of the lattice's cross-entropy of each slot's true "
                                                            "token (lilicorr_truth), the walk held to the true ones")),
     "lilicorr_w_margin": (float, Field(0.0, ge=0, description="weight of the hinge keeping the true token "

@@ -82,12 +82,16 @@ def lattice_terms(start: torch.Tensor, pairs: torch.Tensor, cand: torch.Tensor, 
 
 
 def lattice_loss(model: LiLiCorrDraft, blocks: dict[str, torch.Tensor], input_ids: torch.Tensor,
-                 target_probs: torch.Tensor, margin: float, truth: str = "target") -> dict[str, Any]:
+                 target_probs: torch.Tensor, margin: float, truth: str = "target", joint: bool = True
+                 ) -> dict[str, Any]:
     """The lattice's terms on ``block_loss``'s blocks (its ``blocks``: ``ctx``, ``anchor_pos``, ``hidden``,
     ``logits``, ``at``, ``top``, ``mask``) of a batch with input_ids [B, T] and target_probs [B, T, V], each slot
     held to ``truth`` (:data:`TRUTHS`). Returns the terms (``lattice_terms``), ``correct`` [S] (the walk's own pick
     equals the target's argmax, per block slot, on the block loss's slots) and ``prefix``: per fully scored block
-    the three prefix lengths against the same tokens (``prefix_lengths``), summed, with ``blocks`` counted."""
+    the three prefix lengths against the same tokens (``prefix_lengths``), summed, with ``blocks`` counted.
+    ``joint`` False: the head reads the backbone's outputs detached, so the terms train the head only."""
+    if not joint:
+        blocks = {k: v.detach() if k in ("ctx", "hidden", "logits") else v for k, v in blocks.items()}
     B, N, S, _ = blocks["hidden"].shape
     T = input_ids.shape[1]
     at, mask = blocks["at"][:, :, 1:], blocks["mask"][:, :, 1:]  # shape: [B, N, n]: DFlash's drafting slots
@@ -125,19 +129,22 @@ class LatticeObjective(BlockObjective, EvalDiagnostics):
     EVAL_SUMS = (*PREFIXES, "blocks")
 
     def __init__(self, draft: LiLiCorrDraft, anchors_per_seq: int, loss: str, weighting: str, gamma: float,
-                 dpace_alpha: float, w_ce: float, w_margin: float, w_pen: float, margin: float, truth: str = "target"):
+                 dpace_alpha: float, w_ce: float, w_margin: float, w_pen: float, margin: float, truth: str = "target",
+                 joint: bool = True):
         if problem := weights_problem(w_ce, w_margin, w_pen, margin):
             raise DraftMismatchError(problem)
         super().__init__(draft, anchors_per_seq, loss, weighting, gamma, dpace_alpha, confidence_weight=0.0)
         self.weights, self.margin, self.truth = dict(zip(TERMS, (w_ce, w_margin, w_pen))), margin, truth
+        self.joint = joint
         self.last: dict[str, Any] = {}
 
     @classmethod
     def from_params(cls, draft: LiLiCorrDraft, P: Any) -> "LatticeObjective":
         """The loss 03's parameters ask for: the block settings ``BlockObjective`` reads and ``lilicorr_w_ce``,
-        ``lilicorr_w_margin``, ``lilicorr_w_pen``, ``lilicorr_margin``, ``lilicorr_truth``."""
+        ``lilicorr_w_margin``, ``lilicorr_w_pen``, ``lilicorr_margin``, ``lilicorr_truth``, ``lilicorr_joint``."""
         return cls(draft, P.anchors_per_seq, P.block_loss, P.block_weighting, P.block_gamma, P.dpace_alpha,
-                   P.lilicorr_w_ce, P.lilicorr_w_margin, P.lilicorr_w_pen, P.lilicorr_margin, P.lilicorr_truth)
+                   P.lilicorr_w_ce, P.lilicorr_w_margin, P.lilicorr_w_pen, P.lilicorr_margin, P.lilicorr_truth,
+                   P.lilicorr_joint)
 
     def terms(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``block_loss``'s output and the lattice's (``lattice_loss``) on one batch, the anchors drawn as
@@ -146,7 +153,7 @@ class LatticeObjective(BlockObjective, EvalDiagnostics):
         out = block_loss(self.draft, batch["aux"], batch["input_ids"], batch["loss_mask"], batch["target_probs"],
                          batch["target_argmax"], generator=gen, **self.kw)
         return out, lattice_loss(self.draft, out["blocks"], batch["input_ids"], batch["target_probs"], self.margin,
-                                 self.truth)
+                                 self.truth, self.joint)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: aux [B, T, n*H_t], input_ids / loss_mask / target_argmax [B, T], target_probs [B, T, V]."""
