@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from served_drafts import family_servers, held_out, local_acceptance
 from stage_params import synth_params
 
@@ -440,6 +441,9 @@ def test_kimi_vllm_serves_a_dflash_block_drafter(kimi, engines, tmp_path):
 
     torch.manual_seed(SEED)
     draft = DFlashDraft(from_target(json.loads((kimi / "config.json").read_text()), num_layers=2, block_size=4))
+    weights = load_file(kimi / "model.safetensors")  # the target's rows: the mask input starts at their live mean,
+    draft.set_target(weights["model.embed_tokens.weight"].float(),  # as 03 starts it (a zero one is refused)
+                     weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float())
     k = draft.config.drafts_per_block
     servers = Servers(engines, kimi)
     try:
