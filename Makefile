@@ -92,7 +92,7 @@ test: $(STAMP) $(VLLM_STAMP) tokenizers chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-## The inner loop (under 4 minutes on two cores): the lint, then every test outside the engine, browser, slow and gpu
+## The inner loop (3 minutes on two AVX-512 cores, 5 on two AVX2-only ones, docs/testing.md): the lint, then every test outside the engine, browser, slow and gpu
 ## tiers (tests/conftest.py assigns them; docs/testing.md has the table and the one-tier commands).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
