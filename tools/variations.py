@@ -12,7 +12,7 @@ pytest run of ``TESTS`` in a subprocess with its environment:
 - ``threads2``: 2 torch threads for the trained fixtures (another reduction order);
 - ``seed1``: the trained fixtures drawn from another seed (a margin that is one seed's luck fails here).
 
-Outside ``make test`` (it runs the trained tests five times: about 25 minutes on 2 cores). Prints one line per
+Outside ``make test`` (it runs the trained tests once per variation, five in all). Prints one line per
 variation and a summary; exits 1 when any failed.
 """
 
@@ -33,7 +33,8 @@ TESTS = ["tests/test_toy.py", "tests/test_doctor.py", "tests/test_bench_server.p
          "tests/test_online_train.py", "tests/test_vllm.py", "tests/test_e2e.py", "tests/test_recipes.py",
          "tests/test_accept_sweep.py", "tests/test_vllm_recipes.py", "tests/test_parallel_drafting.py",
          "tests/test_family_glm.py", "tests/test_harmony.py", "tests/test_vllm_sampling.py", "tests/test_dflash.py",
-         "tests/test_refresh.py"]
+         "tests/test_refresh.py", "tests/test_lilicorr.py", "tests/test_select.py", "tests/test_scale.py",
+         "tests/test_family_kimi.py", "tests/test_family_qwen3.py", "tests/test_family_gptoss.py"]
 
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 PORTABLE = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
