@@ -413,8 +413,46 @@ def test_the_mask_input_starts_at_the_live_rows_mean_and_is_trained(trained, tar
     assert torch.equal(embedded[0], rows[5]) and torch.equal(embedded[1], m.mask_embedding.detach())
 
 
+@pytest.fixture(scope="module")
+def served(trained, engines, toy_smoke, tmp_path_factory):
+    """The trained DFlash draft (decay) on two real vLLM servers of the session's registry, submitted together as
+    soon as the first serving test asks, so their start-ups overlap each other and that test's local decoding:
+    ``whole``, the export at its whole block, drafting by sampling at T > 0; ``causal``, the same weights as a causal
+    block exported one draft shorter. ``served.draft(name)`` is (the draft as served, k), ``served.handle(name)``
+    waits for its server."""
+    import dataclasses
+
+    from eagle3nb.drafts.dflash.layouts import save_draft
+    from eagle3nb.drafts.dflash.model import DFlashDraft
+
+    m = trained(0, "decay")[0]
+    causal = DFlashDraft(dataclasses.replace(m.config, causal=True)).eval()
+    causal.load_state_dict(m.state_dict())
+    folder = tmp_path_factory.mktemp("dflash-served")
+    k = {"whole": m.config.drafts_per_block, "causal": m.config.drafts_per_block - 1}
+    drafts = {"whole": save_draft(m, folder / "whole"),
+              "causal": save_draft(causal, folder / "causal", num_speculative_tokens=k["causal"])}
+    keys = {"whole": engines.submit(toy_smoke, "dflash", draft_dir=drafts["whole"], num_speculative_tokens=k["whole"],
+                                    speculative={"draft_sample_method": "probabilistic"}),
+            "causal": engines.submit(toy_smoke, "dflash", draft_dir=drafts["causal"],
+                                     num_speculative_tokens=k["causal"])}
+
+    class Served:
+        def draft(self, name: str) -> tuple[Path, int]:
+            return drafts[name], k[name]
+
+        def handle(self, name: str):
+            return engines.handle(keys[name])
+
+    try:
+        yield Served()
+    finally:
+        for key in keys.values():
+            engines.release(key)
+
+
 @requires_vllm()
-def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, tmp_path):
+def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, served):
     """vLLM 0.32's CPU build serves the trained DFlash export (``method: dflash``, block - 1 speculative tokens):
     its log says it loaded our trained ``mask_embedding.pt``; its greedy completions are the target's own; greedy,
     its spec-decode counters count exactly the drafts and
@@ -436,12 +474,11 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     from eagle3nb.data.stream import Template
     from eagle3nb.decoder.reference import plain_generate
     from eagle3nb.drafts.dflash.drafting import generate
-    from eagle3nb.drafts.dflash.layouts import save_draft
     from eagle3nb.formulas import spec_counters, spec_delta
-    from eagle3nb.serve.vllm import start_vllm
 
     m = trained(0, "decay")[0]
-    k = m.config.drafts_per_block
+    k = served.draft("whole")[1]
+    assert k == m.config.drafts_per_block
     prompts = [prompt_of(r) for r in data["heldout"]]
     local = [generate(target, m, p, NEW_TOKENS) for p in prompts]
     local_accepted = [n for d in local for n in d.accepted]
@@ -449,27 +486,26 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     sampled, tpl = held_out(48), Template(toy_smoke, True)  # T=1: ~1000 rounds, sampling noise well inside 10%
     local_t1 = compare_with_plain(target, m, [tpl.prompt_ids(p["messages"]) for p in sampled], k, NEW_TOKENS, 1.0,
                                   [tpl.end_id])
-    with start_vllm(toy_smoke, "dflash", draft_dir=save_draft(m, tmp_path / "draft"), num_speculative_tokens=k,
-                    speculative={"draft_sample_method": "probabilistic"}) as handle:
-        model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
-        murl = metrics_url(handle.base_url)
-        before = spec_counters(scrape(murl))
-        served = []
-        for ids in prompts:
-            reply = httpx.post(handle.base_url + "/completions", timeout=300, json={
-                "model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
-                "return_token_ids": True}).json()
-            served.append(reply["choices"][0]["token_ids"])
-        acc = spec_delta(before, spec_counters(scrape(murl)))
-        log = handle.log()  # vLLM's own lines (its mask-embedding loader's), not the fixes plugin's
-        row_t1 = bench_endpoint("dflash", handle.base_url, sampled, [4], max_tokens=NEW_TOKENS, temperature=1.0,
-                                warmup=0, k=k)[0]
+    handle = served.handle("whole")
+    model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
+    murl = metrics_url(handle.base_url)
+    before = spec_counters(scrape(murl))
+    completions = []
+    for ids in prompts:
+        reply = httpx.post(handle.base_url + "/completions", timeout=300, json={
+            "model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}).json()
+        completions.append(reply["choices"][0]["token_ids"])
+    acc = spec_delta(before, spec_counters(scrape(murl)))
+    log = handle.log()  # vLLM's own lines (its mask-embedding loader's), not the fixes plugin's
+    row_t1 = bench_endpoint("dflash", handle.base_url, sampled, [4], max_tokens=NEW_TOKENS, temperature=1.0,
+                            warmup=0, k=k)[0]
     print(f"vLLM dflash: acceptance length {acc['acceptance_length']:.3f} ({acc['accepted']:.0f} of "
           f"{acc['draft_tokens']:.0f} drafted, {acc['drafts']:.0f} drafts), local {local_tau:.3f}; at T=1 vLLM "
           f"{row_t1['acceptance_length']:.3f}, local {local_t1['acceptance_length']:.3f}")
     assert f"Loaded DFlash mask embedding for mask_token_id {m.config.mask_token_id}" in log, log[-2000:]
-    assert served == [plain_generate(target, p, NEW_TOKENS) for p in prompts]
-    assert [d.tokens for d in local] == served
+    assert completions == [plain_generate(target, p, NEW_TOKENS) for p in prompts]
+    assert [d.tokens for d in local] == completions
     assert acc["engine"] == "vllm" and acc["drafts"] > 0, acc
     assert (acc["drafts"], acc["accepted"]) == (len(local_accepted), sum(local_accepted)), (acc, local_tau)
     assert row_t1["errors"] == 0 and local_t1["acceptance_length"] > 1.3, (row_t1, local_t1)
@@ -479,44 +515,35 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
 
 
 @requires_vllm()
-def test_vllm_serves_a_causal_block_shorter_than_trained_as_local_decoding_does(trained, target, data, toy_smoke,
-                                                                                  tmp_path):
+def test_vllm_serves_a_causal_block_shorter_than_trained_as_local_decoding_does(trained, data, target, served):
     """block_causal's path through the real vLLM: the trained block-of-4 weights as a causal draft, exported at
     k = 2 (a served block of 3, shorter than trained): vLLM reads ``dflash_config.causal`` and picks causal
     attention for the draft, and greedy its counters count exactly the drafts and accepted tokens of our local block
     decoding of the same export on the same prompts (a whole-block attention in either engine would propose other
     blocks), its completions the target's own."""
-    import dataclasses
-
     import httpx
 
     from eagle3nb.accept.online import metrics_url, scrape
     from eagle3nb.drafts import load_draft
     from eagle3nb.drafts.dflash.drafting import generate
-    from eagle3nb.drafts.dflash.layouts import save_draft
-    from eagle3nb.drafts.dflash.model import DFlashDraft
     from eagle3nb.formulas import spec_counters, spec_delta
-    from eagle3nb.serve.vllm import start_vllm
 
     m = trained(0, "decay")[0]
-    causal = DFlashDraft(dataclasses.replace(m.config, causal=True)).eval()
-    causal.load_state_dict(m.state_dict())
-    k = m.config.drafts_per_block - 1
-    folder = save_draft(causal, tmp_path / "draft", num_speculative_tokens=k)
+    folder, k = served.draft("causal")
     served_draft = load_draft(folder, embed_tokens=m.embed_tokens.weight, lm_head=m.lm_head.weight)
-    assert served_draft.config.causal and served_draft.config.drafts_per_block == k
+    assert served_draft.config.causal and served_draft.config.drafts_per_block == k == m.config.drafts_per_block - 1
     prompts = [prompt_of(r) for r in data["heldout"]]
     local = [generate(target, served_draft, p, NEW_TOKENS) for p in prompts]
     local_accepted = [n for d in local for n in d.accepted]
-    with start_vllm(toy_smoke, "dflash", draft_dir=folder, num_speculative_tokens=k) as handle:
-        model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
-        murl = metrics_url(handle.base_url)
-        before = spec_counters(scrape(murl))
-        served = [httpx.post(handle.base_url + "/completions", timeout=300, json={
-            "model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}).json()["choices"][0]["token_ids"] for ids in prompts]
-        acc = spec_delta(before, spec_counters(scrape(murl)))
-    assert [d.tokens for d in local] == served
+    handle = served.handle("causal")
+    model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
+    murl = metrics_url(handle.base_url)
+    before = spec_counters(scrape(murl))
+    completions = [httpx.post(handle.base_url + "/completions", timeout=300, json={
+        "model": model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True}).json()["choices"][0]["token_ids"] for ids in prompts]
+    acc = spec_delta(before, spec_counters(scrape(murl)))
+    assert [d.tokens for d in local] == completions
     assert acc["drafts"] > 0 and (acc["drafts"], acc["accepted"]) == (len(local_accepted), sum(local_accepted)), acc
 
 
