@@ -11,12 +11,12 @@ TORCH_SPEC ?= torch==2.13.0
 RUN ?= demo
 # More pytest arguments for `make test` / `make test-fast`: one tier (-m engine), one module (tests/test_vllm.py)
 PYTEST_ARGS ?=
-# pytest-xdist workers side by side for `make test` (tests/conftest.py groups them: a module in one worker, every
-# module with a real-vLLM test in one group, so one worker holds all the vLLM servers and the other runs the rest on
-# the core that leaves idle; docs/testing.md); 0 runs everything in one process. The fast tier (no vLLM) runs two
-# workers too (FAST_WORKERS): the ports its servers get are drawn apart per process and a port taken before its
-# server binds it is replaced (eagle3nb/launch.py)
-PYTEST_WORKERS ?= 2
+# pytest-xdist workers side by side for `make test` (tests/conftest.py groups them: a module in one worker, the
+# real-vLLM modules sharing one); 0, the default, runs everything in one process: on two cores the vLLM servers of
+# one worker starve the other's (docs/testing.md, measured). The fast tier (no vLLM) runs two workers (FAST_WORKERS):
+# the ports its servers get are drawn apart per process and a port taken before its server binds it is replaced
+# (eagle3nb/launch.py)
+PYTEST_WORKERS ?= 0
 FAST_WORKERS ?= 2
 # The run `make rehearse` plays against the real vLLM: the production recipe on Kimi-K2's own architecture
 # (toy:kimi, served in vLLM's MLA path); REHEARSE=params/vllm-cpu/ plays it on the Llama smoke toy.

@@ -49,11 +49,11 @@ SLOW_TESTS = {"test_toy.py::test_a_fresh_rebuild_is_as_good_as_the_shipped_toy",
 
 
 # Run side by side (`make test`: pytest-xdist, two workers, --dist loadgroup), each module stays in one worker (its
-# module-scoped fixtures are built once), and every module with a real-vLLM test is in one group, "engine": one
-# worker holds every vLLM server of the session (the engines registry is per process, so the toy servers two modules
-# ask for start once), while the other runs the modules without vLLM on the core the engine modules' one-thread
-# training and single-process starts leave idle. Two workers each holding vLLM servers starved each other
-# (docs/testing.md).
+# module-scoped fixtures are built once) and the modules with real-vLLM tests share one worker, whose session holds
+# the engines registry their toy:smoke servers are shared through; the family modules below serve only their own
+# targets, so each is a group of its own that may run beside the others.
+OWN_ENGINE_WORLDS = {"test_family_kimi.py", "test_family_qwen3.py", "test_family_glm.py", "test_family_gptoss.py",
+                     "test_harmony.py"}
 
 
 def module_of(item) -> str:
@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     engine = {module_of(item) for item in items if item.get_closest_marker("engine")}
     for item in items:
         module = module_of(item)
-        item.add_marker(pytest.mark.xdist_group("engine" if module in engine else module))
+        item.add_marker(pytest.mark.xdist_group("engine" if module in engine - OWN_ENGINE_WORLDS else module))
 
 
 def _assign_tiers(items) -> None:
