@@ -102,23 +102,36 @@ class Servers:
     def __init__(self, engines: Engines, model: Path):
         self.engines, self.model, self.handles, self.keys, self.specs = engines, model, {}, {}, {}
 
+    def submit(self, **specs: dict) -> None:
+        """Start the ``name=spec`` servers not yet submitted (spec: ``start_vllm``'s mode and options) in the
+        background and return at once: ``servers[name]`` waits for one, so their start-up overlaps the caller's
+        work."""
+        for name, spec in specs.items():
+            if name not in self.keys:
+                self.keys[name] = self.engines.submit(self.model, **spec)
+                self.specs[name] = spec
+
     def start(self, **specs: dict) -> None:
-        """Start the ``name=spec`` servers not yet started (spec: ``start_vllm``'s mode and options) side by side;
-        raises RuntimeError naming each that failed, keeping those that started."""
-        todo = {name: self.engines.submit(self.model, **spec) for name, spec in specs.items()
-                if name not in self.handles}
-        self.keys.update(todo)
-        self.specs.update(specs)
+        """``submit`` the ``name=spec`` servers side by side and wait for them; raises RuntimeError naming each that
+        failed, keeping those that started (a failed one is submitted again by the next ``start``)."""
+        self.submit(**specs)
         errors = []
-        for name, key in todo.items():
+        for name in specs:
             try:
-                self.handles[name] = self.engines.handle(key)
+                self[name]
             except RuntimeError as e:
                 errors.append(f"{name}: {e}")
         if errors:
             raise RuntimeError("\n".join(errors))
 
     def __getitem__(self, name: str) -> ServerHandle:
+        """Server ``name``, once up."""
+        if name not in self.handles:
+            try:
+                self.handles[name] = self.engines.handle(self.keys[name])
+            except RuntimeError:
+                del self.keys[name]
+                raise
         return self.handles[name]
 
     def storage(self, name: str) -> Path:

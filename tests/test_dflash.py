@@ -18,6 +18,7 @@ import torch
 import vllm_drafts
 from served_drafts import vllm_name
 
+from engines import Servers
 from worlds import requires_vllm
 
 BLOCK = 4
@@ -418,8 +419,8 @@ def served(trained, engines, toy_smoke, tmp_path_factory):
     """The trained DFlash draft (decay) on two real vLLM servers of the session's registry, submitted together as
     soon as the first serving test asks, so their start-ups overlap each other and that test's local decoding:
     ``whole``, the export at its whole block, drafting by sampling at T > 0; ``causal``, the same weights as a causal
-    block exported one draft shorter. ``served.draft(name)`` is (the draft as served, k), ``served.handle(name)``
-    waits for its server."""
+    block exported one draft shorter. ``{"drafts": {name: folder}, "k": {name: k}, "servers": Servers}``;
+    ``servers[name]`` waits for its server."""
     import dataclasses
 
     from eagle3nb.drafts.dflash.layouts import save_draft
@@ -432,23 +433,14 @@ def served(trained, engines, toy_smoke, tmp_path_factory):
     k = {"whole": m.config.drafts_per_block, "causal": m.config.drafts_per_block - 1}
     drafts = {"whole": save_draft(m, folder / "whole"),
               "causal": save_draft(causal, folder / "causal", num_speculative_tokens=k["causal"])}
-    keys = {"whole": engines.submit(toy_smoke, "dflash", draft_dir=drafts["whole"], num_speculative_tokens=k["whole"],
-                                    speculative={"draft_sample_method": "probabilistic"}),
-            "causal": engines.submit(toy_smoke, "dflash", draft_dir=drafts["causal"],
-                                     num_speculative_tokens=k["causal"])}
-
-    class Served:
-        def draft(self, name: str) -> tuple[Path, int]:
-            return drafts[name], k[name]
-
-        def handle(self, name: str):
-            return engines.handle(keys[name])
-
+    servers = Servers(engines, toy_smoke)
     try:
-        yield Served()
+        servers.submit(whole={"mode": "dflash", "draft_dir": drafts["whole"], "num_speculative_tokens": k["whole"],
+                              "speculative": {"draft_sample_method": "probabilistic"}},
+                       causal={"mode": "dflash", "draft_dir": drafts["causal"], "num_speculative_tokens": k["causal"]})
+        yield {"drafts": drafts, "k": k, "servers": servers}
     finally:
-        for key in keys.values():
-            engines.release(key)
+        servers.stop()
 
 
 @requires_vllm()
@@ -477,7 +469,7 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     from eagle3nb.formulas import spec_counters, spec_delta
 
     m = trained(0, "decay")[0]
-    k = served.draft("whole")[1]
+    k = served["k"]["whole"]
     assert k == m.config.drafts_per_block
     prompts = [prompt_of(r) for r in data["heldout"]]
     local = [generate(target, m, p, NEW_TOKENS) for p in prompts]
@@ -486,7 +478,7 @@ def test_vllm_serves_the_trained_dflash_draft(trained, target, data, toy_smoke, 
     sampled, tpl = held_out(48), Template(toy_smoke, True)  # T=1: ~1000 rounds, sampling noise well inside 10%
     local_t1 = compare_with_plain(target, m, [tpl.prompt_ids(p["messages"]) for p in sampled], k, NEW_TOKENS, 1.0,
                                   [tpl.end_id])
-    handle = served.handle("whole")
+    handle = served["servers"]["whole"]
     model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
     murl = metrics_url(handle.base_url)
     before = spec_counters(scrape(murl))
@@ -529,13 +521,13 @@ def test_vllm_serves_a_causal_block_shorter_than_trained_as_local_decoding_does(
     from eagle3nb.formulas import spec_counters, spec_delta
 
     m = trained(0, "decay")[0]
-    folder, k = served.draft("causal")
+    folder, k = served["drafts"]["causal"], served["k"]["causal"]
     served_draft = load_draft(folder, embed_tokens=m.embed_tokens.weight, lm_head=m.lm_head.weight)
     assert served_draft.config.causal and served_draft.config.drafts_per_block == k == m.config.drafts_per_block - 1
     prompts = [prompt_of(r) for r in data["heldout"]]
     local = [generate(target, served_draft, p, NEW_TOKENS) for p in prompts]
     local_accepted = [n for d in local for n in d.accepted]
-    handle = served.handle("causal")
+    handle = served["servers"]["causal"]
     model = httpx.get(handle.base_url + "/models", timeout=30).json()["data"][0]["id"]
     murl = metrics_url(handle.base_url)
     before = spec_counters(scrape(murl))
