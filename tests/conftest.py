@@ -4,8 +4,6 @@ the repository's ``outputs/``."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -114,28 +112,20 @@ def _project_env(tmp_path_factory):
     assert not changed, f"the tests wrote under outputs/ (tests use temporary folders only): {changed[:10]}"
 
 
-# The toys built at first use (not shipped: tens of MB on real tokenizers) -> the module that first asks for one.
-BUILT_AT_FIRST_USE = {"qwen3": "test_family_qwen3", "gptoss": "test_harmony"}
-
-
 @pytest.fixture(scope="session", autouse=True)
-def _toys_built_in_the_background(request, _project_env):
-    """Start building the session's not-shipped toys (one torch thread each, ~1 min apiece) in a subprocess as the
-    session starts, on the core the early modules' one-thread training leaves idle: the module that needs one then
-    finds it built, or waits on the build's own lock (``eagle3nb.toy.build``). The bytes are the recipe's either
-    way; a failed build here is rebuilt, and its error raised, by the module itself."""
-    modules = {item.module.__name__ for item in request.session.items}
-    sizes = [size for size, module in BUILT_AT_FIRST_USE.items() if module in modules]
-    if not sizes:
-        yield
-        return
-    build = ("import sys\nfrom eagle3nb.toy import resolve_model_path\n"
-             "for size in sys.argv[1:]:\n    resolve_model_path('toy:' + size)")
-    proc = subprocess.Popen([sys.executable, "-c", build, *sizes], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    yield
-    proc.kill()  # only still running when the session ended first; a build's temporary folder is cleared by the next
-    proc.wait()
+def background(request, _project_env, tmp_path_factory):
+    """The runner of the worlds registered in tests/background.py that this session's tests use, started as the
+    session starts and handed them in the order their first users run."""
+    from background import JOBS, Background
+
+    first: dict[str, int] = {}
+    for i, item in enumerate(request.session.items):
+        for name in JOBS:
+            if name in item.fixturenames:
+                first.setdefault(name, i)
+    runner = Background(tmp_path_factory.mktemp("background"), sorted(first, key=first.get))
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engines import Engines, Servers
@@ -19,22 +18,20 @@ K = 3  # draft tokens a round: vLLM's num_speculative_tokens, our decoder's k, a
 def family_servers(engines: Engines, model: Path, make_trained: Callable[[], dict],
                    plain: dict | None = None) -> Iterator[Servers]:
     """A family toy's real vLLM servers: plainly (its family's parser; ``plain``: more ``start_vllm`` options,
-    e.g. ``tools``) and extracting hidden states, both starting while ``make_trained()`` makes the trained run (it
-    keeps one core busy, their start-up the other), then serving that run's draft as ``eagle3``."""
+    e.g. ``tools``) and extracting hidden states, both starting while ``make_trained()`` returns the trained run
+    (built in the background, or waited for), then serving that run's draft as ``eagle3``, all three starting side
+    by side."""
     from eagle3nb.layers import default_aux_layer_ids
 
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    early = {"plain": {"mode": "plain", **(plain or {})},
+             "extract": {"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers]}}
     servers = Servers(engines, model)
     try:
-        with ThreadPoolExecutor(1) as pool:
-            early = pool.submit(servers.start, plain={"mode": "plain", **(plain or {})},
-                                extract={"mode": "extract", "layer_ids": [*default_aux_layer_ids(layers), layers]})
-            try:
-                trained = make_trained()
-            finally:
-                early.result()
-        servers.start(eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
-                              "num_speculative_tokens": K})
+        servers.submit(**early)
+        trained = make_trained()
+        servers.start(**early, eagle3={"mode": "eagle3", "draft_dir": trained["out"] / "03_train" / "draft",
+                                       "num_speculative_tokens": K})
         yield servers
     finally:
         servers.stop()

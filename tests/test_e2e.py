@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from background import register
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["01_synth", "02_hidden_states", "03_train", "04_acceptance"]
@@ -33,21 +34,27 @@ def smoke(*args: str, timeout: int) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+# the smoke run: built in the background as the session starts (tests/background.py)
+register("smoke_run", "smoke_run")
+
+
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("e2e")
+def smoke_run(background, tmp_path_factory) -> dict:
+    """``{"proc", "root"}``: the run of ``eagle3nb run params/smoke`` and the output root it wrote in."""
+    run = background.result("smoke_run", tmp_path_factory.mktemp("e2e"))
+    proc = run["proc"]
+    assert proc.returncode == 0, f"smoke run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return run
+
+
+@pytest.fixture(scope="module")
+def root(smoke_run) -> Path:
+    return smoke_run["root"]
 
 
 @pytest.fixture(scope="module")
 def out(root) -> Path:
     return root / "smoke"
-
-
-@pytest.fixture(scope="module")
-def smoke_run(toy_smoke, root):
-    proc = smoke("run", str(ROOT / "params" / "smoke"), "--output-root", str(root), timeout=900)
-    assert proc.returncode == 0, f"smoke run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc
 
 
 def params(stage: str) -> dict:

@@ -25,15 +25,9 @@ SERVED_TOKENS = 64
 TRAIN_STEPS = 60
 
 
-def _kimi() -> Path:
-    from eagle3nb.toy import shipped
-
-    return shipped("kimi")
-
-
-# The shipped toy:kimi; the embedded server on it, shared by 01 and its own test; 01 from that server, 02 in-process,
-# 03 an MLA draft (the one vLLM's CPU build serves beside an MLA target).
-kimi, kimi_embedded, kimi_trained = family_world("kimi", _kimi, draft_attention="mla", max_steps=TRAIN_STEPS)
+# The shipped toy:kimi; the embedded server on it; the trained run (01 from an embedded server, 02 in-process, 03 an
+# MLA draft: the one vLLM's CPU build serves beside an MLA target), built in the background as the session starts.
+kimi, kimi_embedded, kimi_trained = family_world("kimi", "toy:kimi", draft_attention="mla", max_steps=TRAIN_STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,10 @@ N_HIDDEN = 4  # samples 02 extracts in each backend
 TRAIN03 = {"max_steps": 40, "lr": 1e-2}
 
 
-def _qwen3() -> Path:
-    """The toy, built here at first use (about a minute on two cores; cached in .cache/ between runs)."""
-    from eagle3nb.toy import resolve_model_path
-
-    return resolve_model_path("toy:qwen3")
-
-
-# toy:qwen3; the embedded server on it (Qwen3's markers split the reasoning), shared by 01 and its own test; 01 from
-# that server, 02 in-process, 03 a fresh draft (the suite's healthy run, on toy:qwen3).
-qwen3, qwen3_embedded, qwen3_trained = family_world("qwen3", _qwen3, **TRAIN03)
+# toy:qwen3 (built from its recipe at first use, about a minute on two cores, cached in .cache/ between runs; in the
+# background as the session starts); the embedded server on it (Qwen3's markers split the reasoning); the trained
+# run (01 from an embedded server, 02 in-process, 03 a fresh draft: the suite's healthy run, on toy:qwen3).
+qwen3, qwen3_embedded, qwen3_trained = family_world("qwen3", "toy:qwen3", **TRAIN03)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from background import register
 from served_drafts import K
 from stage_params import synth_params
 
@@ -48,9 +49,14 @@ print(json.dumps([out, [enc.encode(t, allowed_special="all") for t in texts]]))
 """
 
 
+# the toy, built in the background as the session starts (tests/background.py)
+register("gptoss", "toy", spec="toy:gptoss")
+
+
 @pytest.fixture(scope="module")
 def gptoss(_project_env) -> Path:
-    """The toy, built here at first use (about two minutes on two cores; cached in .cache/ between runs)."""
+    """The toy, built at first use (about two minutes on two cores; cached in .cache/ between runs): in the
+    background, or here, waiting on the background's build lock."""
     from eagle3nb.toy import resolve_model_path
 
     return resolve_model_path("toy:gptoss")

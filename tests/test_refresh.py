@@ -12,13 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from background import register
 
 from eagle3nb.accept.cache import fingerprint
-from eagle3nb.data.prompts import load_prompts
 from eagle3nb.params import from_dict
 from eagle3nb.refresh.report import opd_table, served_table, weak_table
 
-from worlds import SEED, THREADS, build_trained_run, requires_vllm
+from worlds import SEED, THREADS, requires_vllm
 
 LOG = Path(__file__).parent / "fixtures" / "traffic" / "embedded-requests.log"
 FAKE_KEY = "sk-" + "test0000fixture0000key0000"
@@ -28,16 +28,14 @@ REFRESH = dict(group_by=["domain"], per_group=40, budget=24, max_completion_toke
                cost_ratio=0.1, overhead=0.1, lr=2e-3)
 
 
+# the weak draft: built in the background as the session starts (tests/background.py)
+register("weak", "refresh_weak", threads=THREADS, seed=SEED)
+
+
 @pytest.fixture(scope="module")
-def weak(tmp_path_factory, toy_smoke, embedded, one_thread) -> dict:
+def weak(background, tmp_path_factory) -> dict:
     """A draft trained on the toy's dialogues without arithmetic: weak at math, good at the rest."""
-    out = tmp_path_factory.mktemp("refresh")
-    rows = [r for r in load_prompts("toy:train", 200) if r["category"] != "arithmetic"][:32]
-    prompts = out / "no-arithmetic.jsonl"
-    prompts.write_text("".join(json.dumps({"id": r["id"], "messages": r["messages"], "category": r["category"]})
-                               + "\n" for r in rows))
-    world = build_trained_run(out, toy_smoke, embedded.url, seed=SEED, synth01={"prompts": prompts})
-    return {**world, "draft": out / "03_train" / "draft", "synth": out / "01_synth"}
+    return background.result("weak", tmp_path_factory.mktemp("refresh"))
 
 
 def refresh(weak: dict, toy_smoke: Path, url: str, name: str, **values):

@@ -7,10 +7,6 @@ cell, and the real vLLM: a candidate served with its rounds profile, one it refu
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,9 +14,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import yaml
+from background import register
 
-from worlds import THREADS, requires_vllm
+from worlds import requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -340,58 +336,15 @@ def test_a_method_vllm_drafts_in_one_runner_only_is_asked_before_it_trains(tmp_p
 # ----------------------------------------------------------------------------------------- end to end, resumed
 
 
-def smoke_params(folder: Path, synth: Path, **over) -> Path:
-    """A run folder holding only a 06_select.yaml on the smoke toy: three candidates (two EAGLE k sharing one
-    training, a causal DFlash block of 8), a cheap budget."""
-    from eagle3nb.drafts import DEFAULT, block_methods
-
-    values = {"run_name": folder.name, "model_path": "toy:smoke", "synth_dir": str(synth), "steps": 30,
-              "train": {"batch_tokens": 2048, "max_length": 512, "eval_every": 0, "lr": 5e-3},
-              "hidden": {"max_length": 512}, "concurrencies": [1, 4], "num_prompts": 8, "tau_requests": 4,
-              "max_tokens": 32,
-              "candidates": [{"name": "chain k3", "method": DEFAULT, "num_speculative_tokens": 3, "ttt_steps": 3},
-                             {"name": "chain k5", "method": DEFAULT, "num_speculative_tokens": 5, "ttt_steps": 3},
-                             {"name": "block 8", "method": block_methods()[0], "num_speculative_tokens": 7,
-                              "block_size": 8, "block_causal": True}], **over}
-    folder.mkdir(parents=True)
-    (folder / "06_select.yaml").write_text(yaml.safe_dump(values))
-    return folder
+# the smoke selection: built in the background as the session starts (tests/background.py)
+register("smoke_selection", "smoke_selection")
 
 
 @pytest.fixture(scope="module")
-def smoke_selection(tmp_path_factory, toy_smoke):
-    """The smoke selection on the embedded engine, started as ``python -m eagle3nb.select``, killed -9 (its whole
-    process group) once its first (candidate, concurrency) cell lands, then resumed by ``eagle3nb run --stages 06``
-    (the notebook, through papermill): ``{"out", "first", "bytes", "log", "metrics", "seconds"}``."""
-    from train_data import make_records
-
-    root = tmp_path_factory.mktemp("select")
-    synth = make_records(root, toy_smoke, n=48)
-    params = smoke_params(root / "params" / "smoke-select", synth)
-    env = {**os.environ, "EAGLE3NB_OUTPUTS": str(root / "outputs"), "OMP_NUM_THREADS": str(THREADS)}
-    out = root / "outputs" / "smoke-select" / "06_select"
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3nb.select", str(params)], cwd=ROOT, env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 900
-        while not list(out.glob("serve/*/c*.json")):
-            assert proc.poll() is None, f"06 exited ({proc.returncode}) before a cell landed"
-            assert time.monotonic() < deadline, "no cell landed in 900 s"
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    first = next(iter(out.glob("serve/*/c*.json")))
-    landed = first.read_bytes()
-    done = subprocess.run([sys.executable, "-m", "eagle3nb", "run", str(params), "--stages", "06",
-                           "--output-root", str(root / "outputs")], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    executed = (out.parent / "06_select.ipynb").read_text()
-    return {"out": out, "first": first, "bytes": landed, "log": executed, "root": root,
-            "metrics": json.loads((out / "metrics.json").read_text()), "seconds": time.perf_counter() - t0}
+def smoke_selection(background, tmp_path_factory) -> dict:
+    """The smoke selection on the embedded engine, killed -9 once its first cell landed, then resumed by ``eagle3nb
+    run --stages 06`` (tests/background.py's ``smoke_selection``): ``{"out", "first", "bytes", "log", "metrics"}``."""
+    return background.result("smoke_selection", tmp_path_factory.mktemp("select"))
 
 
 def test_the_smoke_selection_end_to_end_resumes_after_kill9_without_remeasuring(smoke_selection):

@@ -4,7 +4,6 @@ a draft that has really learned something: the doctor, the speculative servers, 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,15 +83,22 @@ def build_trained_run(out: Path, model_dir: Path, server_url: str, seed: int = 0
     return {"run": run, "out": out, "stages": stages}
 
 
-def family_world(name: str, target: Callable[[], Path], **train03: object) -> tuple:
+def family_world(name: str, toy: str, **train03: object) -> tuple:
     """A family module's three shared worlds, as module fixtures named ``<name>``, ``<name>_embedded`` and
-    ``<name>_trained``: the family's toy target (``target()``), the embedded server on it (01 and its own test share
-    it), and the suite's trained run on it (01 from that server, 02 in-process, 03 with ``train03``). Assign them to
-    the module's names of the same spelling: ``kimi, kimi_embedded, kimi_trained = family_world("kimi", ...)``."""
+    ``<name>_trained``: the family's toy target (``toy``, e.g. ``toy:kimi``), the embedded server on it, and the
+    suite's trained run on it (01 from an embedded server of its own, 02 in-process, 03 with ``train03``), built in
+    the background as the session starts (tests/background.py). Assign them to the module's names of the same
+    spelling: ``kimi, kimi_embedded, kimi_trained = family_world("kimi", "toy:kimi", ...)``."""
+    from background import register
+
+    register(name, "toy", spec=toy)
+    register(f"{name}_trained", "trained_run", spec=toy, threads=THREADS, seed=SEED, **train03)
 
     @pytest.fixture(scope="module", name=name)
     def target_dir(_project_env) -> Path:
-        return target()
+        from eagle3nb.toy import resolve_model_path
+
+        return resolve_model_path(toy)
 
     @pytest.fixture(scope="module", name=f"{name}_embedded")
     def embedded(request):
@@ -102,8 +108,7 @@ def family_world(name: str, target: Callable[[], Path], **train03: object) -> tu
             yield server
 
     @pytest.fixture(scope="module", name=f"{name}_trained")
-    def trained(request, tmp_path_factory) -> dict:
-        model_dir, server = request.getfixturevalue(name), request.getfixturevalue(f"{name}_embedded")
-        return build_trained_run(tmp_path_factory.mktemp(name), model_dir, server.url, seed=SEED, **train03)
+    def trained(background, tmp_path_factory) -> dict:
+        return background.result(f"{name}_trained", tmp_path_factory.mktemp(name))
 
     return target_dir, embedded, trained
