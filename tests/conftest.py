@@ -128,6 +128,22 @@ def background(request, _project_env, tmp_path_factory):
     runner.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_model_info(request, _project_env):
+    """vLLM's model-info cache filled in one process as the session starts, when its tests use the real vLLM
+    (tests/engines.py's ``warm_model_info``): not 16 inspections of vLLM's own on a fresh machine."""
+    from eagle3nb.serve.vllm import unavailable_reason
+
+    from engines import warm_model_info
+
+    uses_vllm = any(item.get_closest_marker("engine") for item in request.session.items)
+    proc = warm_model_info() if uses_vllm and unavailable_reason() is None else None
+    yield proc
+    if proc is not None:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"filling vLLM's model-info cache failed:\n{err[-3000:]}"
+
+
 @pytest.fixture(scope="session")
 def toy_smoke(_project_env) -> Path:
     """The shipped smoke-size toy target (tokenizer + trained Llama): the same bytes on every machine."""

@@ -11,6 +11,8 @@ them, for the next module that asks (the engine modules run one after another in
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +22,53 @@ from eagle3nb.launch import ServerHandle
 from eagle3nb.serve.vllm import start_vllm
 
 IDLE = 2  # released draft-less servers kept up (each holds ~1.5 GB: the model and its 1 GiB KV cache)
+
+# The vLLM model classes (module under vllm.model_executor.models, class) the suite's servers and vllm_drafts.py load.
+# vLLM inspects a model class in a subprocess of its own (one more import of vLLM, ~8 CPU-s) unless its model-info cache
+# has it: on a fresh machine the suite ran 16 such subprocesses, 140 CPU-s, several at once where servers start side by
+# side (docs/testing.md). ``warm_model_info`` fills that cache in one process as the session starts; a class missing
+# here costs its inspection once, never a failure.
+SERVED_CLASSES = (("llama", "LlamaForCausalLM"), ("llama_eagle3", "Eagle3LlamaForCausalLM"),
+                  ("deepseek_v2", "DeepseekV3ForCausalLM"), ("deepseek_eagle3", "Eagle3DeepseekV2ForCausalLM"),
+                  ("qwen3_moe", "Qwen3MoeForCausalLM"), ("qwen3_dflash", "DFlashQwen3ForCausalLM"),
+                  ("qwen3_dflash2", "DFlash2Qwen3ForCausalLM"), ("qwen3_dspark", "Qwen3DSparkForCausalLM"),
+                  ("lilicorr", "LiLiCorrForCausalLM"), ("gpt_oss", "GptOssForCausalLM"),
+                  ("glm4_moe", "Glm4MoeForCausalLM"), ("extract_hidden_states", "ExtractHiddenStatesModel"))
+# vLLM's own inspection and cache (registry.py's inspect_model_cls), its subprocess run in this one process: the
+# subprocess only keeps CUDA uninitialised, and these run on a CPU
+WARM = r"""
+import sys
+from vllm.model_executor.models import registry
+registry._run_in_subprocess = lambda fn: fn()
+wanted = {tuple(c.split(":")) for c in sys.argv[1:]}
+found = {(m.module_name.rsplit(".", 1)[-1], m.class_name): m for m in registry.ModelRegistry.models.values()
+         if isinstance(m, registry._LazyRegisteredModel)}
+assert wanted <= found.keys(), f"not in vLLM's registry: {sorted(wanted - found.keys())}"
+for c in sorted(wanted):
+    found[c].inspect_model_cls()
+"""
+
+
+def model_info_cache() -> Path:
+    """vLLM's model-info cache (envs.py's VLLM_CACHE_ROOT, then XDG_CACHE_HOME, then ~/.cache; registry.py's
+    ``modelinfos``)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    return Path(os.environ.get("VLLM_CACHE_ROOT") or default).expanduser() / "modelinfos"
+
+
+def uncached_classes() -> list[tuple[str, str]]:
+    """The ``SERVED_CLASSES`` without a file in vLLM's model-info cache (registry.py's name for it)."""
+    return [(m, c) for m, c in SERVED_CLASSES
+            if not (model_info_cache() / f"vllm-model_executor-models-{m}-{c}.json").is_file()]
+
+
+def warm_model_info() -> subprocess.Popen | None:
+    """Start filling vLLM's model-info cache with the uncached ``SERVED_CLASSES`` (None when none is missing)."""
+    from eagle3nb.serve.vllm import vllm_python
+
+    missing = uncached_classes()
+    return subprocess.Popen([str(vllm_python()), "-c", WARM, *(f"{m}:{c}" for m, c in missing)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) if missing else None
 
 
 class Engines:
